@@ -1,0 +1,192 @@
+"""Per-step inputs: the batch order, `idx_mapping` and every index mapping, built into preallocated buffers.
+
+Rules:
+- `InputBuffers` are allocated once at maximum size (max_num_seqs requests, max_num_batched_tokens tokens);
+  each step hands out slices of them, so addresses stay fixed and the hot path allocates no buffers.
+- One code path for prefill, chunked prefill and decode: request b's tokens are positions
+  `num_computed_tokens[b] .. num_computed_tokens[b] + num_scheduled_tokens[b] - 1`.
+- No per-token Python. Per-token arrays come from one expansion: `token_req[t]` (batch row of token t) is the
+  prefix sum of request-start markers, and every per-token value is a gather through it.
+- Slots are computed from the persistent row-indexed block tables through `idx_mapping` (as MRV2's kernel
+  does), not from the gathered batch table. Power-of-two block sizes use shifts and masks.
+- Batch order is Model Runner V2's: a stable ascending sort by scheduled tokens; with speculative decoding,
+  requests with drafts, then requests of exactly `1 + num_speculative_tokens` tokens, come first (#47381).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvmap.state import WorkerState
+
+PAD_SLOT_ID = -1
+
+
+@dataclass(slots=True)
+class BatchMappings:
+    """One step's worker inputs, in batch order. Arrays are views into preallocated buffers: copy to keep."""
+
+    req_ids: list[str]  # [num_reqs] batch_idx -> req_id
+    idx_mapping: np.ndarray  # [num_reqs] int32, batch_idx -> req_state_idx
+    num_scheduled_tokens: np.ndarray  # [num_reqs] int32, batch_idx -> tokens this step (drafts included)
+    num_computed_tokens: np.ndarray  # [num_reqs] int32, batch_idx -> position of its first token
+    query_start_loc: np.ndarray  # [num_reqs + 1] int32, batch_idx -> first flat token index
+    seq_lens: np.ndarray  # [num_reqs] int32, num_computed_tokens + num_scheduled_tokens
+    positions: np.ndarray  # [num_tokens] int64, flat token -> position in its request
+    input_ids: np.ndarray  # [num_tokens] int32, flat token -> token id
+    block_tables: list[np.ndarray]  # [num_groups] x [num_reqs, width_g] int32, batch_idx -> block ids
+    num_blocks: np.ndarray  # [num_groups, num_reqs] int32, valid entries of each block-table row
+    slot_mapping: np.ndarray  # [num_groups, num_tokens] int64, flat token -> KV slot (PAD_SLOT_ID pads)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.idx_mapping)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+    def to_dict(self, step: int) -> dict:
+        """The `--dump-mappings` record (trace-format.md): plain lists, block rows without padding."""
+        return {
+            "step": step,
+            "req_ids": list(self.req_ids),
+            "idx_mapping": self.idx_mapping.tolist(),
+            "query_start_loc": self.query_start_loc.tolist(),
+            "seq_lens": self.seq_lens.tolist(),
+            "positions": self.positions.tolist(),
+            "input_ids": self.input_ids.tolist(),
+            "block_tables": [[t[b, : nb[b]].tolist() for b in range(len(nb))]
+                             for t, nb in zip(self.block_tables, self.num_blocks)],
+            "slot_mapping": self.slot_mapping.tolist(),
+        }
+
+
+def batch_order(counts: np.ndarray, num_drafts: np.ndarray, num_speculative_tokens: int) -> np.ndarray:
+    """Scheduler order -> batch order (indices into the scheduler-order arrays)."""
+    if num_speculative_tokens == 0:
+        return np.argsort(counts, kind="stable")
+    # key (has no drafts, count != 1 + k, count); lexsort is stable and sorts by the last key first
+    return np.lexsort((counts, counts != 1 + num_speculative_tokens, num_drafts == 0))
+
+
+class InputBuffers:
+    """Preallocated per-step buffers. N = max_num_seqs, T = max tokens in a step."""
+
+    def __init__(self, state: WorkerState, max_num_tokens: int) -> None:
+        N, T = state.max_num_reqs, max_num_tokens
+        G = len(state.block_sizes)
+        self.max_num_tokens = T
+        self.idx_mapping = np.zeros(N, dtype=np.int32)  # [N] batch_idx -> req_state_idx
+        self.num_scheduled_tokens = np.zeros(N, dtype=np.int32)  # [N]
+        self.num_computed_tokens = np.zeros(N, dtype=np.int32)  # [N]
+        self.query_start_loc = np.zeros(N + 1, dtype=np.int32)  # [N + 1]
+        self.seq_lens = np.zeros(N, dtype=np.int32)  # [N]
+        self.positions = np.zeros(T, dtype=np.int64)  # [T]
+        self.input_ids = np.zeros(T, dtype=np.int32)  # [T]
+        self.slot_mapping = np.full((G, T), PAD_SLOT_ID, dtype=np.int64)  # [G, T]
+        self.block_tables = [np.zeros((N, w), dtype=np.int32) for w in state.max_num_blocks]  # [G] x [N, W_g]
+        self.num_blocks = np.zeros((G, N), dtype=np.int32)  # [G, N]
+        # scratch
+        self.arange = np.arange(max(T, N + 1), dtype=np.int64)  # [T] 0, 1, 2, ...
+        self.token_req = np.zeros(T, dtype=np.int64)  # [T] flat token -> batch_idx
+        self.tmp_tok = np.zeros(T, dtype=np.int64)  # [T]
+        self.tmp_tok2 = np.zeros(T, dtype=np.int64)  # [T]
+        self.tmp_req = np.zeros(N, dtype=np.int64)  # [N]
+        self.tmp_blk = np.zeros(T, dtype=np.int32)  # [T] gathered block ids
+
+
+def build_inputs(state: WorkerState, buf: InputBuffers, rows: np.ndarray, counts: np.ndarray,
+                 order: np.ndarray) -> tuple[int, int]:
+    """`idx_mapping`, `query_start_loc`, `seq_lens`, `positions`, `input_ids` into `buf`. Returns (B, T)."""
+    B = len(order)
+    idx = buf.idx_mapping[:B]
+    np.take(rows, order, out=idx)
+    n = buf.num_scheduled_tokens[:B]
+    np.take(counts, order, out=n)
+    nc = buf.num_computed_tokens[:B]
+    np.take(state.num_computed_tokens, idx, out=nc, mode="clip")
+    qsl = buf.query_start_loc
+    np.cumsum(n, out=qsl[1 : B + 1])
+    T = int(qsl[B])
+    np.add(nc, n, out=buf.seq_lens[:B])
+    # token_req: 1 at the first token of every request but the first, then a prefix sum
+    tr = buf.token_req[:T]
+    tr.fill(0)
+    tr[qsl[1:B]] = 1
+    np.cumsum(tr, out=tr)
+    # positions[t] = t + (nc[b] - qsl[b]) for the request b that owns token t
+    per_req = buf.tmp_req[:B]
+    np.subtract(nc, qsl[:B], out=per_req)
+    pos = buf.positions[:T]
+    np.take(per_req, tr, out=pos, mode="clip")
+    pos += buf.arange[:T]
+    # input_ids[t] = token_ids[row, position]: flat index row * width + position
+    np.multiply(idx, state.token_width, out=per_req)
+    flat = buf.tmp_tok[:T]
+    np.take(per_req, tr, out=flat, mode="clip")
+    flat += pos
+    np.take(state.token_ids.reshape(-1), flat, out=buf.input_ids[:T], mode="clip")
+    return B, T
+
+
+def gather_block_tables(state: WorkerState, buf: InputBuffers, B: int) -> None:
+    """Copy each batch request's block-table row (only as wide as the widest row in the batch)."""
+    idx = buf.idx_mapping[:B]
+    for g, table in enumerate(state.block_tables):
+        nb = buf.num_blocks[g, :B]
+        np.take(state.num_blocks[g], idx, out=nb, mode="clip")
+        w = int(nb.max()) if B else 0
+        out = buf.block_tables[g]
+        if w:
+            np.take(table[:, :w], idx, axis=0, out=out[:B, :w], mode="clip")
+
+
+def compute_slot_mappings(state: WorkerState, buf: InputBuffers, B: int, T: int) -> None:
+    """`slot = block_table[row, pos // bs] * bs + pos % bs` for every token and group, from the state table."""
+    idx = buf.idx_mapping[:B]
+    tr = buf.token_req[:T]
+    pos = buf.positions[:T]
+    per_req = buf.tmp_req[:B]
+    blk = buf.tmp_tok[:T]
+    off = buf.tmp_tok2[:T]
+    ids = buf.tmp_blk[:T]
+    for g, table in enumerate(state.block_tables):
+        bs = state.block_sizes[g]
+        out = buf.slot_mapping[g, :T]
+        np.multiply(idx, table.shape[1], out=per_req)
+        if bs & (bs - 1) == 0:  # power of two: shifts and masks
+            shift = bs.bit_length() - 1
+            np.right_shift(pos, shift, out=blk)
+            np.bitwise_and(pos, bs - 1, out=off)
+            np.take(per_req, tr, out=out, mode="clip")
+            blk += out
+            np.take(table.reshape(-1), blk, out=ids, mode="clip")
+            np.left_shift(ids, shift, out=out)
+            out |= off
+        else:
+            np.floor_divide(pos, bs, out=blk)
+            np.remainder(pos, bs, out=off)
+            np.take(per_req, tr, out=out, mode="clip")
+            blk += out
+            np.take(table.reshape(-1), blk, out=ids, mode="clip")
+            np.multiply(ids, bs, out=out)
+            out += off
+
+
+def view(buf: InputBuffers, req_ids: list[str], B: int, T: int) -> BatchMappings:
+    return BatchMappings(
+        req_ids=req_ids,
+        idx_mapping=buf.idx_mapping[:B],
+        num_scheduled_tokens=buf.num_scheduled_tokens[:B],
+        num_computed_tokens=buf.num_computed_tokens[:B],
+        query_start_loc=buf.query_start_loc[: B + 1],
+        seq_lens=buf.seq_lens[:B],
+        positions=buf.positions[:T],
+        input_ids=buf.input_ids[:T],
+        block_tables=[t[:B] for t in buf.block_tables],
+        num_blocks=buf.num_blocks[:, :B],
+        slot_mapping=buf.slot_mapping[:, :T],
+    )

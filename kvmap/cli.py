@@ -1,0 +1,178 @@
+"""The `kvmap` command line: parse options, call the library, render. No computation lives here.
+
+Rules: one Typer app, one function per command. Every `KvmapError` is caught once (`_user_errors`) and
+printed as one line on stderr with its location; the exit code is 2 for unusable input or usage, 1 for
+"problems found" (validate) or KV mismatches. Tracebacks are for kvmap's own bugs only.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from kvmap.errors import KvmapError
+
+app = typer.Typer(
+    name="kvmap",
+    help="Replay, time, check and explain how vLLM scheduler decisions become paged-KV GPU input tensors.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    rich_markup_mode="rich",
+)
+out = Console(width=None if sys.stdout.isatty() else 120)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
+) -> None:
+    """Replay, time, check and explain how vLLM scheduler decisions become paged-KV GPU input tensors."""
+    if version:
+        from kvmap import __version__
+
+        out.print(f"kvmap {__version__}")
+        raise typer.Exit(0)
+
+
+def _user_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KvmapError as e:
+            err.print(f"[bold red]kvmap: error:[/] {e}", markup=True, highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+        except BrokenPipeError:
+            raise typer.Exit(0) from None
+        except KeyboardInterrupt:
+            err.print("kvmap: interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def parse_steps(spec: str | None) -> tuple[int, int | None]:
+    """`START:END`, `START:` or `:END` (END exclusive) -> (start, stop)."""
+    if not spec:
+        return 0, None
+    try:
+        a, _, b = spec.partition(":")
+        if not _:
+            raise ValueError
+        start = int(a) if a.strip() else 0
+        stop = int(b) if b.strip() else None
+    except ValueError:
+        raise KvmapError(f"expected START:END (e.g. 100:200, 100: or :50), got {spec!r}", field="--steps") from None
+    if start < 0 or (stop is not None and stop <= start):
+        raise KvmapError(f"needs 0 <= START < END, got {spec!r}", field="--steps")
+    return start, stop
+
+
+TraceArg = Annotated[Optional[Path], typer.Argument(help="Trace file (.jsonl or .jsonl.gz). Default: the "
+                                                         "bundled worked example.", show_default=False)]
+StepsOpt = Annotated[Optional[str], typer.Option("--steps", help="Only time steps START:END (END exclusive); "
+                                                  "earlier steps are still replayed.")]
+BackendOpt = Annotated[str, typer.Option("--backend", "-b", help="Worker implementation: numpy | reference.")]
+
+
+@app.command()
+@_user_errors
+def replay(
+    trace: TraceArg = None,
+    backend: BackendOpt = "numpy",
+    steps: StepsOpt = None,
+    warmup: Annotated[int, typer.Option(help="Measured steps to exclude from statistics.", min=0)] = 2,
+    verify_kv: Annotated[bool, typer.Option("--verify-kv", help="Read back every scheduled request's "
+                                            "readable context from the KV cache each step and check it bit "
+                                            "for bit.")] = False,
+    no_kv: Annotated[bool, typer.Option("--no-kv", help="Do not write the KV cache (mappings only).")] = False,
+    kv_heads: Annotated[int, typer.Option(help="KV heads per token in the KV cache.", min=1)] = 1,
+    head_size: Annotated[int, typer.Option(help="Head size of the KV cache.", min=1)] = 8,
+    kv_dtype: Annotated[str, typer.Option(help="KV cache dtype: bfloat16, float16, float32, fp8.")] = "bfloat16",
+    dump_mappings: Annotated[Optional[Path], typer.Option(help="Write every step's mappings as JSON "
+                                                          "Lines (trace-format.md).")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the run (summary, per-phase "
+                                                     "statistics, per-step timings) as JSON.")] = None,
+    csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write one CSV row per step and phase.")] = None,
+    trace_out: Annotated[Optional[Path], typer.Option("--trace-out", help="Write a Chrome trace-event file "
+                                                      "(Perfetto), one track per phase.")] = None,
+    nvtx: Annotated[bool, typer.Option("--nvtx/--no-nvtx", help="Emit NVTX ranges (domain kvmap).")] = True,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
+) -> None:
+    """Replay a trace step by step: every index mapping, a real paged KV cache, a timing summary."""
+    from kvmap.kv_cache import KVGeometry
+    from kvmap.outputs import atomic_open, default_trace, write_json, write_text
+    from kvmap.replay import replay as run_replay
+    from kvmap.report import render_summary, summary_dict, to_chrome_trace, to_csv
+    from kvmap.trace import Trace
+
+    start, stop = parse_steps(steps)
+    t = Trace(trace or default_trace())
+    geometry = KVGeometry(kv_heads, head_size, kv_dtype).check()
+    dump_ctx = atomic_open(dump_mappings) if dump_mappings else None
+    dump_file = dump_ctx.__enter__() if dump_ctx else None
+
+    def on_mappings(d: dict) -> None:
+        if d["step"] >= start:
+            dump_file.write(json.dumps(d, separators=(",", ":")) + "\n")
+
+    try:
+        with _progress(progress, t) as advance:
+            result = run_replay(t, backend=backend, start=start, stop=stop, warmup=warmup, verify_kv=verify_kv,
+                                write_kv=not no_kv, kv_geometry=geometry, nvtx=nvtx,
+                                on_mappings=on_mappings if dump_file else None, on_step=advance)
+    except BaseException:
+        if dump_ctx:
+            dump_ctx.__exit__(*sys.exc_info())
+        raise
+    if dump_ctx:
+        dump_ctx.__exit__(None, None, None)
+    render_summary(result, out)
+    if json_out:
+        write_json(json_out, {"summary": summary_dict(result), "result": result.to_json()})
+    if csv_out:
+        write_text(csv_out, to_csv(result))
+    if trace_out:
+        write_json(trace_out, to_chrome_trace(result))
+    if result.kv_mismatches:
+        raise typer.Exit(1)
+
+
+class _progress:
+    """A Rich progress bar over the trace's steps (counted by lines), updated outside timed regions."""
+
+    def __init__(self, enabled: bool, trace) -> None:
+        self.enabled = enabled and err.is_terminal
+        self.trace = trace
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        total = sum(1 for _ in self.trace.raw_steps())
+        self.bar = Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                            console=err, transient=True)
+        self.bar.start()
+        task = self.bar.add_task("replay", total=total)
+        return lambda step: self.bar.advance(task)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.stop()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

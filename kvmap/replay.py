@@ -1,0 +1,122 @@
+"""The replay loop: stream a trace through a worker and a paged KV cache, timing every phase of every step.
+
+Rules:
+- Each phase runs inside one NVTX range and between two `perf_counter_ns` reads; nothing else (progress,
+  dumping, rendering) happens inside a timed region.
+- Steps before `--steps START` are replayed in full (state and KV cache depend on them) but not recorded;
+  the loop stops at END. The first `warmup` recorded steps are kept but excluded from statistics.
+- Errors from the worker are `TraceError`s; they get the trace's path here and propagate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+from kvmap.errors import KvmapError
+from kvmap.kv_cache import KVCheckResult, KVGeometry, PagedKVCache
+from kvmap.markers import Markers
+from kvmap.result import PHASES, ReplayResult
+from kvmap.trace import Trace
+from kvmap.worker import make_worker
+
+
+def replay(
+    trace: Trace,
+    *,
+    backend: str = "numpy",
+    start: int = 0,
+    stop: int | None = None,
+    warmup: int = 2,
+    verify_kv: bool = False,
+    write_kv: bool = True,
+    kv_geometry: KVGeometry | None = None,
+    nvtx: bool = True,
+    on_mappings: Callable[[object], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> ReplayResult:
+    header = trace.header
+    worker = make_worker(backend, header)
+    geometry = (kv_geometry or KVGeometry()).check()
+    kv = PagedKVCache(header, geometry) if (write_kv or verify_kv) else None
+    phases = [p for p in PHASES if (p != "kv_verify" or verify_kv) and (not p.startswith("kv_") or kv)]
+    markers = Markers(phases, enabled=nvtx)
+    result = ReplayResult(
+        trace=trace.name, backend=worker.name, protocol=header.model_runner_protocol,
+        groups=[{"kind": g.kind, "block_size": g.block_size, "sliding_window": g.sliding_window}
+                for g in header.kv_cache_groups],
+        phases=phases, warmup=warmup, step_window=[start, stop],
+        kv_bytes=kv.bytes if kv else 0, kv_geometry=asdict(geometry) if kv else {}, kv_verified=verify_kv,
+    )
+    check = KVCheckResult()
+
+    def kv_write() -> None:
+        kv.write(worker.mappings())
+
+    def kv_verify() -> None:
+        kv.verify(worker, worker.current_step, worker.mappings().req_ids, into=check)
+
+    # every phase after update_states is a call with no arguments: the worker holds the current step
+    stages = [(name, fn) for name, fn in (
+        ("batch_order", worker.prepare_batch),
+        ("prepare_inputs", worker.prepare_inputs),
+        ("block_tables", worker.gather_block_tables),
+        ("slot_mappings", worker.compute_slot_mappings),
+        ("kv_write", kv_write),
+        ("kv_verify", kv_verify),
+        ("post_update", worker.append_sampled),
+    ) if name in phases]
+    clock = time.perf_counter_ns
+    push, pop = markers.push, markers.pop
+    seen: set[str] = set()
+    steps = trace.steps(0, stop)
+    wall0 = time.perf_counter()
+    origin = clock()
+    i = 0
+    try:
+        while True:
+            markers.push_step(i)
+            push("read_step")
+            t0 = clock()
+            step = next(steps, None)
+            ts = [t0, clock()]
+            pop()
+            if step is None:
+                pop()
+                break
+            push("update_states")
+            worker.update_states(step)
+            ts.append(clock())
+            pop()
+            for name, fn in stages:
+                push(name)
+                fn()
+                ts.append(clock())
+                pop()
+            pop()  # step
+            so = step.scheduler_output
+            if step.step >= start:
+                result.steps.append(step.step)
+                result.num_reqs.append(len(so.num_scheduled_tokens))
+                result.num_tokens.append(so.total_num_scheduled_tokens)
+                result.phase_ns.append([ts[j + 1] - ts[j] for j in range(len(phases))])
+                result.step_start_ns.append(ts[0] - origin)
+            result.steps_replayed += 1
+            result.tokens_scheduled += so.total_num_scheduled_tokens
+            for nr in so.scheduled_new_reqs:
+                seen.add(nr.req_id)
+            if on_mappings is not None:
+                on_mappings(worker.mappings_dict())
+            if on_step is not None:
+                on_step(step.step)
+            i += 1
+    except KvmapError as e:
+        raise e.located(path=trace.name)
+    result.kv_checked, result.kv_mismatches = check.checked, check.mismatches
+    result.kv_examples = [asdict(e) for e in check.examples]
+    result.wall_s = time.perf_counter() - wall0
+    result.requests_seen = len(seen)
+    result.standin_tokens = worker.num_standin_tokens
+    result.warmup = min(warmup, max(len(result.steps) - 1, 0))
+    return result

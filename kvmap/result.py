@@ -1,0 +1,79 @@
+"""What a replay measured, as plain data: per-step phase times and counts, KV-check outcome, context.
+
+Rules: measurement and rendering are apart. `replay` fills a `ReplayResult`; renderers (report.py) turn it
+into tables, JSON, CSV or Chrome traces; `to_json`/`from_json` round-trip it so that `kvmap report` can
+re-render a saved run. Times are integer nanoseconds (`*_ns`); statistics are derived, never stored twice.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+PHASES = (
+    "read_step",  # read and decode one trace line into records
+    "update_states",  # finish/preempt/add requests, num_computed_tokens, block ids, staged drafts
+    "batch_order",  # MRV2 batch order -> idx_mapping order
+    "prepare_inputs",  # idx_mapping, query_start_loc, seq_lens, positions, input_ids
+    "block_tables",  # gather the batch's block-table rows, every group
+    "slot_mappings",  # slot_mapping, every group
+    "kv_write",  # write the canary K/V through slot_mapping
+    "kv_verify",  # read back the readable context and compare bits (--verify-kv)
+    "post_update",  # append sampled tokens to the token rows
+)
+MAPPING_PHASES = ("batch_order", "prepare_inputs", "block_tables", "slot_mappings")
+
+
+@dataclass
+class ReplayResult:
+    trace: str
+    backend: str
+    protocol: str
+    groups: list[dict]  # [{kind, block_size, sliding_window}]
+    phases: list[str]
+    warmup: int  # timed-window steps excluded from statistics
+    step_window: list[int | None]  # [start, stop) of the timed window
+    steps: list[int] = field(default_factory=list)  # [n] step index of each recorded step
+    num_reqs: list[int] = field(default_factory=list)  # [n]
+    num_tokens: list[int] = field(default_factory=list)  # [n]
+    phase_ns: list[list[int]] = field(default_factory=list)  # [n, len(phases)]
+    step_start_ns: list[int] = field(default_factory=list)  # [n] start of each step, from the replay's start
+    steps_replayed: int = 0  # including steps before the window
+    requests_seen: int = 0
+    tokens_scheduled: int = 0
+    standin_tokens: int = 0  # input ids made up because the trace lacks sampled_token_ids
+    kv_bytes: int = 0
+    kv_geometry: dict = field(default_factory=dict)
+    kv_verified: bool = False
+    kv_checked: int = 0
+    kv_mismatches: int = 0
+    kv_examples: list[dict] = field(default_factory=list)
+    wall_s: float = 0.0
+    machine: dict = field(default_factory=lambda: {"python": platform.python_version(),
+                                                    "machine": platform.machine(),
+                                                    "processor": platform.processor() or platform.machine()})
+
+    # ------------------------------------------------------------------ derived
+
+    def measured(self) -> np.ndarray:
+        """[n - warmup, phases] int64 ns of the steps that count."""
+        a = np.asarray(self.phase_ns, dtype=np.int64).reshape(-1, len(self.phases))
+        return a[self.warmup :]
+
+    def measured_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        return (np.asarray(self.num_reqs[self.warmup :], dtype=np.int64),
+                np.asarray(self.num_tokens[self.warmup :], dtype=np.int64))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["kind"] = "kvmap-replay-result/1"
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> ReplayResult:
+        d = dict(d)
+        d.pop("kind", None)
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})

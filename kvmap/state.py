@@ -1,0 +1,258 @@
+"""Long-lived worker state, as Model Runner V2 keeps it: request-state rows, token rows, block-table rows.
+
+Rules:
+- Rows follow MRV2's `RequestState`: a free list `0 .. max_num_seqs-1`, taken from the end, a freed row
+  appended back (LIFO), so the first request gets row `max_num_seqs - 1` and a freed row is the next one out.
+- A request keeps its row until it finishes or (v2 protocol) is preempted, also in steps where it is not
+  scheduled. Under the v1 protocol a preempted request keeps its row, marked not live, until it resumes
+  with a full replacement block row and its tokens.
+- Everything is preallocated at maximum size. Updates are vectorized ragged writes (`ragged_write`), never a
+  loop per token; the only Python loops are per request, for requests that carry new data.
+- `num_computed_tokens` is always taken from the trace. Sampled tokens are appended after the step.
+- Problems that need state to detect (unknown request, a full pool of rows, a row that overflows, a scheduled
+  position without a block) raise `TraceError` naming step, request, group and field.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvmap.errors import TraceError
+from kvmap.trace import SchedulerOutput, Step, TraceHeader
+
+STANDIN_TOKEN_ID = 0  # input id used where the trace did not record what the model sampled
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def ragged_write(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+                 values: np.ndarray) -> None:
+    """`table[rows[i], starts[i] : starts[i] + counts[i]] = values[segment i]` for all i, in one scatter.
+
+    `values` is the concatenation of the segments (MRV2's `StagedWriteTensor` does the same on the GPU).
+    """
+    total = int(counts.sum())
+    if total == 0:
+        return
+    seg_start = np.cumsum(counts) - counts  # [n] offset of each segment in `values`
+    cols = np.arange(total) - np.repeat(seg_start - starts, counts)
+    table[np.repeat(rows, counts), cols] = values
+
+
+class WorkerState:
+    """Persistent per-request state. Shapes use R = max_num_seqs rows."""
+
+    def __init__(self, header: TraceHeader) -> None:
+        self.header = header
+        R = header.max_num_seqs
+        k = header.num_speculative_tokens
+        self.max_num_reqs = R
+        self.token_width = header.max_model_len + k  # room for drafts staged past the known tokens
+        self.free_indices: list[int] = list(range(R))  # popped from the end
+        self.req_id_to_index: dict[str, int] = {}
+        self.index_to_req_id: dict[int, str] = {}
+        self.preempted: set[str] = set()  # v1 protocol: rows kept, not live until resumed
+        self.token_ids = np.zeros((R, self.token_width), dtype=np.int32)  # [R, max_model_len + k] row -> tokens
+        self.total_len = np.zeros(R, dtype=np.int32)  # [R] known tokens (prompt + sampled) per row
+        self.num_computed_tokens = np.zeros(R, dtype=np.int32)  # [R] scheduler's value, before this step
+        self.block_sizes = [g.block_size for g in header.kv_cache_groups]
+        self.max_num_blocks = [cdiv(self.token_width, bs) for bs in self.block_sizes]
+        # [num_groups] x [R, max_num_blocks_g] int32: row -> physical block ids (valid up to num_blocks)
+        self.block_tables = [np.zeros((R, w), dtype=np.int32) for w in self.max_num_blocks]
+        self.num_blocks = np.zeros((header.num_groups, R), dtype=np.int32)  # [G, R] valid entries per row
+        self.num_standin_tokens = 0  # input ids that had to be made up (trace without sampled_token_ids)
+        self.missing_samples = False  # some step had no sampled_token_ids
+
+    # ------------------------------------------------------------------ rows
+
+    def row_of(self, req_id: str, step: Step, field: str) -> int:
+        row = self.req_id_to_index.get(req_id)
+        if row is None:
+            raise TraceError("unknown request: it was never added, or it already finished",
+                             path=None, line=step.line, step=step.step, req_id=req_id, field=field)
+        return row
+
+    def _remove(self, req_id: str) -> None:
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is None:
+            return  # vLLM workers ignore ids they never saw (e.g. aborted while waiting)
+        del self.index_to_req_id[row]
+        self.preempted.discard(req_id)
+        self.free_indices.append(row)
+
+    def _set_tokens(self, row: int, tokens: list[int], step: Step, req_id: str, field: str) -> None:
+        n = len(tokens)
+        if n > self.header.max_model_len:
+            raise TraceError(f"{n} tokens exceed max_model_len {self.header.max_model_len}", line=step.line,
+                             step=step.step, req_id=req_id, field=field)
+        self.token_ids[row, :n] = tokens
+        self.total_len[row] = n
+
+    def _set_blocks(self, row: int, block_ids: list[list[int]], step: Step, req_id: str, field: str) -> None:
+        for g, ids in enumerate(block_ids):
+            n = len(ids)
+            if n > self.max_num_blocks[g]:
+                raise TraceError(f"{n} blocks exceed the row width {self.max_num_blocks[g]}", line=step.line,
+                                 step=step.step, req_id=req_id, group=g, field=field)
+            self.block_tables[g][row, :n] = ids
+            self.num_blocks[g, row] = n
+
+    # ------------------------------------------------------------------ step
+
+    def update(self, step: Step) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+        """Apply one step's scheduler output. Returns the scheduled requests in scheduler order:
+        (req_ids, rows [n] int32, num_scheduled_tokens [n] int32, num_draft_tokens [n] int32)."""
+        so: SchedulerOutput = step.scheduler_output
+        v2 = self.header.model_runner_protocol == "v2"
+        for r in so.finished_req_ids:
+            self._remove(r)
+        if v2:
+            for r in so.preempted_req_ids:
+                self._remove(r)
+        else:
+            for r in so.preempted_req_ids:
+                if r in self.req_id_to_index:
+                    self.preempted.add(r)
+
+        for nr in so.scheduled_new_reqs:
+            if nr.req_id in self.req_id_to_index:
+                raise TraceError("scheduled as a new request while it is still live (not finished or "
+                                 "preempted)", line=step.line, step=step.step, req_id=nr.req_id,
+                                 field="scheduled_new_reqs")
+            if not self.free_indices:
+                raise TraceError(f"more than max_num_seqs={self.max_num_reqs} live requests", line=step.line,
+                                 step=step.step, req_id=nr.req_id, field="scheduled_new_reqs")
+            row = self.free_indices.pop()
+            self.req_id_to_index[nr.req_id] = row
+            self.index_to_req_id[row] = nr.req_id
+            self._set_tokens(row, nr.token_ids, step, nr.req_id, "prefill_token_ids"
+                             if nr.prefill_token_ids is not None else "prompt_token_ids")
+            self.num_computed_tokens[row] = nr.num_computed_tokens
+            self._set_blocks(row, nr.block_ids, step, nr.req_id, "block_ids")
+
+        c = so.scheduled_cached_reqs
+        if c.req_ids:
+            index = self.req_id_to_index
+            try:
+                crows = np.array([index[r] for r in c.req_ids], dtype=np.int32)
+            except KeyError:
+                for r in c.req_ids:
+                    self.row_of(r, step, "scheduled_cached_reqs.req_ids")
+                raise AssertionError("unreachable")  # pragma: no cover
+            self.num_computed_tokens[crows] = c.num_computed_tokens
+            for r in c.resumed_req_ids:
+                row = self.row_of(r, step, "scheduled_cached_reqs.resumed_req_ids")
+                self.preempted.discard(r)
+                i = c.req_ids.index(r)
+                if c.new_block_ids[i] is None:
+                    raise TraceError("resumed without a replacement block row", line=step.line,
+                                     step=step.step, req_id=r, field="new_block_ids")
+                self._set_blocks(row, c.new_block_ids[i], step, r, "new_block_ids")
+            for r, toks in c.all_token_ids.items():
+                self._set_tokens(self.row_of(r, step, "all_token_ids"), toks, step, r, "all_token_ids")
+            for r in c.req_ids:
+                if r in self.preempted:
+                    raise TraceError("scheduled after preemption without being resumed", line=step.line,
+                                     step=step.step, req_id=r, field="scheduled_cached_reqs.resumed_req_ids")
+            self._append_blocks(step, crows)
+
+        # the scheduled batch, in scheduler order
+        nst = so.num_scheduled_tokens
+        req_ids = list(nst)
+        index = self.req_id_to_index
+        rows = np.array([index[r] for r in req_ids], dtype=np.int32)
+        counts = np.array(list(nst.values()), dtype=np.int32)
+        spec = so.scheduled_spec_decode_tokens
+        num_drafts = np.zeros(len(req_ids), dtype=np.int32)
+        if spec:
+            pos_of = {r: i for i, r in enumerate(req_ids)}
+            for r, d in spec.items():
+                num_drafts[pos_of[r]] = len(d)
+        self._check_and_stage_tokens(step, req_ids, rows, counts, num_drafts)
+        return req_ids, rows, counts, num_drafts
+
+    def _append_blocks(self, step: Step, crows: np.ndarray) -> None:
+        c = step.scheduler_output.scheduled_cached_reqs
+        resumed = c.resumed_req_ids
+        sel = [i for i, b in enumerate(c.new_block_ids) if b is not None and c.req_ids[i] not in resumed]
+        if not sel:
+            return
+        rows = crows[sel]
+        for g in range(self.header.num_groups):
+            lists = [c.new_block_ids[i][g] for i in sel]
+            counts = np.array([len(x) for x in lists], dtype=np.int32)
+            starts = self.num_blocks[g, rows]
+            ends = starts + counts
+            if int(ends.max()) > self.max_num_blocks[g]:
+                j = int(np.argmax(ends > self.max_num_blocks[g]))
+                raise TraceError(f"appending {int(counts[j])} blocks overflows the row width "
+                                 f"{self.max_num_blocks[g]}", line=step.line, step=step.step,
+                                 req_id=c.req_ids[sel[j]], group=g, field="new_block_ids")
+            flat = np.fromiter((b for x in lists for b in x), dtype=np.int32, count=int(counts.sum()))
+            ragged_write(self.block_tables[g], rows, starts, counts, flat)
+            self.num_blocks[g, rows] = ends
+
+    def _check_and_stage_tokens(self, step: Step, req_ids: list[str], rows: np.ndarray, counts: np.ndarray,
+                                num_drafts: np.ndarray) -> None:
+        """Check that every scheduled position fits and has a block; stage drafts after the known tokens."""
+        nc = self.num_computed_tokens[rows]
+        end = nc + counts  # [n] seq_lens
+        h = self.header
+        if len(rows) and int(end.max()) > h.max_model_len:
+            j = int(np.argmax(end > h.max_model_len))
+            raise TraceError(f"positions up to {int(end[j]) - 1} exceed max_model_len {h.max_model_len}",
+                             line=step.line, step=step.step, req_id=req_ids[j], field="num_scheduled_tokens")
+        for g, bs in enumerate(self.block_sizes):
+            have = self.num_blocks[g, rows].astype(np.int64) * bs
+            if len(rows) and bool((have < end).any()):
+                j = int(np.argmax(have < end))
+                raise TraceError(f"position {int(end[j]) - 1} has no block: the row holds "
+                                 f"{int(self.num_blocks[g, rows[j]])} blocks of {bs} tokens",
+                                 line=step.line, step=step.step, req_id=req_ids[j], group=g,
+                                 field="block_ids/new_block_ids")
+        known = self.total_len[rows]
+        real_end = end - num_drafts  # positions past this are drafts
+        gap = real_end > known
+        if bool(gap.any()):
+            if not self.missing_samples:
+                j = int(np.argmax(gap))
+                raise TraceError(f"positions {int(known[j])}..{int(real_end[j]) - 1} are past the request's "
+                                 f"{int(known[j])} known tokens", line=step.line, step=step.step,
+                                 req_id=req_ids[j], field="num_scheduled_tokens")
+            for j in np.flatnonzero(gap):  # made-up ids for tokens the trace did not record
+                row = rows[j]
+                self.token_ids[row, known[j]:real_end[j]] = STANDIN_TOKEN_ID
+                self.num_standin_tokens += int(real_end[j] - known[j])
+                self.total_len[row] = real_end[j]
+        spec = step.scheduler_output.scheduled_spec_decode_tokens
+        if spec:
+            sel = np.flatnonzero(num_drafts)
+            drows = rows[sel]
+            flat = np.fromiter((t for j in sel for t in spec[req_ids[j]]), dtype=np.int32,
+                               count=int(num_drafts.sum()))
+            # async scheduling sends -1 placeholders: the real drafts live on the GPU
+            flat[flat < 0] = STANDIN_TOKEN_ID
+            ragged_write(self.token_ids, drows, real_end[sel], num_drafts[sel], flat)
+
+    def append_sampled(self, step: Step, req_ids: list[str], rows: np.ndarray) -> None:
+        """After the step: append what the model sampled (MRV2's `post_update`)."""
+        sampled = step.sampled_token_ids
+        if sampled is None:
+            self.missing_samples = True
+            return
+        if not sampled:
+            return
+        index = self.req_id_to_index
+        srows = np.array([index[r] for r in sampled], dtype=np.int32)
+        counts = np.array([len(v) for v in sampled.values()], dtype=np.int32)
+        starts = self.total_len[srows]
+        ends = starts + counts
+        if len(ends) and int(ends.max()) > self.header.max_model_len:
+            j = int(np.argmax(ends > self.header.max_model_len))
+            raise TraceError("sampled tokens overflow max_model_len", line=step.line, step=step.step,
+                             req_id=list(sampled)[j], field="sampled_token_ids")
+        flat = np.fromiter((t for v in sampled.values() for t in v), dtype=np.int32, count=int(counts.sum()))
+        ragged_write(self.token_ids, srows, starts, counts, flat)
+        self.total_len[srows] = ends

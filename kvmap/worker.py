@@ -1,0 +1,122 @@
+"""Workers: long-lived state plus the per-step phases the replay loop times, one class per implementation.
+
+Rules: every worker exposes the same phases, in the order a GPU worker runs them:
+`update_states` (finish, preempt, add, update cached requests), `prepare_batch` (batch order, `idx_mapping`),
+`prepare_inputs` (`input_ids`, `positions`, `query_start_loc`, `seq_lens`), `gather_block_tables`,
+`compute_slot_mappings`, and after the model `append_sampled`. `mappings_dict()` gives the plain-list record
+that all workers must agree on bit for bit. `readable_context(g)` gives what the KV check reads back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvmap import batch as B
+from kvmap.errors import TraceError
+from kvmap.reference import ReferenceWorker
+from kvmap.state import WorkerState
+from kvmap.trace import Step, TraceHeader
+
+BACKENDS = ("numpy", "reference")
+
+
+class NumpyWorker:
+    """The vectorized CPU worker (the default): numpy on preallocated buffers, no per-token Python."""
+
+    name = "numpy"
+
+    def __init__(self, header: TraceHeader) -> None:
+        self.header = header
+        self.state = WorkerState(header)
+        self.buffers = B.InputBuffers(self.state, max(header.max_num_batched_tokens,
+                                                      header.max_num_scheduled_tokens or 0))
+        self._step: Step | None = None
+        self._sched: tuple[list[str], np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._order: np.ndarray | None = None
+        self._B = 0
+        self._T = 0
+        self._mappings: B.BatchMappings | None = None
+
+    @property
+    def current_step(self) -> int:
+        assert self._step is not None
+        return self._step.step
+
+    @property
+    def num_standin_tokens(self) -> int:
+        return self.state.num_standin_tokens
+
+    def update_states(self, step: Step) -> None:
+        self._step = step
+        self._mappings = None
+        T = step.scheduler_output.total_num_scheduled_tokens
+        if T > self.buffers.max_num_tokens:
+            raise TraceError(f"{T} tokens exceed the header's token budget {self.buffers.max_num_tokens}",
+                             line=step.line, step=step.step, field="total_num_scheduled_tokens")
+        self._sched = self.state.update(step)
+
+    def prepare_batch(self) -> None:
+        assert self._sched is not None
+        _, _, counts, drafts = self._sched
+        self._order = B.batch_order(counts, drafts, self.header.num_speculative_tokens)
+
+    def prepare_inputs(self) -> None:
+        assert self._sched is not None and self._order is not None
+        _, rows, counts, _ = self._sched
+        self._B, self._T = B.build_inputs(self.state, self.buffers, rows, counts, self._order)
+
+    def gather_block_tables(self) -> None:
+        B.gather_block_tables(self.state, self.buffers, self._B)
+
+    def compute_slot_mappings(self) -> None:
+        B.compute_slot_mappings(self.state, self.buffers, self._B, self._T)
+
+    def append_sampled(self) -> None:
+        assert self._step is not None and self._sched is not None
+        self.state.append_sampled(self._step, self._sched[0], self._sched[1])
+
+    def mappings(self) -> B.BatchMappings:
+        """This step's mappings (views into the input buffers; valid until the next step)."""
+        if self._mappings is None:
+            assert self._sched is not None and self._order is not None
+            req_ids = self._sched[0]
+            ordered = [req_ids[i] for i in self._order.tolist()]
+            self._mappings = B.view(self.buffers, ordered, self._B, self._T)
+        return self._mappings
+
+    def mappings_dict(self) -> dict:
+        assert self._step is not None
+        return self.mappings().to_dict(self._step.step)
+
+    def readable_context(self, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(batch_idx, position, slot, token id) arrays over every position this step's requests may read."""
+        g = self.header.kv_cache_groups[group]
+        buf, st = self.buffers, self.state
+        Bn = self._B
+        idx = buf.idx_mapping[:Bn].astype(np.int64)
+        nc = buf.num_computed_tokens[:Bn].astype(np.int64)
+        hi = buf.seq_lens[:Bn].astype(np.int64)
+        if g.kind == "sliding_window":
+            lo = np.maximum(nc - g.sliding_window + 1, 0)
+        elif g.kind == "chunked_local":
+            lo = nc // g.attention_chunk_size * g.attention_chunk_size
+        else:
+            lo = np.zeros_like(nc)
+        counts = hi - lo
+        breq = np.repeat(np.arange(Bn), counts)
+        start = np.cumsum(counts) - counts
+        pos = np.arange(int(counts.sum())) - np.repeat(start - lo, counts)
+        rows = idx[breq]
+        bs = g.block_size
+        blocks = st.block_tables[group][rows, pos // bs].astype(np.int64)
+        slots = blocks * bs + pos % bs
+        tokens = st.token_ids[rows, pos]
+        return breq, pos, slots, tokens
+
+
+def make_worker(backend: str, header: TraceHeader) -> NumpyWorker | ReferenceWorker:
+    if backend == "numpy":
+        return NumpyWorker(header)
+    if backend == "reference":
+        return ReferenceWorker(header)
+    raise TraceError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}", field="--backend")
