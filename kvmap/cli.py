@@ -146,6 +146,52 @@ def replay(
         raise typer.Exit(1)
 
 
+@app.command()
+@_user_errors
+def record(
+    workload: Annotated[Path, typer.Argument(help="Workload file (YAML): scheduler settings and requests.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Trace to write (.jsonl or .jsonl.gz).")],
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
+) -> None:
+    """Record a trace from vLLM's real scheduler (no model, no GPU) driven by a workload file."""
+    from kvmap.record.engine import record as run_record
+    from kvmap.record.workload import load_workload
+
+    w = load_workload(workload)
+    tmp = output.with_name(f".{output.name}.partial")
+    if not output.parent.is_dir():
+        raise KvmapError(f"folder {output.parent} does not exist", path=str(output))
+    with _spinner(progress, f"recording {w.name}") as tick:
+        try:
+            s = run_record(w, str(tmp) + (".gz" if output.name.endswith(".gz") else ""), on_step=tick)
+        except BaseException:
+            for p in (tmp, Path(str(tmp) + ".gz")):
+                p.unlink(missing_ok=True)
+            raise
+    written = Path(s.path)
+    written.replace(output)
+    out.print(f"recorded {output}: {s.steps} steps, {s.requests} requests, {s.tokens} tokens, "
+              f"{s.preemptions} preemptions, {s.prefix_hit_tokens} prefix-hit tokens, "
+              f"{output.stat().st_size / 1024:.1f} KiB")
+
+
+class _spinner:
+    def __init__(self, enabled: bool, what: str) -> None:
+        self.enabled = enabled and err.is_terminal
+        self.what = what
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        self.status = err.status(self.what)
+        self.status.start()
+        return lambda step: self.status.update(f"{self.what}: step {step}")
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.status.stop()
+
+
 class _progress:
     """A Rich progress bar over the trace's steps (counted by lines), updated outside timed regions."""
 

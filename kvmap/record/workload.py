@@ -1,0 +1,197 @@
+"""Workload files (YAML) for `kvmap record`: the scheduler's settings and the requests to feed it.
+
+Rules: unknown keys and bad values are rejected with the file, the key path and what was expected. Requests
+are explicit (`requests:`) or generated (`generate:`) from a seeded RNG, so a workload always yields the same
+requests. Token ids are derived from the seed; shared prefixes give prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from kvmap.errors import KvmapError
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    kind: str = "full_attention"  # full_attention | sliding_window
+    sliding_window: int | None = None
+    num_layers: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    req_id: str
+    prompt_len: int
+    max_tokens: int
+    arrival_step: int = 0
+    prefix: str | None = None  # requests naming the same prefix share its first tokens
+    prefix_len: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateSpec:
+    num_requests: int = 8
+    arrival_rate: float = 1.0  # mean requests per engine step (Poisson arrivals)
+    prompt_len: tuple[int, int] = (16, 256)  # uniform [lo, hi]
+    output_len: tuple[int, int] = (4, 64)
+    shared_prefix_len: int = 0  # tokens shared by requests that pick a prefix
+    num_prefixes: int = 1
+    prefix_fraction: float = 0.0  # share of requests that start with one of the prefixes
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str = "workload"
+    description: str = ""
+    protocol: str = "v2"  # v1 | v2: how the scheduler sends preempted/resumed requests
+    block_size: int = 16
+    num_gpu_blocks: int = 256
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 1024
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    kv_cache_groups: tuple[GroupSpec, ...] = (GroupSpec(),)
+    num_speculative_tokens: int = 0
+    draft_error_rate: float = 0.3  # chance that each draft token is wrong (rejected)
+    vocab_size: int = 32000
+    seed: int = 0
+    max_steps: int = 100000
+    requests: tuple[RequestSpec, ...] = ()
+    generate: GenerateSpec | None = None
+
+    def request_list(self) -> list[RequestSpec]:
+        reqs = list(self.requests)
+        if self.generate:
+            reqs += _generated(self.generate, random.Random(self.seed), len(reqs))
+        return reqs
+
+
+def _generated(g: GenerateSpec, rng: random.Random, first: int) -> list[RequestSpec]:
+    out, step = [], 0
+    for i in range(g.num_requests):
+        if i:
+            step += int(rng.expovariate(g.arrival_rate)) if g.arrival_rate > 0 else 0
+        prefix = None
+        if g.shared_prefix_len and rng.random() < g.prefix_fraction:
+            prefix = f"p{rng.randrange(g.num_prefixes)}"
+        plen = rng.randint(*g.prompt_len)
+        if prefix:
+            plen = max(plen, g.shared_prefix_len + 1)
+        out.append(RequestSpec(f"req-{first + i}", plen, rng.randint(*g.output_len), step, prefix,
+                               g.shared_prefix_len if prefix else 0))
+    return out
+
+
+def prompt_tokens(w: Workload, r: RequestSpec) -> list[int]:
+    """Deterministic prompt ids; requests with the same prefix name share their first `prefix_len` ids."""
+    rng = random.Random(f"{w.seed}/{r.req_id}")
+    toks = [rng.randrange(1, w.vocab_size) for _ in range(r.prompt_len)]
+    if r.prefix:
+        prng = random.Random(f"{w.seed}/prefix/{r.prefix}")
+        toks[: r.prefix_len] = [prng.randrange(1, w.vocab_size) for _ in range(r.prefix_len)]
+    return toks
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def _fail(path: str, key: str, msg: str) -> KvmapError:
+    return KvmapError(msg, path=path, field=key)
+
+
+def _build(cls, raw: object, path: str, key: str):
+    if not isinstance(raw, dict):
+        raise _fail(path, key, f"expected a mapping, got {type(raw).__name__}")
+    names = {f.name: f for f in fields(cls)}
+    unknown = [k for k in raw if k not in names]
+    if unknown:
+        raise _fail(path, f"{key}.{unknown[0]}" if key else unknown[0],
+                    f"unknown key; expected one of: {', '.join(names)}")
+    kw = {}
+    for k, v in raw.items():
+        kw[k] = _value(names[k], v, path, f"{key}.{k}" if key else k)
+    try:
+        return cls(**kw)
+    except TypeError as e:
+        raise _fail(path, key or "(top level)", str(e)) from None
+
+
+def _value(f, v, path: str, key: str):
+    t = f.type
+    if f.name == "kv_cache_groups":
+        if not isinstance(v, list) or not v:
+            raise _fail(path, key, "expected a non-empty list of groups")
+        return tuple(_build(GroupSpec, g, path, f"{key}[{i}]") for i, g in enumerate(v))
+    if f.name == "requests":
+        if not isinstance(v, list):
+            raise _fail(path, key, "expected a list of requests")
+        return tuple(_build(RequestSpec, r, path, f"{key}[{i}]") for i, r in enumerate(v))
+    if f.name == "generate":
+        return _build(GenerateSpec, v, path, key)
+    if "tuple[int, int]" in str(t):
+        if not (isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v) and 0 < v[0] <= v[1]):
+            raise _fail(path, key, f"expected [lo, hi] with 0 < lo <= hi, got {v!r}")
+        return tuple(v)
+    want = {"int": int, "float": (int, float), "bool": bool, "str": str}
+    for name, typ in want.items():
+        if str(t).startswith(name):
+            if isinstance(v, bool) and name != "bool":
+                raise _fail(path, key, f"expected {name}, got a boolean")
+            if not isinstance(v, typ):
+                raise _fail(path, key, f"expected {name}, got {type(v).__name__} {v!r}")
+            return v
+    if "None" in str(t):
+        if v is None or isinstance(v, (int, str)):
+            return v
+    raise _fail(path, key, f"unexpected value {v!r}")
+
+
+def _check(w: Workload, path: str) -> Workload:
+    def need(cond: bool, key: str, msg: str) -> None:
+        if not cond:
+            raise _fail(path, key, msg)
+
+    need(w.protocol in ("v1", "v2"), "protocol", f"must be v1 or v2, got {w.protocol!r}")
+    for key in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        need(getattr(w, key) > 0, key, "must be > 0")
+    need(w.block_size % 16 == 0 or w.block_size in (1, 2, 4, 8), "block_size", "must be 1-8 or a multiple of 16")
+    need(0 <= w.num_speculative_tokens <= 8, "num_speculative_tokens", "must be 0..8")
+    need(0.0 <= w.draft_error_rate <= 1.0, "draft_error_rate", "must be within [0, 1]")
+    for i, g in enumerate(w.kv_cache_groups):
+        need(g.kind in ("full_attention", "sliding_window"), f"kv_cache_groups[{i}].kind",
+             "must be full_attention or sliding_window")
+        need(g.kind != "sliding_window" or (g.sliding_window or 0) > 0, f"kv_cache_groups[{i}].sliding_window",
+             "a sliding_window group needs a window > 0 tokens")
+    reqs = w.request_list()
+    need(bool(reqs), "requests", "no requests: give `requests:` or `generate:`")
+    seen = set()
+    for i, r in enumerate(reqs):
+        need(r.req_id not in seen, f"requests[{i}].req_id", f"duplicate request id {r.req_id!r}")
+        seen.add(r.req_id)
+        need(r.prompt_len > 0 and r.max_tokens > 0, f"requests[{i}]", "prompt_len and max_tokens must be > 0")
+        need(r.prompt_len + r.max_tokens <= w.max_model_len, f"requests[{i}]",
+             f"prompt_len + max_tokens exceeds max_model_len {w.max_model_len}")
+        need(r.prefix_len < r.prompt_len, f"requests[{i}].prefix_len", "must be shorter than the prompt")
+    return w
+
+
+def load_workload(path: str | Path) -> Workload:
+    p = str(path)
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise KvmapError("no such file", path=p) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise KvmapError(f"not valid YAML: {getattr(e, 'problem', e)}", path=p,
+                         line=mark.line + 1 if mark else None) from None
+    w = _build(Workload, raw, p, "")
+    if w.name == "workload":
+        w = Workload(**{**{f.name: getattr(w, f.name) for f in fields(w)}, "name": Path(path).stem.split(".")[0]})
+    return _check(w, p)
