@@ -148,6 +148,65 @@ def replay(
 
 @app.command()
 @_user_errors
+def validate(
+    trace: Annotated[Path, typer.Argument(help="Trace file (.jsonl or .jsonl.gz).")],
+    deep: Annotated[bool, typer.Option("--deep", help="Also replay through every worker, compare each step "
+                                       "bit for bit with the reference, and check the KV cache every step.")] = False,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON ('-' for "
+                                                     "stdout).")] = None,
+    max_problems: Annotated[Optional[int], typer.Option(help="Stop after N problems.", min=1)] = None,
+) -> None:
+    """Check a trace for every inconsistency; exit 0 if valid, 1 if problems were found, 2 if unusable."""
+    from kvmap.outputs import write_json
+    from kvmap.trace import Trace
+    from kvmap.validate import validate as run_validate
+
+    report = run_validate(Trace(trace), max_problems=max_problems, deep=deep)
+    if json_out and str(json_out) == "-":
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        _render_validation(report)
+        if json_out:
+            write_json(json_out, report.to_json())
+    if not report.valid:
+        raise typer.Exit(1)
+
+
+def _render_validation(report) -> None:
+    from collections import Counter
+
+    from rich.table import Table
+
+    from kvmap.validate import KINDS
+
+    if report.valid:
+        out.print(f"[green]valid[/]: {report.trace}: {report.steps} steps, {report.requests} requests, no problems")
+    else:
+        first = report.problems[0]
+        out.print(f"[red]{len(report.problems)} problem(s)[/] in {report.trace} ({report.steps} steps read"
+                  + (f"; stopped after {len(report.problems)}" if report.truncated else "") + ")")
+        out.print(f"first: {report.trace}:{first.line}: {first.where()}: {first.message}", highlight=False)
+        table = Table(title_justify="left")
+        for col in ("line", "step", "request", "group", "field", "kind", "problem"):
+            table.add_column(col, overflow="fold")
+        for p in report.problems[:200]:
+            table.add_row(str(p.line or ""), "" if p.step is None else str(p.step), p.req_id or "",
+                          "" if p.group is None else str(p.group), p.field or "", p.kind, p.message)
+        out.print(table)
+        if len(report.problems) > 200:
+            out.print(f"... and {len(report.problems) - 200} more (use --json for all)")
+        by = Counter(p.kind for p in report.problems)
+        out.print("by kind: " + ", ".join(f"{k} {n} ({KINDS[k]})" for k, n in by.most_common()), highlight=False)
+    if report.deep:
+        for b, d in report.deep["backends"].items():
+            out.print(f"deep: {b}: {d['steps']} steps, {d['differing_steps']} differ from the reference; KV "
+                      f"{d['kv_checked']:,} positions read back, {d['kv_mismatches']} mismatches")
+    for line in report.info:
+        out.print(f"[dim]info: {line}[/]")
+
+
+@app.command()
+@_user_errors
 def record(
     workload: Annotated[Path, typer.Argument(help="Workload file (YAML): scheduler settings and requests.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Trace to write (.jsonl or .jsonl.gz).")],
