@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from kvmap.errors import KvmapError
 
@@ -48,7 +49,7 @@ def _user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except KvmapError as e:
-            err.print(f"[bold red]kvmap: error:[/] {e}", markup=True, highlight=False, soft_wrap=True)
+            err.print(f"[bold red]kvmap: error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except BrokenPipeError:
             raise typer.Exit(0) from None
@@ -176,6 +177,7 @@ def _render_validation(report) -> None:
     from collections import Counter
 
     from rich.table import Table
+    from rich.text import Text
 
     from kvmap.validate import KINDS
 
@@ -185,13 +187,14 @@ def _render_validation(report) -> None:
         first = report.problems[0]
         out.print(f"[red]{len(report.problems)} problem(s)[/] in {report.trace} ({report.steps} steps read"
                   + (f"; stopped after {len(report.problems)}" if report.truncated else "") + ")")
-        out.print(f"first: {report.trace}:{first.line}: {first.where()}: {first.message}", highlight=False)
+        out.print(Text(f"first: {report.trace}:{first.line}: {first.where()}: {first.message}"))
         table = Table(title_justify="left")
         for col in ("line", "step", "request", "group", "field", "kind", "problem"):
             table.add_column(col, overflow="fold")
         for p in report.problems[:200]:
-            table.add_row(str(p.line or ""), "" if p.step is None else str(p.step), p.req_id or "",
-                          "" if p.group is None else str(p.group), p.field or "", p.kind, p.message)
+            table.add_row(*(Text(x) for x in (str(p.line or ""), "" if p.step is None else str(p.step),
+                                              p.req_id or "", "" if p.group is None else str(p.group), p.field or "",
+                                              p.kind, p.message)))
         out.print(table)
         if len(report.problems) > 200:
             out.print(f"... and {len(report.problems) - 200} more (use --json for all)")
@@ -202,7 +205,7 @@ def _render_validation(report) -> None:
             out.print(f"deep: {b}: {d['steps']} steps, {d['differing_steps']} differ from the reference; KV "
                       f"{d['kv_checked']:,} positions read back, {d['kv_mismatches']} mismatches")
     for line in report.info:
-        out.print(f"[dim]info: {line}[/]")
+        out.print(Text(f"info: {line}", style="dim"))
 
 
 @app.command()

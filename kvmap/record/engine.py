@@ -107,69 +107,77 @@ def build_scheduler(w: Workload):
 
 
 def record(w: Workload, out_path: str, on_step: Callable[[int], None] | None = None) -> RecordSummary:
+    """Record workload `w` to `out_path` through `RecordingScheduler`."""
     vc, kvc, scheduler, hasher = build_scheduler(w)
+    header = header_from_config(vc, kvc, workload=w.name, description=w.description)
+    rec = RecordingScheduler(scheduler, TraceWriter(out_path, header))
+    try:
+        tokens, hits = drive(w, rec, hasher, on_step)
+    finally:
+        rec.close()
+    return RecordSummary(out_path, rec._writer.steps, len(w.request_list()), tokens, rec.num_preemptions, hits)
+
+
+def drive(w: Workload, rec, hasher, on_step: Callable[[int], None] | None = None) -> tuple[int, int]:
+    """The synchronous engine loop over `rec` (a scheduler, normally wrapped by RecordingScheduler).
+    Returns (tokens scheduled, prefix-hit tokens)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request
 
-    header = header_from_config(vc, kvc, workload=w.name, description=w.description)
-    rec = RecordingScheduler(scheduler, TraceWriter(out_path, header))
     pending = sorted(w.request_list(), key=lambda r: r.arrival_step)
-    clock = tokens = hits = 0
+    clock = tokens = hits = steps = 0
     k = w.num_speculative_tokens
-    try:
-        while pending or scheduler.has_requests():
-            while pending and pending[0].arrival_step <= clock:
-                r = pending.pop(0)
-                rec.add_request(Request(r.req_id, prompt_tokens(w, r),
-                                        SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), None,
-                                        block_hasher=hasher))
-            clock += 1
-            if not scheduler.has_requests():
+    while pending or rec.has_requests():
+        while pending and pending[0].arrival_step <= clock:
+            r = pending.pop(0)
+            rec.add_request(Request(r.req_id, prompt_tokens(w, r),
+                                    SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), None,
+                                    block_hasher=hasher))
+        clock += 1
+        if not rec.has_requests():
+            continue
+        if steps >= w.max_steps:
+            raise KvmapError(f"still running after max_steps={w.max_steps} steps", field="max_steps")
+        out = rec.schedule()
+        steps += 1
+        tokens += out.total_num_scheduled_tokens
+        hits += sum(nr.num_computed_tokens for nr in out.scheduled_new_reqs)
+        req_ids = list(out.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for r in req_ids:
+            req = rec.requests[r]
+            if req.num_computed_tokens < req.num_tokens:  # partial prefill chunk
+                sampled.append([])
                 continue
-            if rec._step >= w.max_steps:
-                raise KvmapError(f"still running after max_steps={w.max_steps} steps", field="max_steps")
-            out = rec.schedule()
-            tokens += out.total_num_scheduled_tokens
-            hits += sum(nr.num_computed_tokens for nr in out.scheduled_new_reqs)
-            req_ids = list(out.num_scheduled_tokens)
-            sampled: list[list[int]] = []
-            for r in req_ids:
-                req = scheduler.requests[r]
-                if req.num_computed_tokens < req.num_tokens:  # partial prefill chunk
-                    sampled.append([])
+            drafts = out.scheduled_spec_decode_tokens.get(r, [])
+            # position of the first draft: the request computed up to here before this step's drafts
+            first = req.num_computed_tokens - len(drafts)
+            toks = []
+            for j, d in enumerate(drafts):
+                true = _true_token(w.seed, r, first + j, w.vocab_size)
+                if d != true:
+                    break
+                toks.append(true)
+            toks.append(_true_token(w.seed, r, first + len(toks), w.vocab_size))
+            sampled.append(toks)
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=[list(s) for s in sampled])
+        rec.update_from_output(out, mro)
+        if k:
+            d_ids, d_toks = [], []
+            for r, s in zip(req_ids, sampled):
+                req = rec.requests.get(r)
+                if not s or req is None or req.is_finished():
                     continue
-                drafts = out.scheduled_spec_decode_tokens.get(r, [])
-                first = req.num_tokens  # position of the next token (after the computed ones)
-                nc_before = req.num_computed_tokens - out.num_scheduled_tokens[r]
-                first = nc_before + out.num_scheduled_tokens[r] - len(drafts)
-                toks = []
-                for j, d in enumerate(drafts):
-                    true = _true_token(w.seed, r, first + j, w.vocab_size)
-                    if d != true:
-                        break
-                    toks.append(true)
-                toks.append(_true_token(w.seed, r, first + len(toks), w.vocab_size))
-                sampled.append(toks)
-            mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                    sampled_token_ids=[list(s) for s in sampled])
-            rec.update_from_output(out, mro)
-            if k:
-                d_ids, d_toks = [], []
-                for r, s in zip(req_ids, sampled):
-                    req = scheduler.requests.get(r)
-                    if not s or req is None or req.is_finished():
-                        continue
-                    rng = random.Random(f"{w.seed}/{r}/{rec._step}")
-                    nxt = req.num_tokens
-                    d = [_true_token(w.seed, r, nxt + j, w.vocab_size) for j in range(k)]
-                    d = [t if rng.random() >= w.draft_error_rate else 1 + t % (w.vocab_size - 1) for t in d]
-                    d_ids.append(r)
-                    d_toks.append(d)
-                rec.update_draft_token_ids(DraftTokenIds(d_ids, d_toks))
-            if on_step:
-                on_step(rec._step)
-        rec.schedule()  # the last finished ids arrive with one more (empty) step
-    finally:
-        rec.close()
-    return RecordSummary(out_path, rec._writer.steps, len(w.request_list()), tokens, rec.num_preemptions, hits)
+                rng = random.Random(f"{w.seed}/{r}/{steps}")
+                nxt = req.num_tokens
+                d = [_true_token(w.seed, r, nxt + j, w.vocab_size) for j in range(k)]
+                d = [t if rng.random() >= w.draft_error_rate else 1 + t % (w.vocab_size - 1) for t in d]
+                d_ids.append(r)
+                d_toks.append(d)
+            rec.update_draft_token_ids(DraftTokenIds(d_ids, d_toks))
+        if on_step:
+            on_step(steps)
+    rec.schedule()  # the last finished ids arrive with one more (empty) step
+    return tokens, hits
