@@ -5,8 +5,8 @@ Rules:
   each step hands out slices of them, so addresses stay fixed and the hot path allocates no buffers.
 - One code path for prefill, chunked prefill and decode: request b's tokens are positions
   `num_computed_tokens[b] .. num_computed_tokens[b] + num_scheduled_tokens[b] - 1`.
-- No per-token Python. Per-token arrays come from one expansion: `token_req[t]` (batch row of token t) is the
-  prefix sum of request-start markers, and every per-token value is a gather through it.
+- No per-token Python. Per-token arrays come from `np.repeat` of per-request bases plus `arange` (the one
+  per-step temporary: numpy's repeat has no output argument); a step of pure decodes needs no expansion.
 - Slots are computed from the persistent row-indexed block tables through `idx_mapping` (as MRV2's kernel
   does), not from the gathered batch table. Power-of-two block sizes use shifts and masks.
 - Batch order is Model Runner V2's: a stable ascending sort by scheduled tokens; with speculative decoding,
@@ -91,7 +91,7 @@ class InputBuffers:
         self.num_blocks = np.zeros((G, N), dtype=np.int32)  # [G, N]
         # scratch
         self.arange = np.arange(max(T, N + 1), dtype=np.int64)  # [T] 0, 1, 2, ...
-        self.token_req = np.zeros(T, dtype=np.int64)  # [T] flat token -> batch_idx
+        self.row_tok = np.zeros(T, dtype=np.int64)  # [T] flat token -> req_state_idx (idx_mapping expanded)
         self.tmp_tok = np.zeros(T, dtype=np.int64)  # [T]
         self.tmp_tok2 = np.zeros(T, dtype=np.int64)  # [T]
         self.tmp_req = np.zeros(N, dtype=np.int64)  # [N]
@@ -100,78 +100,73 @@ class InputBuffers:
 
 def build_inputs(state: WorkerState, buf: InputBuffers, rows: np.ndarray, counts: np.ndarray,
                  order: np.ndarray) -> tuple[int, int]:
-    """`idx_mapping`, `query_start_loc`, `seq_lens`, `positions`, `input_ids` into `buf`. Returns (B, T)."""
+    """`idx_mapping`, `query_start_loc`, `seq_lens`, `positions`, `input_ids` into `buf`. Returns (B, T).
+
+    Per-token values are one `np.repeat` of a per-request base plus `arange`: for request b,
+    `positions = (num_computed_tokens[b] - query_start_loc[b]) + t` and the flat index of its token row is
+    `row[b] * width + position`. The expanded row of each token is kept for the slot mappings.
+    """
     B = len(order)
     idx = buf.idx_mapping[:B]
     np.take(rows, order, out=idx)
     n = buf.num_scheduled_tokens[:B]
     np.take(counts, order, out=n)
     nc = buf.num_computed_tokens[:B]
-    np.take(state.num_computed_tokens, idx, out=nc, mode="clip")
+    np.take(state.num_computed_tokens, idx, out=nc)
     qsl = buf.query_start_loc
     np.cumsum(n, out=qsl[1 : B + 1])
     T = int(qsl[B])
     np.add(nc, n, out=buf.seq_lens[:B])
-    # token_req: 1 at the first token of every request but the first, then a prefix sum
-    tr = buf.token_req[:T]
-    tr.fill(0)
-    tr[qsl[1:B]] = 1
-    np.cumsum(tr, out=tr)
-    # positions[t] = t + (nc[b] - qsl[b]) for the request b that owns token t
-    per_req = buf.tmp_req[:B]
-    np.subtract(nc, qsl[:B], out=per_req)
     pos = buf.positions[:T]
-    np.take(per_req, tr, out=pos, mode="clip")
-    pos += buf.arange[:T]
-    # input_ids[t] = token_ids[row, position]: flat index row * width + position
-    np.multiply(idx, state.token_width, out=per_req)
+    if T == B:  # every request schedules one token (pure decode): nothing to expand
+        pos[:] = nc
+        row_tok = buf.row_tok[:T]
+        row_tok[:] = idx
+    else:
+        np.add(np.repeat(nc - qsl[:B], n), buf.arange[:T], out=pos)
+        row_tok = buf.row_tok[:T]
+        row_tok[:] = np.repeat(idx, n)
     flat = buf.tmp_tok[:T]
-    np.take(per_req, tr, out=flat, mode="clip")
+    np.multiply(row_tok, state.token_width, out=flat)
     flat += pos
     np.take(state.token_ids.reshape(-1), flat, out=buf.input_ids[:T], mode="clip")
     return B, T
 
 
 def gather_block_tables(state: WorkerState, buf: InputBuffers, B: int) -> None:
-    """Copy each batch request's block-table row (only as wide as the widest row in the batch)."""
+    """Copy each batch request's block-table row. Whole rows from the contiguous state table: a row memcpy is
+    cheaper than gathering a narrower strided view (numpy copies a non-contiguous source first)."""
     idx = buf.idx_mapping[:B]
     for g, table in enumerate(state.block_tables):
-        nb = buf.num_blocks[g, :B]
-        np.take(state.num_blocks[g], idx, out=nb, mode="clip")
-        w = int(nb.max()) if B else 0
-        out = buf.block_tables[g]
-        if w:
-            np.take(table[:, :w], idx, axis=0, out=out[:B, :w], mode="clip")
+        np.take(state.num_blocks[g], idx, out=buf.num_blocks[g, :B])
+        np.take(table, idx, axis=0, out=buf.block_tables[g][:B], mode="clip")
 
 
 def compute_slot_mappings(state: WorkerState, buf: InputBuffers, B: int, T: int) -> None:
-    """`slot = block_table[row, pos // bs] * bs + pos % bs` for every token and group, from the state table."""
-    idx = buf.idx_mapping[:B]
-    tr = buf.token_req[:T]
+    """`slot = block_table[row, pos // bs] * bs + pos % bs` for every token and group, from the state table
+    through the token's row (`idx_mapping` expanded in `build_inputs`)."""
     pos = buf.positions[:T]
-    per_req = buf.tmp_req[:B]
+    row_tok = buf.row_tok[:T]
     blk = buf.tmp_tok[:T]
     off = buf.tmp_tok2[:T]
     ids = buf.tmp_blk[:T]
     for g, table in enumerate(state.block_tables):
         bs = state.block_sizes[g]
         out = buf.slot_mapping[g, :T]
-        np.multiply(idx, table.shape[1], out=per_req)
+        np.multiply(row_tok, table.shape[1], out=blk)
         if bs & (bs - 1) == 0:  # power of two: shifts and masks
             shift = bs.bit_length() - 1
-            np.right_shift(pos, shift, out=blk)
-            np.bitwise_and(pos, bs - 1, out=off)
-            np.take(per_req, tr, out=out, mode="clip")
-            blk += out
+            np.right_shift(pos, shift, out=off)
+            blk += off
             np.take(table.reshape(-1), blk, out=ids, mode="clip")
+            np.bitwise_and(pos, bs - 1, out=off)
             np.left_shift(ids, shift, out=out)
             out |= off
         else:
-            np.floor_divide(pos, bs, out=blk)
-            np.remainder(pos, bs, out=off)
-            np.take(per_req, tr, out=out, mode="clip")
-            blk += out
+            np.floor_divide(pos, bs, out=off)
+            blk += off
             np.take(table.reshape(-1), blk, out=ids, mode="clip")
+            np.remainder(pos, bs, out=off)
             np.multiply(ids, bs, out=out)
             out += off
 

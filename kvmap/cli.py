@@ -210,6 +210,34 @@ def _render_validation(report) -> None:
 
 @app.command()
 @_user_errors
+def explain(
+    trace: TraceArg = None,
+    step: Annotated[int, typer.Option("--step", help="The step to explain.")] = 1,
+    req: Annotated[Optional[str], typer.Option("--req", help="A request scheduled in that step.")] = None,
+    token: Annotated[Optional[int], typer.Option("--token", help="A token: its index within --req's scheduled "
+                                                 "tokens, or without --req the flat token index.")] = None,
+    group: Annotated[Optional[int], typer.Option("--group", help="Only this KV cache group.")] = None,
+    kv_heads: Annotated[int, typer.Option(help="KV heads, for the bytes a slot occupies.", min=1)] = 1,
+    head_size: Annotated[int, typer.Option(help="Head size, for the bytes a slot occupies.", min=1)] = 8,
+    kv_dtype: Annotated[str, typer.Option(help="KV dtype, for the bytes a slot occupies.")] = "bfloat16",
+    json_out: Annotated[bool, typer.Option("--json", help="Print the explanation as JSON.")] = False,
+) -> None:
+    """Show how one step's scheduler decisions become rows, flat tokens, positions, blocks and KV slots."""
+    from kvmap.explain import explain as run_explain
+    from kvmap.kv_cache import KVGeometry
+    from kvmap.outputs import default_trace
+    from kvmap.render_explain import render_explain
+    from kvmap.trace import Trace
+
+    d = run_explain(Trace(trace or default_trace()), step, req, token, group, KVGeometry(kv_heads, head_size, kv_dtype))
+    if json_out:
+        print(json.dumps(d, indent=1))
+    else:
+        render_explain(d, out)
+
+
+@app.command()
+@_user_errors
 def record(
     workload: Annotated[Path, typer.Argument(help="Workload file (YAML): scheduler settings and requests.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Trace to write (.jsonl or .jsonl.gz).")],

@@ -1,0 +1,176 @@
+"""`kvmap explain`: how one step's scheduler decisions become GPU addresses, token by token.
+
+Rules: replay (numpy worker, no KV cache) up to the step, then describe it as plain data: the step (scheduler
+order, batch order, `idx_mapping`, `query_start_loc`, `seq_lens`, what changed), a request (row, batch row,
+token range, positions, block-table rows per group with the blocks this step touches), and a token (the whole
+chain, each link with its arithmetic, for every KV cache group, and the bytes it occupies). Renderers
+(render_explain.py) draw it; `--json` prints it. Nothing here formats for a terminal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvmap.errors import KvmapError
+from kvmap.kv_cache import KVGeometry
+from kvmap.reference import readable_start
+from kvmap.trace import Trace
+from kvmap.worker import NumpyWorker
+
+
+def _list(items: list[str], limit: int = 12) -> str:
+    s = ", ".join(items[:limit])
+    return s + (f", ... ({len(items)} in all)" if len(items) > limit else "")
+
+
+def explain(trace: Trace, step: int, req_id: str | None = None, token: int | None = None,
+            group: int | None = None, geometry: KVGeometry | None = None) -> dict:
+    h = trace.header
+    geometry = (geometry or KVGeometry()).check()
+    if step < 0:
+        raise KvmapError(f"step {step} does not exist: steps are numbered from 0", field="--step")
+    if group is not None and not 0 <= group < h.num_groups:
+        raise KvmapError(f"group {group} does not exist: the trace has groups 0..{h.num_groups - 1}", field="--group")
+    worker = NumpyWorker(h)
+    target = None
+    last = -1
+    for s in trace.steps(0, step + 1):
+        last = s.step
+        worker.update_states(s)
+        worker.prepare_batch()
+        worker.prepare_inputs()
+        worker.gather_block_tables()
+        worker.compute_slot_mappings()
+        if s.step == step:
+            target = s
+            break
+        worker.append_sampled()
+    if target is None:
+        raise KvmapError(f"step {step} does not exist: the trace has steps 0..{last}", path=trace.name,
+                         field="--step")
+    m = worker.mappings()
+    so = target.scheduler_output
+    st = worker.state
+    batch_of = {r: b for b, r in enumerate(m.req_ids)}
+    qsl = m.query_start_loc.tolist()
+    new_ids = {nr.req_id: nr for nr in so.scheduled_new_reqs}
+    c = so.scheduled_cached_reqs
+    appended = {}
+    for r, new in zip(c.req_ids, c.new_block_ids):
+        if new is not None:
+            appended[r] = {"replaced" if r in c.resumed_req_ids else "appended": new}
+    groups = [g for g in range(h.num_groups) if group is None or g == group]
+
+    def origin(r: str) -> str:
+        if r in new_ids:
+            nr = new_ids[r]
+            if nr.prefill_token_ids is not None and len(nr.prefill_token_ids) > len(nr.prompt_token_ids):
+                return "resumed (re-added as new, v2)"
+            return "new" + (f" (prefix hit: {nr.num_computed_tokens} tokens)" if nr.num_computed_tokens else "")
+        return "resumed (v1)" if r in c.resumed_req_ids else "cached"
+
+    out: dict = {
+        "trace": trace.name,
+        "step": step,
+        "line": target.line,
+        "protocol": h.model_runner_protocol,
+        "groups": [{"group": g, "kind": h.kv_cache_groups[g].kind, "block_size": h.kv_cache_groups[g].block_size,
+                    "sliding_window": h.kv_cache_groups[g].sliding_window} for g in range(h.num_groups)],
+        "scheduler_order": [{"req_id": r, "num_scheduled_tokens": n, "origin": origin(r)}
+                            for r, n in so.num_scheduled_tokens.items()],
+        "batch": [{"batch_idx": b, "req_id": r, "row": int(m.idx_mapping[b]),
+                   "num_computed_tokens": int(m.num_computed_tokens[b]),
+                   "num_scheduled_tokens": int(m.num_scheduled_tokens[b]),
+                   "num_draft_tokens": len(so.scheduled_spec_decode_tokens.get(r, [])),
+                   "tokens": [qsl[b], qsl[b + 1]], "seq_len": int(m.seq_lens[b])} for b, r in enumerate(m.req_ids)],
+        "idx_mapping": m.idx_mapping.tolist(),
+        "query_start_loc": qsl,
+        "seq_lens": m.seq_lens.tolist(),
+        "num_tokens": m.num_tokens,
+        "changes": {"finished": list(so.finished_req_ids), "preempted": list(so.preempted_req_ids),
+                    "added": [r for r in new_ids if not origin(r).startswith("resumed")],
+                    "resumed": [r for r in so.num_scheduled_tokens if origin(r).startswith("resumed")],
+                    "blocks": appended},
+        "kv_geometry": {"num_kv_heads": geometry.num_kv_heads, "head_size": geometry.head_size,
+                        "dtype": geometry.dtype, "bytes_per_token": geometry.bytes_per_token},
+    }
+    if req_id is None:
+        if token is not None:  # a flat token index
+            if not 0 <= token < m.num_tokens:
+                raise KvmapError(f"token {token} does not exist: step {step} has flat tokens 0..{m.num_tokens - 1}",
+                                 field="--token")
+            b = int(np.searchsorted(m.query_start_loc, token, side="right")) - 1
+            req_id, token = m.req_ids[b], token - qsl[b]
+        else:
+            return out
+    if req_id not in batch_of:
+        where = "is not scheduled in" if req_id in st.req_id_to_index else "does not exist at"
+        raise KvmapError(f"request {req_id!r} {where} step {step}; scheduled: {_list(list(m.req_ids))}",
+                         field="--req")
+    b = batch_of[req_id]
+    row = int(m.idx_mapping[b])
+    nc = int(m.num_computed_tokens[b])
+    n = int(m.num_scheduled_tokens[b])
+    drafts = len(so.scheduled_spec_decode_tokens.get(req_id, []))
+    req: dict = {"req_id": req_id, "batch_idx": b, "row": row, "origin": origin(req_id),
+                 "num_computed_tokens": nc, "num_scheduled_tokens": n, "num_draft_tokens": drafts,
+                 "tokens": [qsl[b], qsl[b + 1]], "positions": [nc, nc + n - 1],
+                 "input_ids": m.input_ids[qsl[b]:qsl[b + 1]].tolist(), "seq_len": nc + n, "block_tables": []}
+    for g in groups:
+        grp = h.kv_cache_groups[g]
+        bs = grp.block_size
+        nb = int(st.num_blocks[g, row])
+        ids = st.block_tables[g][row, :nb].tolist()
+        lo = readable_start(grp.kind, grp.sliding_window, grp.attention_chunk_size, nc) // bs
+        touched = list(range(nc // bs, (nc + n - 1) // bs + 1))
+        entries = []
+        for j, blk in enumerate(ids):
+            if blk == (h.null_block_id if h.null_block_id is not None else 0) and grp.kind != "full_attention":
+                state = "null"
+            elif j < lo:
+                state = "out of window (stale: never read or written again)"
+            elif j in touched:
+                state = "written this step"
+            elif j * bs < nc + n:
+                state = "read"
+            else:
+                state = "allocated ahead"
+            entries.append({"logical_block": j, "block": blk, "state": state})
+        req["block_tables"].append({"group": g, "kind": grp.kind, "block_size": bs, "entries": entries})
+    out["request"] = req
+    if token is None:
+        return out
+    if not 0 <= token < n:
+        raise KvmapError(f"token {token} does not exist: request {req_id!r} has {n} token"
+                         f"{'s' if n != 1 else ''} in step {step} (0..{n - 1})", field="--token")
+    t = qsl[b] + token
+    p = int(m.positions[t])
+    chain = {"token": token, "flat_token_index": t, "position": p, "input_id": int(m.input_ids[t]),
+             "is_draft": token >= n - drafts, "links": [
+                 f"request {req_id!r} -> batch {b} (batch order: sorted by scheduled tokens)",
+                 f"batch {b} -> row {row} (idx_mapping[{b}] = {row})",
+                 f"token {token} of the request -> flat token {qsl[b]} + {token} = {t} (query_start_loc[{b}] = {qsl[b]})",
+                 f"flat token {t} -> position {nc} + {token} = {p} (num_computed_tokens + offset)",
+             ], "groups": []}
+    H, D = geometry.num_kv_heads, geometry.head_size
+    elem = geometry.bytes_per_token // geometry.lanes
+    for g in groups:
+        grp = h.kv_cache_groups[g]
+        bs = grp.block_size
+        lb, off = p // bs, p % bs
+        blk = int(st.block_tables[g][row, lb])
+        slot = int(m.slot_mapping[g, t])
+        assert slot == blk * bs + off
+        plane = h.num_gpu_blocks * bs * H * D * elem  # bytes of the K half of one layer's tensor
+        k0 = slot * H * D * elem
+        chain["groups"].append({
+            "group": g, "kind": grp.kind, "block_size": bs, "logical_block": lb, "offset": off, "block": blk,
+            "slot": slot, "links": [
+                f"position {p} -> block {p} // {bs} = {lb}, offset {p} % {bs} = {off}",
+                f"block_table[{row}][{lb}] = {blk}",
+                f"slot {blk} * {bs} + {off} = {slot}",
+                f"bytes (one layer, [2, {h.num_gpu_blocks}, {bs}, {H}, {D}] {geometry.dtype}): K at {k0}..{k0 + H * D * elem - 1}, "
+                f"V at {plane + k0}..{plane + k0 + H * D * elem - 1} ({H * D * elem} bytes each)",
+            ]})
+    out["token"] = chain
+    return out

@@ -1,0 +1,330 @@
+"""Benchmark kvmap's mapping path against a faithful V1-style numpy baseline, in the same run.
+
+    python scripts/bench.py [--reps 200] [--json out.json] [--trace traces/long_mixed.jsonl.gz]
+
+Part 1, synthetic steps (perf-facts.md section 4): 1024 request rows, token rows of 8192, block-table rows of
+512, block size 16, histories of 100-4000 tokens; each step takes B distinct rows in random order, 10% of them
+prefill chunks of 64-512 tokens, the rest 1-token decodes; 64 different steps are cycled. The timed region goes
+from the scheduler's Python lists (rows, tokens per request) to finished arrays (idx_mapping, query_start_loc,
+seq_lens, positions, input_ids, batch block table, slot_mapping). Implementations alternate step by step after
+a warm-up; every output is checked identical before timing.
+
+Part 2, the bundled long trace replayed by kvmap's loop twice: with kvmap's numpy worker, and with the same
+worker whose mapping phases are the baseline's code (KV write on, KV verify off). Medians per step.
+
+The baseline is vLLM's V1 runner before #32951 (positions, token gather and slot mapping in numpy on the CPU):
+`req_indices = np.repeat(arange, counts)`, per-token offsets by the cumsum trick, `np.take` from the flattened
+token buffer, a gather of the batch's full block-table rows, and the slot from the flattened batch table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvmap import batch as KB  # noqa: E402
+from kvmap.state import WorkerState  # noqa: E402
+from kvmap.trace import KVCacheGroup, Trace, TraceHeader  # noqa: E402
+from kvmap.worker import NumpyWorker  # noqa: E402
+
+ROWS, MAX_MODEL_LEN, BS = 1024, 8192, 16
+MAX_BLOCKS = MAX_MODEL_LEN // BS  # 512
+
+
+# ------------------------------------------------------------------------------------------- baseline
+
+
+class V1Baseline:
+    """vLLM V1-style numpy input prep on preallocated buffers (persistent-batch order, no sort)."""
+
+    def __init__(self, token_ids: np.ndarray, block_table: np.ndarray, num_computed: np.ndarray,
+                 max_tokens: int) -> None:
+        self.token_ids = token_ids  # [R, max_model_len]
+        self.block_table = block_table  # [R, max_blocks]
+        self.num_computed = num_computed  # [R]
+        R = token_ids.shape[0]
+        self.arange = np.arange(max(max_tokens, R + 1), dtype=np.int64)
+        self.qsl = np.zeros(R + 1, dtype=np.int32)
+        self.seq_lens = np.zeros(R, dtype=np.int32)
+        self.positions = np.zeros(max_tokens, dtype=np.int64)
+        self.input_ids = np.zeros(max_tokens, dtype=np.int32)
+        self.batch_table = np.zeros_like(block_table)
+        self.slot_mapping = np.full(max_tokens, -1, dtype=np.int64)
+        self.idx_mapping = np.zeros(R, dtype=np.int32)
+
+    def step(self, rows_list: list[int], counts_list: list[int]) -> int:
+        rows = np.array(rows_list, dtype=np.int32)
+        ns = np.array(counts_list, dtype=np.int32)
+        B = len(rows)
+        self.idx_mapping[:B] = rows
+        req_indices = np.repeat(self.arange[:B], ns)
+        cu = np.cumsum(ns)
+        T = int(cu[-1])
+        self.qsl[0] = 0
+        self.qsl[1 : B + 1] = cu
+        query_pos = self.arange[:T] - np.repeat(cu - ns, ns)
+        nc = self.num_computed[rows]
+        positions = self.positions[:T]
+        np.add(nc[req_indices], query_pos, out=positions)
+        np.add(nc, ns, out=self.seq_lens[:B])
+        flat = positions + rows[req_indices].astype(np.int64) * self.token_ids.shape[1]
+        np.take(self.token_ids.ravel(), flat, out=self.input_ids[:T])
+        np.take(self.block_table, rows, axis=0, out=self.batch_table[:B])  # full rows, as V1 commits them
+        idx = req_indices * self.block_table.shape[1] + positions // BS
+        np.add(self.batch_table.ravel()[idx] * BS, positions % BS, out=self.slot_mapping[:T])
+        return T
+
+
+# ------------------------------------------------------------------------------------------- kvmap
+
+
+def make_header(max_tokens: int) -> TraceHeader:
+    return TraceHeader(model_runner_protocol="v2", block_size=BS, num_gpu_blocks=ROWS * MAX_BLOCKS,
+                       kv_cache_groups=(KVCacheGroup(0, "full_attention", BS),), max_num_seqs=ROWS,
+                       max_num_batched_tokens=max_tokens, max_model_len=MAX_MODEL_LEN)
+
+
+class KvmapMappings:
+    """kvmap's numpy mapping phases (batch order, inputs, block tables, slots) over a WorkerState."""
+
+    def __init__(self, state: WorkerState, max_tokens: int) -> None:
+        self.state = state
+        self.buf = KB.InputBuffers(state, max_tokens)
+        self.no_drafts = np.zeros(ROWS, dtype=np.int32)
+
+    def step(self, rows_list: list[int], counts_list: list[int]) -> int:
+        rows = np.array(rows_list, dtype=np.int32)
+        counts = np.array(counts_list, dtype=np.int32)
+        order = KB.batch_order(counts, self.no_drafts[: len(rows)], 0)
+        B, T = KB.build_inputs(self.state, self.buf, rows, counts, order)
+        KB.gather_block_tables(self.state, self.buf, B)
+        KB.compute_slot_mappings(self.state, self.buf, B, T)
+        return T
+
+
+def synthetic(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    token_ids = rng.integers(0, 32000, size=(ROWS, MAX_MODEL_LEN), dtype=np.int32)
+    num_computed = rng.integers(100, 4000, size=ROWS, dtype=np.int32)
+    block_table = rng.permutation(ROWS * MAX_BLOCKS).astype(np.int32).reshape(ROWS, MAX_BLOCKS)
+    return rng, token_ids, block_table, num_computed
+
+
+def make_steps(rng, num_computed, B: int, n: int = 64) -> list[tuple[list[int], list[int]]]:
+    steps = []
+    for _ in range(n):
+        rows = rng.choice(ROWS, size=B, replace=False)
+        counts = np.ones(B, dtype=np.int64)
+        k = max(1, round(0.1 * B))
+        counts[rng.choice(B, size=k, replace=False)] = rng.integers(64, 513, size=k)
+        # keep every request inside its row: num_computed + count <= max_model_len
+        counts = np.minimum(counts, MAX_MODEL_LEN - num_computed[rows])
+        steps.append((rows.tolist(), counts.tolist()))
+    return steps
+
+
+def check_same(base: V1Baseline, kv: KvmapMappings, rows: list[int], counts: list[int]) -> None:
+    order = np.argsort(np.array(counts), kind="stable")
+    r2 = [rows[i] for i in order]
+    c2 = [counts[i] for i in order]
+    T = base.step(r2, c2)
+    T2 = kv.step(rows, counts)
+    B = len(rows)
+    assert T == T2
+    b = kv.buf
+    assert np.array_equal(b.idx_mapping[:B], base.idx_mapping[:B])
+    assert np.array_equal(b.query_start_loc[: B + 1], base.qsl[: B + 1])
+    assert np.array_equal(b.seq_lens[:B], base.seq_lens[:B])
+    assert np.array_equal(b.positions[:T], base.positions[:T])
+    assert np.array_equal(b.input_ids[:T], base.input_ids[:T])
+    assert np.array_equal(b.slot_mapping[0, :T], base.slot_mapping[:T])
+    for i in range(B):
+        nb = int(b.num_blocks[0, i])
+        assert np.array_equal(b.block_tables[0][i, :nb], base.batch_table[i, :nb])
+
+
+def stats(ns: np.ndarray, tokens: np.ndarray) -> dict:
+    p10, p50, p90 = np.percentile(ns, [10, 50, 90])
+    return {"median_us": p50 / 1e3, "p10_us": p10 / 1e3, "p90_us": p90 / 1e3,
+            "ns_per_token": float(np.median(ns / tokens)), "n": int(len(ns))}
+
+
+def bench_synthetic(reps: int, sizes: list[int]) -> list[dict]:
+    rng, token_ids, block_table, num_computed = synthetic()
+    max_tokens = 1024 * 512
+    header = make_header(max_tokens)
+    state = WorkerState(header)
+    state.token_ids[:, :MAX_MODEL_LEN] = token_ids
+    state.block_tables[0][:, :MAX_BLOCKS] = block_table
+    state.num_computed_tokens[:] = num_computed
+    state.num_blocks[0, :] = MAX_BLOCKS
+    base = V1Baseline(token_ids, block_table, num_computed, max_tokens)
+    kv = KvmapMappings(state, max_tokens)
+    out = []
+    for B in sizes:
+        steps = make_steps(rng, num_computed, B)
+        for rows, counts in steps[:5]:
+            check_same(base, kv, rows, counts)
+        impls = {"v1_baseline": base.step, "kvmap_numpy": kv.step}
+        times = {k: [] for k in impls}
+        toks = []
+        clock = time.perf_counter_ns
+        gc.disable()
+        for i in range(reps + 20):  # the first 20 are warm-up
+            rows, counts = steps[i % len(steps)]
+            for name, fn in (impls.items() if i % 2 == 0 else reversed(impls.items())):
+                t0 = clock()
+                T = fn(rows, counts)
+                dt = clock() - t0
+                if i >= 20:
+                    times[name].append(dt)
+            if i >= 20:
+                toks.append(T)
+        gc.enable()
+        tk = np.array(toks, dtype=np.float64)
+        row = {"batch_size": B, "tokens_per_step": float(np.median(tk))}
+        for name, ts in times.items():
+            row[name] = stats(np.array(ts, dtype=np.float64), tk)
+        row["speedup"] = row["v1_baseline"]["median_us"] / row["kvmap_numpy"]["median_us"]
+        out.append(row)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- whole replay
+
+
+class BaselineWorker(NumpyWorker):
+    """kvmap's worker with the mapping phases replaced by the V1-style baseline's code."""
+
+    name = "v1_baseline"
+
+    def __init__(self, header: TraceHeader) -> None:
+        super().__init__(header)
+        st = self.state
+        self.base = V1Baseline(st.token_ids, st.block_tables[0], st.num_computed_tokens,
+                               self.buffers.max_num_tokens)
+        self.base.token_ids = st.token_ids
+
+    def prepare_inputs(self) -> None:
+        _, rows, counts, _ = self._sched
+        order = self._order
+        b = self.base
+        r = rows[order]
+        ns = counts[order]
+        B = len(r)
+        b.idx_mapping[:B] = r
+        req_indices = np.repeat(b.arange[:B], ns)
+        cu = np.cumsum(ns)
+        T = int(cu[-1]) if B else 0
+        b.qsl[1 : B + 1] = cu
+        query_pos = b.arange[:T] - np.repeat(cu - ns, ns)
+        nc = self.state.num_computed_tokens[r]
+        np.add(nc[req_indices], query_pos, out=b.positions[:T])
+        np.add(nc, ns, out=b.seq_lens[:B])
+        flat = b.positions[:T] + r[req_indices].astype(np.int64) * self.state.token_width
+        np.take(self.state.token_ids.ravel(), flat, out=b.input_ids[:T])
+        self._req_indices = req_indices
+        self._B, self._T = B, T
+        # publish into kvmap's buffers so that the KV write reads the same arrays
+        buf = self.buffers
+        buf.idx_mapping[:B] = r
+        buf.num_scheduled_tokens[:B] = ns
+        buf.num_computed_tokens[:B] = nc
+        buf.query_start_loc[: B + 1] = b.qsl[: B + 1]
+        buf.seq_lens[:B] = b.seq_lens[:B]
+        buf.positions[:T] = b.positions[:T]
+        buf.input_ids[:T] = b.input_ids[:T]
+
+    def gather_block_tables(self) -> None:
+        r = self.buffers.idx_mapping[: self._B]
+        for g, table in enumerate(self.state.block_tables):
+            np.take(table, r, axis=0, out=self.buffers.block_tables[g][: self._B])  # full rows
+            self.buffers.num_blocks[g, : self._B] = self.state.num_blocks[g, r]
+
+    def compute_slot_mappings(self) -> None:
+        T = self._T
+        pos = self.buffers.positions[:T]
+        for g, table in enumerate(self.buffers.block_tables):
+            bs = self.state.block_sizes[g]
+            idx = self._req_indices * table.shape[1] + pos // bs
+            np.add(table.ravel()[idx].astype(np.int64) * bs, pos % bs, out=self.buffers.slot_mapping[g, :T])
+
+
+def bench_replay(trace_path: Path, runs: int) -> dict:
+    import kvmap.worker as W
+    from kvmap.replay import replay
+    from kvmap.result import MAPPING_PHASES
+
+    orig = W.make_worker
+    results = {"numpy": [], "v1_baseline": []}
+    for i in range(runs):
+        for name in (("numpy", "v1_baseline") if i % 2 == 0 else ("v1_baseline", "numpy")):
+            W.make_worker = (lambda b, h: BaselineWorker(h)) if name == "v1_baseline" else orig
+            import kvmap.replay as R
+            R.make_worker = W.make_worker
+            dumps = [] if i == 0 else None
+            r = replay(Trace(trace_path), nvtx=False, warmup=20,
+                       on_mappings=dumps.append if dumps is not None else None)
+            results[name].append((r, dumps))
+    W.make_worker = orig
+    import kvmap.replay as R
+    R.make_worker = orig
+    a, b = results["numpy"][0][1], results["v1_baseline"][0][1]
+    assert a == b, "baseline worker and kvmap worker disagree on the trace"
+    out = {"trace": str(trace_path), "runs": runs, "steps": results["numpy"][0][0].steps_replayed, "phases": {}}
+    for name, rs in results.items():
+        m = np.concatenate([r.measured() for r, _ in rs])
+        phases = rs[0][0].phases
+        mi = [phases.index(p) for p in MAPPING_PHASES]
+        out["phases"][name] = {p: float(np.median(m[:, j])) / 1e3 for j, p in enumerate(phases)}
+        out["phases"][name]["mappings"] = float(np.median(m[:, mi].sum(axis=1))) / 1e3
+        out["phases"][name]["step"] = float(np.median(m.sum(axis=1))) / 1e3
+    return out
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=300, help="timed steps per batch size and implementation")
+    ap.add_argument("--sizes", default="8,64,256,1024")
+    ap.add_argument("--trace", default=str(Path(__file__).resolve().parent.parent / "traces" / "long_mixed.jsonl.gz"))
+    ap.add_argument("--replay-runs", type=int, default=2)
+    ap.add_argument("--json", dest="json_out")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    syn = bench_synthetic(args.reps, sizes)
+    print(f"mappings per step, synthetic (median [p10-p90] us; ns/token; {args.reps} steps each, alternating)")
+    print(f"{'B':>5} {'tokens':>7} | {'V1-style baseline':>26} | {'kvmap numpy':>26} | {'speed-up':>8}")
+    for r in syn:
+        a, k = r["v1_baseline"], r["kvmap_numpy"]
+        print(f"{r['batch_size']:>5} {r['tokens_per_step']:>7.0f} | {a['median_us']:>7.1f} [{a['p10_us']:.0f}-{a['p90_us']:.0f}]"
+              f" {a['ns_per_token']:>6.1f} ns/t | {k['median_us']:>7.1f} [{k['p10_us']:.0f}-{k['p90_us']:.0f}]"
+              f" {k['ns_per_token']:>6.1f} ns/t | {r['speedup']:>7.2f}x")
+    rep = bench_replay(Path(args.trace), args.replay_runs) if args.replay_runs else None
+    if rep:
+        print(f"\nwhole replay of {rep['trace']} ({rep['steps']} steps, {rep['runs']} runs each, KV write on, "
+              "verify off): median us per step")
+        a, k = rep["phases"]["v1_baseline"], rep["phases"]["numpy"]
+        print(f"{'phase':<16} {'baseline':>10} {'kvmap':>10} {'ratio':>7}")
+        for p in a:
+            print(f"{p:<16} {a[p]:>10.1f} {k[p]:>10.1f} {a[p] / k[p] if k[p] else float('nan'):>6.2f}x")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"machine": {"python": platform.python_version(),
+                                                               "numpy": np.__version__,
+                                                               "processor": platform.processor()},
+                                                   "synthetic": syn, "replay": rep}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
