@@ -91,10 +91,10 @@ class InputBuffers:
         self.num_blocks = np.zeros((G, N), dtype=np.int32)  # [G, N]
         # scratch
         self.arange = np.arange(max(T, N + 1), dtype=np.int64)  # [T] 0, 1, 2, ...
-        self.row_tok = np.zeros(T, dtype=np.int64)  # [T] flat token -> req_state_idx (idx_mapping expanded)
         self.tmp_tok = np.zeros(T, dtype=np.int64)  # [T]
         self.tmp_tok2 = np.zeros(T, dtype=np.int64)  # [T]
         self.tmp_req = np.zeros(N, dtype=np.int64)  # [N]
+        self.tmp_req2 = np.zeros(N, dtype=np.int64)  # [N]
         self.tmp_blk = np.zeros(T, dtype=np.int32)  # [T] gathered block ids
 
 
@@ -102,9 +102,9 @@ def build_inputs(state: WorkerState, buf: InputBuffers, rows: np.ndarray, counts
                  order: np.ndarray) -> tuple[int, int]:
     """`idx_mapping`, `query_start_loc`, `seq_lens`, `positions`, `input_ids` into `buf`. Returns (B, T).
 
-    Per-token values are one `np.repeat` of a per-request base plus `arange`: for request b,
-    `positions = (num_computed_tokens[b] - query_start_loc[b]) + t` and the flat index of its token row is
-    `row[b] * width + position`. The expanded row of each token is kept for the slot mappings.
+    Per-token values are one `np.repeat` of a per-request base plus `arange`: request b's tokens are
+    `positions = (num_computed_tokens[b] - query_start_loc[b]) + t`, and their flat index into the token rows
+    is that plus `row[b] * width`. A step of pure decodes (T == B) needs no expansion at all.
     """
     B = len(order)
     idx = buf.idx_mapping[:B]
@@ -118,17 +118,18 @@ def build_inputs(state: WorkerState, buf: InputBuffers, rows: np.ndarray, counts
     T = int(qsl[B])
     np.add(nc, n, out=buf.seq_lens[:B])
     pos = buf.positions[:T]
-    if T == B:  # every request schedules one token (pure decode): nothing to expand
-        pos[:] = nc
-        row_tok = buf.row_tok[:T]
-        row_tok[:] = idx
-    else:
-        np.add(np.repeat(nc - qsl[:B], n), buf.arange[:T], out=pos)
-        row_tok = buf.row_tok[:T]
-        row_tok[:] = np.repeat(idx, n)
     flat = buf.tmp_tok[:T]
-    np.multiply(row_tok, state.token_width, out=flat)
-    flat += pos
+    base = buf.tmp_req[:B]
+    if T == B:
+        pos[:] = nc
+        np.multiply(idx, state.token_width, out=flat)
+        flat += nc
+    else:
+        np.subtract(nc, qsl[:B], out=base)
+        np.add(np.repeat(base, n), buf.arange[:T], out=pos)
+        np.multiply(idx, state.token_width, out=buf.tmp_req2[:B])
+        base += buf.tmp_req2[:B]
+        np.add(np.repeat(base, n), buf.arange[:T], out=flat)
     np.take(state.token_ids.reshape(-1), flat, out=buf.input_ids[:T], mode="clip")
     return B, T
 
@@ -143,17 +144,23 @@ def gather_block_tables(state: WorkerState, buf: InputBuffers, B: int) -> None:
 
 
 def compute_slot_mappings(state: WorkerState, buf: InputBuffers, B: int, T: int) -> None:
-    """`slot = block_table[row, pos // bs] * bs + pos % bs` for every token and group, from the state table
-    through the token's row (`idx_mapping` expanded in `build_inputs`)."""
+    """`slot = block_table[row, pos // bs] * bs + pos % bs` for every token and group, read from the
+    persistent row-indexed table through `idx_mapping` (as MRV2's kernel does)."""
+    idx = buf.idx_mapping[:B]
+    n = buf.num_scheduled_tokens[:B]
     pos = buf.positions[:T]
-    row_tok = buf.row_tok[:T]
     blk = buf.tmp_tok[:T]
     off = buf.tmp_tok2[:T]
     ids = buf.tmp_blk[:T]
+    rowbase = buf.tmp_req[:B]
     for g, table in enumerate(state.block_tables):
         bs = state.block_sizes[g]
         out = buf.slot_mapping[g, :T]
-        np.multiply(row_tok, table.shape[1], out=blk)
+        np.multiply(idx, table.shape[1], out=rowbase)
+        if T == B:
+            blk[:] = rowbase
+        else:
+            blk[:] = np.repeat(rowbase, n)
         if bs & (bs - 1) == 0:  # power of two: shifts and masks
             shift = bs.bit_length() - 1
             np.right_shift(pos, shift, out=off)

@@ -81,14 +81,16 @@ TraceArg = Annotated[Optional[Path], typer.Argument(help="Trace file (.jsonl or 
                                                          "bundled worked example.", show_default=False)]
 StepsOpt = Annotated[Optional[str], typer.Option("--steps", help="Only time steps START:END (END exclusive); "
                                                   "earlier steps are still replayed.")]
-BackendOpt = Annotated[str, typer.Option("--backend", "-b", help="Worker implementation: numpy | reference.")]
+BackendOpt = Annotated[Optional[str], typer.Option("--backend", "-b", help="Worker implementation: numba "
+                                                   "(compiled, the default when numba imports) | numpy | reference.",
+                                                   show_default=False)]
 
 
 @app.command()
 @_user_errors
 def replay(
     trace: TraceArg = None,
-    backend: BackendOpt = "numpy",
+    backend: BackendOpt = None,
     steps: StepsOpt = None,
     warmup: Annotated[int, typer.Option(help="Measured steps to exclude from statistics.", min=0)] = 2,
     verify_kv: Annotated[bool, typer.Option("--verify-kv", help="Read back every scheduled request's "
@@ -114,7 +116,9 @@ def replay(
     from kvmap.replay import replay as run_replay
     from kvmap.report import render_summary, summary_dict, to_chrome_trace, to_csv
     from kvmap.trace import Trace
+    from kvmap.worker import default_backend
 
+    backend = backend or default_backend()
     start, stop = parse_steps(steps)
     t = Trace(trace or default_trace())
     geometry = KVGeometry(kv_heads, head_size, kv_dtype).check()

@@ -92,7 +92,10 @@ class KVCheckResult:
 
 
 class PagedKVCache:
-    def __init__(self, header: TraceHeader, geometry: KVGeometry, device: str = "cpu") -> None:
+    def __init__(self, header: TraceHeader, geometry: KVGeometry, device: str = "cpu", use_kernels: bool = True,
+                 max_examples: int = 20) -> None:
+        """`use_kernels`: write and verify with the compiled CPU kernels when numba is installed (same bits as
+        the torch path, which is used otherwise and tested against them)."""
         t = torch()
         geometry.check()
         self.header = header
@@ -108,6 +111,18 @@ class PagedKVCache:
             self.bits.append(cache.view(getattr(t, tbits)).view(2, header.num_gpu_blocks * g.block_size, H * D))
         self.written = [np.zeros(header.num_gpu_blocks * g.block_size, dtype=bool) for g in header.kv_cache_groups]
         self.bytes = sum(c.numel() * c.element_size() for c in self.caches)
+        self.kernels = None
+        if device == "cpu" and use_kernels:
+            try:
+                from kvmap import kernels_cpu
+            except ImportError:
+                pass
+            else:
+                self.kernels = kernels_cpu
+                udt = np.dtype(f"u{np.dtype(self.np_bits).itemsize}")
+                self.ubits = [b.numpy().view(udt) for b in self.bits]  # same memory, unsigned view
+                self.mask = np.uint64((1 << (8 * udt.itemsize)) - 1)
+                self._bad = np.zeros((max_examples, 3), dtype=np.int64)
 
     def _values(self, token_ids: np.ndarray, positions: np.ndarray):
         v = canary(token_ids, positions, self.geometry.lanes).astype(f"u{np.dtype(self.np_bits).itemsize}")
@@ -115,6 +130,12 @@ class PagedKVCache:
         return torch().from_numpy(v).permute(1, 0, 2)  # [2, n, H*D]
 
     def write(self, m: BatchMappings) -> None:
+        if self.kernels is not None:
+            for g, ub in enumerate(self.ubits):
+                slots = m.slot_mapping[g]
+                self.kernels.kv_write(m.input_ids, m.positions, slots, ub, self.mask)
+                self.written[g][slots[slots >= 0]] = True
+            return
         t = torch()
         values = self._values(m.input_ids, m.positions)
         for g, bits in enumerate(self.bits):
@@ -130,8 +151,10 @@ class PagedKVCache:
     def verify(self, worker, step: int, req_ids: list[str], into: KVCheckResult | None = None,
                max_examples: int = 20) -> KVCheckResult:
         """Read back this step's readable context in every group; add the outcome to `into`."""
-        t = torch()
         res = into if into is not None else KVCheckResult()
+        if self.kernels is not None and hasattr(worker, "state"):
+            return self._verify_kernels(worker, step, req_ids, res, max_examples)
+        t = torch()
         for g, bits in enumerate(self.bits):
             breq, pos, slots, tokens = worker.readable_context(g)
             if not len(pos):
@@ -148,7 +171,28 @@ class PagedKVCache:
                                                int(tokens[i]), self._describe(g, int(slots[i]), got[:, i])))
         return res
 
-    def _describe(self, g: int, slot: int, bits: np.ndarray) -> str:
+    def _verify_kernels(self, worker, step: int, req_ids: list[str], res: KVCheckResult,
+                        max_examples: int) -> KVCheckResult:
+        m = worker.mappings()
+        st = worker.state
+        nc = m.num_computed_tokens.astype(np.int64)
+        for g, grp in enumerate(self.header.kv_cache_groups):
+            if grp.kind == "sliding_window":
+                lo = np.maximum(nc - grp.sliding_window + 1, 0)
+            elif grp.kind == "chunked_local":
+                lo = nc // grp.attention_chunk_size * grp.attention_chunk_size
+            else:
+                lo = np.zeros_like(nc)
+            checked, bad = self.kernels.kv_verify(m.idx_mapping, lo, m.seq_lens, st.token_ids, st.block_tables[g],
+                                                  grp.block_size, self.ubits[g], self.mask, self._bad)
+            res.checked += checked
+            res.mismatches += bad
+            for b, p, s in self._bad[: min(bad, max(max_examples - len(res.examples), 0))].tolist():
+                res.examples.append(KVMismatch(step, req_ids[b], g, p, s, int(st.token_ids[m.idx_mapping[b], p]),
+                                               self._describe(g, s, None)))
+        return res
+
+    def _describe(self, g: int, slot: int, bits: np.ndarray | None) -> str:
         if not self.written[g][slot]:
             return "never written"
         return "bits of another token or position"

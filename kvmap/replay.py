@@ -11,8 +11,11 @@ Rules:
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import asdict
+
+import numpy as np
 
 from kvmap.errors import KvmapError
 from kvmap.kv_cache import KVCheckResult, KVGeometry, PagedKVCache
@@ -35,9 +38,11 @@ def replay(
     nvtx: bool = True,
     on_mappings: Callable[[object], None] | None = None,
     on_step: Callable[[int], None] | None = None,
+    worker=None,
 ) -> ReplayResult:
+    """Replay `trace`; `worker` (an instance) overrides `backend`, for benchmarks of other mapping code."""
     header = trace.header
-    worker = make_worker(backend, header)
+    worker = worker if worker is not None else make_worker(backend, header)
     geometry = (kv_geometry or KVGeometry()).check()
     kv = PagedKVCache(header, geometry) if (write_kv or verify_kv) else None
     phases = [p for p in PHASES if (p != "kv_verify" or verify_kv) and (not p.startswith("kv_") or kv)]
@@ -70,6 +75,7 @@ def replay(
     clock = time.perf_counter_ns
     push, pop = markers.push, markers.pop
     seen: set[str] = set()
+    rec_steps, rec_reqs, rec_tokens, rec_ns, rec_start = (array("q") for _ in range(5))
     steps = trace.steps(0, stop)
     wall0 = time.perf_counter()
     origin = clock()
@@ -97,11 +103,11 @@ def replay(
             pop()  # step
             so = step.scheduler_output
             if step.step >= start:
-                result.steps.append(step.step)
-                result.num_reqs.append(len(so.num_scheduled_tokens))
-                result.num_tokens.append(so.total_num_scheduled_tokens)
-                result.phase_ns.append([ts[j + 1] - ts[j] for j in range(len(phases))])
-                result.step_start_ns.append(ts[0] - origin)
+                rec_steps.append(step.step)
+                rec_reqs.append(len(so.num_scheduled_tokens))
+                rec_tokens.append(so.total_num_scheduled_tokens)
+                rec_ns.extend([ts[j + 1] - ts[j] for j in range(len(phases))])
+                rec_start.append(ts[0] - origin)
             result.steps_replayed += 1
             result.tokens_scheduled += so.total_num_scheduled_tokens
             for nr in so.scheduled_new_reqs:
@@ -115,6 +121,11 @@ def replay(
         raise e.located(path=trace.name)
     result.kv_checked, result.kv_mismatches = check.checked, check.mismatches
     result.kv_examples = [asdict(e) for e in check.examples]
+    result.steps, result.num_reqs, result.num_tokens, result.step_start_ns = (
+        np.frombuffer(a, dtype=np.int64) if len(a) else np.zeros(0, np.int64)
+        for a in (rec_steps, rec_reqs, rec_tokens, rec_start))
+    result.phase_ns = (np.frombuffer(rec_ns, dtype=np.int64) if len(rec_ns) else np.zeros(0, np.int64)).reshape(
+        -1, len(phases))
     result.wall_s = time.perf_counter() - wall0
     result.requests_seen = len(seen)
     result.standin_tokens = worker.num_standin_tokens

@@ -72,7 +72,7 @@ def warnings(r: ReplayResult) -> list[str]:
             outliers = np.flatnonzero(z > OUTLIER_Z)
             if len(outliers):
                 worst = int(outliers[np.argmax(total[outliers])])
-                step = r.steps[r.warmup + worst]
+                step = int(r.steps[r.warmup + worst])
                 out.append(f"{len(outliers)} outlier step(s), the worst step {step} at {total[worst] / 1e3:.0f} us "
                            f"vs a median of {med / 1e3:.0f} us (first-touch or a busy machine: raise --warmup "
                            "or replay again)")
@@ -156,7 +156,8 @@ def to_csv(r: ReplayResult) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["step", "warmup", "num_reqs", "num_tokens", "phase", "ns"])
-    for i, (step, nr, nt, row) in enumerate(zip(r.steps, r.num_reqs, r.num_tokens, r.phase_ns)):
+    for i, (step, nr, nt, row) in enumerate(zip(r.steps.tolist(), r.num_reqs.tolist(), r.num_tokens.tolist(),
+                                                 r.phase_ns.tolist())):
         for p, ns in zip(r.phases, row):
             w.writerow([step, int(i < r.warmup), nr, nt, p, ns])
     return buf.getvalue()
@@ -169,7 +170,8 @@ def to_chrome_trace(r: ReplayResult) -> dict:
     for t, p in enumerate(r.phases, start=1):
         events.append({"ph": "M", "pid": 1, "tid": t, "name": "thread_name", "args": {"name": p}})
         events.append({"ph": "M", "pid": 1, "tid": t, "name": "thread_sort_index", "args": {"sort_index": t}})
-    for step, start, nr, nt, row in zip(r.steps, r.step_start_ns, r.num_reqs, r.num_tokens, r.phase_ns):
+    for step, start, nr, nt, row in zip(r.steps.tolist(), r.step_start_ns.tolist(), r.num_reqs.tolist(),
+                                        r.num_tokens.tolist(), r.phase_ns.tolist()):
         total = sum(row)
         events.append({"ph": "X", "pid": 1, "tid": 0, "name": "execute_model", "ts": start / 1e3,
                        "dur": total / 1e3, "args": {"step": step, "num_reqs": nr, "num_tokens": nt}})

@@ -35,11 +35,12 @@ class ReplayResult:
     phases: list[str]
     warmup: int  # timed-window steps excluded from statistics
     step_window: list[int | None]  # [start, stop) of the timed window
-    steps: list[int] = field(default_factory=list)  # [n] step index of each recorded step
-    num_reqs: list[int] = field(default_factory=list)  # [n]
-    num_tokens: list[int] = field(default_factory=list)  # [n]
-    phase_ns: list[list[int]] = field(default_factory=list)  # [n, len(phases)]
-    step_start_ns: list[int] = field(default_factory=list)  # [n] start of each step, from the replay's start
+    # per recorded step, int64 arrays (compact: 8 bytes a value, so long replays stay flat in memory)
+    steps: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n] step index
+    num_reqs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n]
+    num_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n]
+    phase_ns: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # [n, len(phases)]
+    step_start_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n] from the replay's start
     steps_replayed: int = 0  # including steps before the window
     requests_seen: int = 0
     tokens_scheduled: int = 0
@@ -59,15 +60,15 @@ class ReplayResult:
 
     def measured(self) -> np.ndarray:
         """[n - warmup, phases] int64 ns of the steps that count."""
-        a = np.asarray(self.phase_ns, dtype=np.int64).reshape(-1, len(self.phases))
-        return a[self.warmup :]
+        return self.phase_ns.reshape(-1, len(self.phases))[self.warmup :]
 
     def measured_counts(self) -> tuple[np.ndarray, np.ndarray]:
-        return (np.asarray(self.num_reqs[self.warmup :], dtype=np.int64),
-                np.asarray(self.num_tokens[self.warmup :], dtype=np.int64))
+        return self.num_reqs[self.warmup :], self.num_tokens[self.warmup :]
 
     def to_json(self) -> dict:
         d = asdict(self)
+        for k in _ARRAYS:
+            d[k] = getattr(self, k).tolist()
         d["kind"] = "kvmap-replay-result/1"
         return d
 
@@ -76,4 +77,11 @@ class ReplayResult:
         d = dict(d)
         d.pop("kind", None)
         known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
+        kw = {k: v for k, v in d.items() if k in known}
+        for k in _ARRAYS:
+            kw[k] = np.asarray(kw.get(k, []), dtype=np.int64)
+        kw["phase_ns"] = kw["phase_ns"].reshape(-1, len(kw["phases"]))
+        return cls(**kw)
+
+
+_ARRAYS = ("steps", "num_reqs", "num_tokens", "phase_ns", "step_start_ns")

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from kvmap.errors import KvmapError, TraceError
-from kvmap.trace import Step, Trace, TraceHeader, _Where, parse_step
+from kvmap.trace import Step, Trace, TraceHeader, _loads, _Where, parse_step
 
 KINDS = {
     "json": "line is not JSON or is truncated",
@@ -448,7 +448,7 @@ def validate(trace: Trace, max_problems: int | None = None, deep: bool = False) 
                 v.add("json", "blank line", line=line, step_idx=i - 1)
                 continue
             try:
-                obj = json.loads(raw)
+                obj = _loads(raw)
             except json.JSONDecodeError as e:
                 v.add("json", f"not JSON ({e.msg} at column {e.colno})", line=line, step_idx=i - 1)
                 continue

@@ -17,7 +17,16 @@ from kvmap.reference import ReferenceWorker
 from kvmap.state import WorkerState
 from kvmap.trace import Step, TraceHeader
 
-BACKENDS = ("numpy", "reference")
+BACKENDS = ("numba", "numpy", "reference")
+
+
+def default_backend() -> str:
+    """The compiled CPU path when numba imports, else vectorized numpy."""
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return "numpy"
+    return "numba"
 
 
 class NumpyWorker:
@@ -114,7 +123,48 @@ class NumpyWorker:
         return breq, pos, slots, tokens
 
 
+class NumbaWorker(NumpyWorker):
+    """The compiled CPU worker: the same state and buffers as NumpyWorker, mapping phases as numba kernels."""
+
+    name = "numba"
+
+    def __init__(self, header: TraceHeader) -> None:
+        super().__init__(header)
+        from kvmap import kernels_cpu
+
+        self.k = kernels_cpu
+
+    def prepare_inputs(self) -> None:
+        assert self._sched is not None and self._order is not None
+        _, rows, counts, _ = self._sched
+        buf, st = self.buffers, self.state
+        B = len(rows)
+        T = self.k.prepare_inputs(rows, counts, self._order, st.num_computed_tokens, st.token_ids,
+                                  buf.idx_mapping, buf.num_scheduled_tokens, buf.num_computed_tokens,
+                                  buf.query_start_loc, buf.seq_lens, buf.positions, buf.input_ids)
+        self._B, self._T = B, T
+
+    def gather_block_tables(self) -> None:
+        buf, st = self.buffers, self.state
+        idx = buf.idx_mapping[: self._B]
+        for g, table in enumerate(st.block_tables):
+            self.k.gather_block_table(idx, st.num_blocks[g], table, buf.block_tables[g], buf.num_blocks[g])
+
+    def compute_slot_mappings(self) -> None:
+        buf, st = self.buffers, self.state
+        B = self._B
+        idx, n, nc = buf.idx_mapping[:B], buf.num_scheduled_tokens[:B], buf.num_computed_tokens[:B]
+        for g, table in enumerate(st.block_tables):
+            self.k.slot_mapping(idx, n, nc, table, st.block_sizes[g], buf.slot_mapping[g])
+
+
 def make_worker(backend: str, header: TraceHeader) -> NumpyWorker | ReferenceWorker:
+    if backend == "numba":
+        try:
+            return NumbaWorker(header)
+        except ImportError:
+            raise TraceError("the numba backend needs numba (pip install numba); --backend numpy needs nothing",
+                             field="--backend") from None
     if backend == "numpy":
         return NumpyWorker(header)
     if backend == "reference":

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvmap import batch as KB  # noqa: E402
 from kvmap.state import WorkerState  # noqa: E402
 from kvmap.trace import KVCacheGroup, Trace, TraceHeader  # noqa: E402
-from kvmap.worker import NumpyWorker  # noqa: E402
+from kvmap.worker import BACKENDS, NumpyWorker, default_backend, make_worker  # noqa: E402
 
 ROWS, MAX_MODEL_LEN, BS = 1024, 8192, 16
 MAX_BLOCKS = MAX_MODEL_LEN // BS  # 512
@@ -94,21 +94,25 @@ def make_header(max_tokens: int) -> TraceHeader:
 
 
 class KvmapMappings:
-    """kvmap's numpy mapping phases (batch order, inputs, block tables, slots) over a WorkerState."""
+    """kvmap's mapping phases (batch order, inputs, block tables, slots) over a WorkerState, run by one of
+    its workers (`numpy` or `numba`): exactly the calls the replay loop makes."""
 
-    def __init__(self, state: WorkerState, max_tokens: int) -> None:
-        self.state = state
-        self.buf = KB.InputBuffers(state, max_tokens)
+    def __init__(self, worker) -> None:
+        self.w = worker
+        self.state = worker.state
+        self.buf = worker.buffers
         self.no_drafts = np.zeros(ROWS, dtype=np.int32)
 
     def step(self, rows_list: list[int], counts_list: list[int]) -> int:
+        w = self.w
         rows = np.array(rows_list, dtype=np.int32)
         counts = np.array(counts_list, dtype=np.int32)
-        order = KB.batch_order(counts, self.no_drafts[: len(rows)], 0)
-        B, T = KB.build_inputs(self.state, self.buf, rows, counts, order)
-        KB.gather_block_tables(self.state, self.buf, B)
-        KB.compute_slot_mappings(self.state, self.buf, B, T)
-        return T
+        w._sched = (None, rows, counts, self.no_drafts[: len(rows)])
+        w.prepare_batch()
+        w.prepare_inputs()
+        w.gather_block_tables()
+        w.compute_slot_mappings()
+        return w._T
 
 
 def synthetic(seed: int = 0):
@@ -158,30 +162,37 @@ def stats(ns: np.ndarray, tokens: np.ndarray) -> dict:
             "ns_per_token": float(np.median(ns / tokens)), "n": int(len(ns))}
 
 
-def bench_synthetic(reps: int, sizes: list[int]) -> list[dict]:
+def bench_synthetic(reps: int, sizes: list[int], backends: list[str]) -> list[dict]:
     rng, token_ids, block_table, num_computed = synthetic()
     max_tokens = 1024 * 512
     header = make_header(max_tokens)
-    state = WorkerState(header)
-    state.token_ids[:, :MAX_MODEL_LEN] = token_ids
-    state.block_tables[0][:, :MAX_BLOCKS] = block_table
-    state.num_computed_tokens[:] = num_computed
-    state.num_blocks[0, :] = MAX_BLOCKS
+    kvs = {}
+    for name in backends:
+        w = make_worker(name, header)
+        st = w.state
+        st.token_ids[:, :MAX_MODEL_LEN] = token_ids
+        st.block_tables[0][:, :MAX_BLOCKS] = block_table
+        st.num_computed_tokens[:] = num_computed
+        # a realistic row holds the blocks for its history plus its largest chunk
+        st.num_blocks[0, :] = np.minimum(-(-(num_computed + 512) // BS), MAX_BLOCKS)
+        kvs[f"kvmap_{name}"] = KvmapMappings(w)
     base = V1Baseline(token_ids, block_table, num_computed, max_tokens)
-    kv = KvmapMappings(state, max_tokens)
     out = []
     for B in sizes:
         steps = make_steps(rng, num_computed, B)
-        for rows, counts in steps[:5]:
-            check_same(base, kv, rows, counts)
-        impls = {"v1_baseline": base.step, "kvmap_numpy": kv.step}
+        for kv in kvs.values():
+            for rows, counts in steps[:5]:
+                check_same(base, kv, rows, counts)
+        impls = {"v1_baseline": base.step, **{k: kv.step for k, kv in kvs.items()}}
         times = {k: [] for k in impls}
         toks = []
         clock = time.perf_counter_ns
         gc.disable()
+        names = list(impls)
         for i in range(reps + 20):  # the first 20 are warm-up
             rows, counts = steps[i % len(steps)]
-            for name, fn in (impls.items() if i % 2 == 0 else reversed(impls.items())):
+            for name in names[i % len(names):] + names[: i % len(names)]:  # rotate who goes first
+                fn = impls[name]
                 t0 = clock()
                 T = fn(rows, counts)
                 dt = clock() - t0
@@ -194,7 +205,8 @@ def bench_synthetic(reps: int, sizes: list[int]) -> list[dict]:
         row = {"batch_size": B, "tokens_per_step": float(np.median(tk))}
         for name, ts in times.items():
             row[name] = stats(np.array(ts, dtype=np.float64), tk)
-        row["speedup"] = row["v1_baseline"]["median_us"] / row["kvmap_numpy"]["median_us"]
+        for k in kvs:
+            row[k]["speedup"] = row["v1_baseline"]["median_us"] / row[k]["median_us"]
         out.append(row)
     return out
 
@@ -202,7 +214,7 @@ def bench_synthetic(reps: int, sizes: list[int]) -> list[dict]:
 # ------------------------------------------------------------------------------------------- whole replay
 
 
-class BaselineWorker(NumpyWorker):
+class BaselineWorker(NumpyWorker):  # noqa: D101
     """kvmap's worker with the mapping phases replaced by the V1-style baseline's code."""
 
     name = "v1_baseline"
@@ -259,31 +271,31 @@ class BaselineWorker(NumpyWorker):
             np.add(table.ravel()[idx].astype(np.int64) * bs, pos % bs, out=self.buffers.slot_mapping[g, :T])
 
 
-def bench_replay(trace_path: Path, runs: int) -> dict:
-    import kvmap.worker as W
+def bench_replay(trace_path: Path, runs: int, backends: list[str]) -> dict:
     from kvmap.replay import replay
     from kvmap.result import MAPPING_PHASES
 
-    orig = W.make_worker
-    results = {"numpy": [], "v1_baseline": []}
+    header = Trace(trace_path).header
+    makers = {"v1_baseline": lambda: BaselineWorker(header), **{b: (lambda b=b: make_worker(b, header))
+                                                               for b in backends}}
+    results: dict[str, list] = {k: [] for k in makers}
+    names = list(makers)
+    first_dumps = {}
     for i in range(runs):
-        for name in (("numpy", "v1_baseline") if i % 2 == 0 else ("v1_baseline", "numpy")):
-            W.make_worker = (lambda b, h: BaselineWorker(h)) if name == "v1_baseline" else orig
-            import kvmap.replay as R
-            R.make_worker = W.make_worker
-            dumps = [] if i == 0 else None
-            r = replay(Trace(trace_path), nvtx=False, warmup=20,
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            dumps: list | None = [] if i == 0 else None
+            r = replay(Trace(trace_path), nvtx=False, warmup=20, worker=makers[name](),
                        on_mappings=dumps.append if dumps is not None else None)
-            results[name].append((r, dumps))
-    W.make_worker = orig
-    import kvmap.replay as R
-    R.make_worker = orig
-    a, b = results["numpy"][0][1], results["v1_baseline"][0][1]
-    assert a == b, "baseline worker and kvmap worker disagree on the trace"
-    out = {"trace": str(trace_path), "runs": runs, "steps": results["numpy"][0][0].steps_replayed, "phases": {}}
+            results[name].append(r)
+            if dumps is not None:
+                first_dumps[name] = dumps
+    ref = first_dumps["v1_baseline"]
+    for name, d in first_dumps.items():
+        assert d == ref, f"{name} and the baseline worker disagree on the trace"
+    out = {"trace": str(trace_path), "runs": runs, "steps": results[names[0]][0].steps_replayed, "phases": {}}
     for name, rs in results.items():
-        m = np.concatenate([r.measured() for r, _ in rs])
-        phases = rs[0][0].phases
+        m = np.concatenate([r.measured() for r in rs])
+        phases = rs[0].phases
         mi = [phases.index(p) for p in MAPPING_PHASES]
         out["phases"][name] = {p: float(np.median(m[:, j])) / 1e3 for j, p in enumerate(phases)}
         out["phases"][name]["mappings"] = float(np.median(m[:, mi].sum(axis=1))) / 1e3
@@ -298,27 +310,41 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=300, help="timed steps per batch size and implementation")
     ap.add_argument("--sizes", default="8,64,256,1024")
+    ap.add_argument("--backends", default=",".join(b for b in BACKENDS if b != "reference"),
+                    help="kvmap workers to time (default: every compiled and vectorized one)")
     ap.add_argument("--trace", default=str(Path(__file__).resolve().parent.parent / "traces" / "long_mixed.jsonl.gz"))
-    ap.add_argument("--replay-runs", type=int, default=2)
+    ap.add_argument("--replay-runs", type=int, default=3)
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
-    syn = bench_synthetic(args.reps, sizes)
-    print(f"mappings per step, synthetic (median [p10-p90] us; ns/token; {args.reps} steps each, alternating)")
-    print(f"{'B':>5} {'tokens':>7} | {'V1-style baseline':>26} | {'kvmap numpy':>26} | {'speed-up':>8}")
+    backends = [b for b in args.backends.split(",") if b]
+    syn = bench_synthetic(args.reps, sizes, backends)
+    impls = ["v1_baseline"] + [f"kvmap_{b}" for b in backends]
+    print(f"mappings per step, synthetic: median us [p10-p90], ns per token, speed-up over the baseline "
+          f"({args.reps} steps per cell, implementations interleaved; outputs checked identical)")
+    head = f"{'B':>5} {'tokens':>6}"
+    for name in impls:
+        head += f" | {name:^30}"
+    print(head)
     for r in syn:
-        a, k = r["v1_baseline"], r["kvmap_numpy"]
-        print(f"{r['batch_size']:>5} {r['tokens_per_step']:>7.0f} | {a['median_us']:>7.1f} [{a['p10_us']:.0f}-{a['p90_us']:.0f}]"
-              f" {a['ns_per_token']:>6.1f} ns/t | {k['median_us']:>7.1f} [{k['p10_us']:.0f}-{k['p90_us']:.0f}]"
-              f" {k['ns_per_token']:>6.1f} ns/t | {r['speedup']:>7.2f}x")
-    rep = bench_replay(Path(args.trace), args.replay_runs) if args.replay_runs else None
+        line = f"{r['batch_size']:>5} {r['tokens_per_step']:>6.0f}"
+        for name in impls:
+            a = r[name]
+            sp = f" {a['speedup']:.2f}x" if "speedup" in a else "      "
+            line += f" | {a['median_us']:>6.1f} [{a['p10_us']:>4.0f}-{a['p90_us']:<4.0f}] {a['ns_per_token']:>5.1f}ns{sp}"
+        print(line)
+    rep = bench_replay(Path(args.trace), args.replay_runs, backends) if args.replay_runs else None
     if rep:
-        print(f"\nwhole replay of {rep['trace']} ({rep['steps']} steps, {rep['runs']} runs each, KV write on, "
-              "verify off): median us per step")
-        a, k = rep["phases"]["v1_baseline"], rep["phases"]["numpy"]
-        print(f"{'phase':<16} {'baseline':>10} {'kvmap':>10} {'ratio':>7}")
-        for p in a:
-            print(f"{p:<16} {a[p]:>10.1f} {k[p]:>10.1f} {a[p] / k[p] if k[p] else float('nan'):>6.2f}x")
+        print(f"\nwhole replay of {Path(rep['trace']).name} ({rep['steps']} steps, {rep['runs']} runs each, "
+              "KV write on, verify off): median us per step; ratio = baseline / kvmap")
+        cols = list(rep["phases"])
+        print(f"{'phase':<16}" + "".join(f" {c:>12}" for c in cols) + "".join(f" {'ratio ' + c:>14}" for c in cols[1:]))
+        base = rep["phases"]["v1_baseline"]
+        for p in base:
+            row = f"{p:<16}" + "".join(f" {rep['phases'][c][p]:>12.1f}" for c in cols)
+            row += "".join(f" {base[p] / rep['phases'][c][p] if rep['phases'][c][p] else float('nan'):>13.2f}x"
+                           for c in cols[1:])
+            print(row)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"machine": {"python": platform.python_version(),
                                                                "numpy": np.__version__,

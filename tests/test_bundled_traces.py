@@ -19,10 +19,13 @@ def test_the_bundled_set_covers_the_hard_cases():
             "hybrid_sliding_window", "spec_decode", "long_mixed"} <= names
 
 
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name)
-def test_numpy_equals_reference_every_step(path):
+def test_backend_equals_reference_every_step(path, backend):
+    if backend == "numba":
+        pytest.importorskip("numba")
     got, want = [], []
-    replay(Trace(path), backend="numpy", on_mappings=got.append, write_kv=False, nvtx=False)
+    replay(Trace(path), backend=backend, on_mappings=got.append, write_kv=False, nvtx=False)
     replay(Trace(path), backend="reference", on_mappings=want.append, write_kv=False, nvtx=False)
     assert len(got) == len(want) > 0
     for g, w in zip(got, want):
