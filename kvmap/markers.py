@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 DOMAIN = "kvmap"
 STEP_RANGE = "execute_model"
+CAPTURE_RANGE = "kvmap_capture"  # wraps the --steps window; `nsys profile --capture-range=nvtx` keys on it
 _COLORS = ("blue", "green", "orange", "purple", "red", "yellow", "cyan", "darkgreen", "rapids")  # nvtx built-ins
 
 
@@ -40,6 +41,10 @@ class Markers:
         self._pop = _lib.pop_range
         for i, name in enumerate(phases):
             self._phase_attrs[name] = self._domain.get_event_attributes(name, _COLORS[i % len(_COLORS)], None, None)
+
+    def push_capture(self) -> None:
+        if self.enabled:
+            self._push(self._domain.get_event_attributes(CAPTURE_RANGE, "white", None, None), self._handle)
 
     def push_step(self, step: int) -> None:
         if self.enabled:

@@ -39,8 +39,10 @@ def replay(
     on_mappings: Callable[[object], None] | None = None,
     on_step: Callable[[int], None] | None = None,
     worker=None,
+    capture: bool = False,
 ) -> ReplayResult:
-    """Replay `trace`; `worker` (an instance) overrides `backend`, for benchmarks of other mapping code."""
+    """Replay `trace`; `worker` (an instance) overrides `backend`, for benchmarks of other mapping code.
+    `capture`: wrap the measured steps (window minus warm-up) in the NVTX capture range for nsys."""
     header = trace.header
     worker = worker if worker is not None else make_worker(backend, header)
     geometry = (kv_geometry or KVGeometry()).check()
@@ -80,8 +82,13 @@ def replay(
     wall0 = time.perf_counter()
     origin = clock()
     i = 0
+    capture_from = start + warmup if capture else None
+    capturing = False
     try:
-        while True:
+        while stop is None or i < stop:
+            if i == capture_from:
+                markers.push_capture()
+                capturing = True
             markers.push_step(i)
             push("read_step")
             t0 = clock()
@@ -90,6 +97,8 @@ def replay(
             pop()
             if step is None:
                 pop()
+                if capturing:
+                    pop()
                 break
             push("update_states")
             worker.update_states(step)
@@ -117,6 +126,9 @@ def replay(
             if on_step is not None:
                 on_step(step.step)
             i += 1
+        else:
+            if capturing:
+                markers.pop()
     except KvmapError as e:
         raise e.located(path=trace.name)
     result.kv_checked, result.kv_mismatches = check.checked, check.mismatches

@@ -213,3 +213,23 @@ def render_compare(a: ReplayResult, b: ReplayResult, console: Console, names: tu
     console.print(table)
     if a.trace != b.trace:
         console.print(f"[yellow]note:[/] different traces ({a.trace} vs {b.trace}): ratios compare unlike work")
+
+
+def render_profile(r: ReplayResult, ranges: list, console: Console, report_path) -> None:
+    """nsys's NVTX ranges per phase beside kvmap's own timings of the same steps."""
+    by = {x.name: x for x in ranges}
+    own = {s.name: s for s in phase_stats(r)}
+    table = Table(title=f"NVTX ranges in {report_path} vs kvmap's timings (us)", title_justify="left")
+    for col in ("range", "nsys count", "nsys median", "nsys mean", "kvmap count", "kvmap median", "kvmap mean"):
+        table.add_column(col, justify="left" if col == "range" else "right")
+    n = len(r.measured())
+    for name in ["execute_model", *r.phases]:
+        x = by.get(name)
+        k = own.get("step" if name == "execute_model" else name)
+        table.add_row(name, str(x.instances) if x else "missing", f"{x.median_ns / 1e3:.1f}" if x else "",
+                      f"{x.mean_ns / 1e3:.1f}" if x else "", str(n), f"{k.p50_us:.1f}" if k else "",
+                      f"{k.mean_us:.1f}" if k else "")
+    console.print(table)
+    console.print(f"steps {int(r.steps[r.warmup]) if n else '-'}..{int(r.steps[-1]) if n else '-'} captured "
+                  f"({r.warmup} warm-up steps replayed first, outside the capture); nsys ranges include the "
+                  "NVTX calls themselves")

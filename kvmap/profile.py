@@ -1,0 +1,94 @@
+"""`kvmap profile`: run a replay under Nsight Systems and read its NVTX ranges back, beside kvmap's own timings.
+
+Rules:
+- nsys is found as `--nsys PATH`, `$KVMAP_NSYS`, `nsys` on PATH, or the copy `scripts/get_nsys.sh` unpacks
+  into `.tools/nsys`. If there is none, the error says how to get it and offers `--builtin` (the same replay
+  with a Chrome trace for Perfetto instead of an .nsys-rep).
+- The replay runs as a child process under `nsys profile -t nvtx,osrt` (`cuda` too when a GPU is visible),
+  with `--capture-range=nvtx` keyed on the `kvmap_capture` range, which the child wraps around the requested
+  steps after the warm-up: the report holds only those steps.
+- The child writes its own result (JSON); `nsys stats` gives the NVTX summary; both are returned as data.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmap.errors import KvmapError
+from kvmap.markers import CAPTURE_RANGE, DOMAIN
+
+GET_NSYS = "scripts/get_nsys.sh (unpacks Debian's non-free Nsight Systems into .tools/nsys, no system install)"
+
+
+def find_nsys(explicit: str | None = None) -> str | None:
+    for cand in (explicit, os.environ.get("KVMAP_NSYS")):
+        if cand:
+            return cand if Path(cand).exists() or shutil.which(cand) else None
+    found = shutil.which("nsys")
+    if found:
+        return found
+    local = Path(__file__).resolve().parent.parent / ".tools" / "nsys" / "bin" / "nsys"
+    return str(local) if local.exists() else None
+
+
+@dataclass
+class NvtxRange:
+    name: str  # without the domain prefix
+    instances: int
+    total_ns: int
+    mean_ns: float
+    median_ns: float
+    min_ns: int
+    max_ns: int
+
+
+def _cuda_visible() -> bool:
+    return bool(shutil.which("nvidia-smi")) and os.environ.get("CUDA_VISIBLE_DEVICES", "x") != ""
+
+
+def nsys_command(nsys: str, out: Path, replay_args: list[str]) -> list[str]:
+    traces = "nvtx,osrt,cuda" if _cuda_visible() else "nvtx,osrt"
+    return [nsys, "profile", "-t", traces, "-s", "none", "--cpuctxsw=none", "--capture-range=nvtx",
+            f"--nvtx-capture={CAPTURE_RANGE}@{DOMAIN}", "--capture-range-end=stop", "-o", str(out), "-f", "true",
+            sys.executable, "-m", "kvmap", "replay", *replay_args, "--nvtx-capture"]
+
+
+def run_nsys(nsys: str, out: Path, replay_args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, NSYS_NVTX_PROFILER_REGISTER_ONLY="0", NVTX_DISABLE="")
+    env.pop("NVTX_DISABLE")
+    proc = subprocess.run(nsys_command(nsys, out, replay_args), capture_output=True, text=True, env=env)
+    rep = out.with_suffix(".nsys-rep") if out.suffix != ".nsys-rep" else out
+    if proc.returncode != 0 or not rep.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise KvmapError("nsys profile failed: " + " | ".join(tail), field="nsys")
+    return proc
+
+
+def nvtx_ranges(nsys: str, rep: Path) -> list[NvtxRange]:
+    """The NVTX summary of a report (`nvtx_sum`; `nvtxsum` in nsys 2022-2023), kvmap's domain only."""
+    for report in ("nvtx_sum", "nvtxsum"):
+        proc = subprocess.run([nsys, "stats", "-q", "--force-export=true", "--report", report, "--format", "csv",
+                               "-o", "-", str(rep)],
+                              capture_output=True, text=True)
+        if proc.returncode == 0 and "Range" in proc.stdout:
+            break
+    else:
+        raise KvmapError(f"nsys stats could not read {rep}: {proc.stderr.strip()[-200:]}", field="nsys")
+    text = proc.stdout[proc.stdout.index("Time"):] if "Time" in proc.stdout else proc.stdout
+    out = []
+    for row in csv.DictReader(io.StringIO(text)):
+        name = row.get("Range", "")
+        if not name.startswith(f"{DOMAIN}:"):
+            continue
+        g = row.get
+        out.append(NvtxRange(name[len(DOMAIN) + 1:], int(g("Instances") or 0), int(float(g("Total Time (ns)") or 0)),
+                             float(g("Avg (ns)") or 0), float(g("Med (ns)") or 0), int(float(g("Min (ns)") or 0)),
+                             int(float(g("Max (ns)") or 0))))
+    return out

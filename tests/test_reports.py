@@ -1,0 +1,82 @@
+"""Reports: a saved run re-renders to the same table, compares with itself at 1.00, and exports valid CSV and
+Chrome trace-event JSON."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+from typer.testing import CliRunner
+
+from kvmap.cli import app
+from kvmap.replay import replay
+from kvmap.report import compare_dict, to_chrome_trace, to_csv
+from kvmap.result import ReplayResult
+from kvmap.trace import Trace
+
+from .conftest import TRACES
+
+runner = CliRunner()
+TRACE = TRACES / "preemption_v2.jsonl"
+
+
+def test_report_prints_what_replay_printed(tmp_path):
+    j = tmp_path / "run.json"
+    res = runner.invoke(app, ["replay", str(TRACE), "--json", str(j), "--no-progress"])
+    assert res.exit_code == 0
+    again = runner.invoke(app, ["report", str(j)])
+    assert again.exit_code == 0
+    assert again.stdout == res.stdout
+
+
+def test_compare_with_itself_is_one(tmp_path):
+    j = tmp_path / "run.json"
+    runner.invoke(app, ["replay", str(TRACE), "--json", str(j), "--no-progress"])
+    out = tmp_path / "cmp.json"
+    res = runner.invoke(app, ["compare", str(j), str(j), "--json", str(out)])
+    assert res.exit_code == 0 and "1.00" in res.stdout
+    d = json.loads(out.read_text())
+    assert all(row["ratio_p50"] == 1.0 for row in d["phases"].values() if row["ratio_p50"] is not None)
+
+
+def test_result_json_round_trip():
+    r = replay(Trace(TRACE), nvtx=False)
+    back = ReplayResult.from_json(json.loads(json.dumps(r.to_json())))
+    assert (back.phase_ns == r.phase_ns).all() and back.phases == r.phases and (back.steps == r.steps).all()
+
+
+def test_chrome_trace_is_valid_trace_event_json():
+    r = replay(Trace(TRACE), nvtx=False)
+    d = json.loads(json.dumps(to_chrome_trace(r)))
+    events = d["traceEvents"]
+    steps = [e for e in events if e["ph"] == "X" and e["tid"] == 0]
+    assert len(steps) == r.steps_replayed == 107
+    tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert tracks == {"step", *r.phases}
+    for e in events:
+        assert e["ph"] in ("X", "M") and e["pid"] == 1
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and e["ts"] >= 0 and isinstance(e["name"], str)
+    # phases of one step lie inside that step's span, in order
+    first = [e for e in events if e["ph"] == "X" and e["args"]["step"] == 0]
+    span = next(e for e in first if e["tid"] == 0)
+    inner = sorted((e for e in first if e["tid"] != 0), key=lambda e: e["ts"])
+    assert [e["name"] for e in inner] == r.phases
+    assert abs(inner[0]["ts"] - span["ts"]) < 1e-6
+    assert inner[-1]["ts"] + inner[-1]["dur"] <= span["ts"] + span["dur"] + 1e-3
+
+
+def test_csv_one_row_per_step_and_phase():
+    r = replay(Trace(TRACE), nvtx=False)
+    rows = list(csv.DictReader(io.StringIO(to_csv(r))))
+    assert len(rows) == 107 * len(r.phases)
+    assert {x["phase"] for x in rows} == set(r.phases)
+    assert sum(int(x["warmup"]) for x in rows) == r.warmup * len(r.phases)
+
+
+def test_report_rejects_a_file_that_is_not_a_run(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text('{"hello": 1}')
+    res = runner.invoke(app, ["report", str(p)])
+    assert res.exit_code == 2 and "not a kvmap run" in res.stderr
