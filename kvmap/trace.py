@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover
     _loads = json.loads
 
 FORMAT = "kvmap-vllm-trace/1"
+TOKEN_ID_LIMIT = 2**31  # token rows are int32, as vLLM's
 GROUP_KINDS = ("full_attention", "sliding_window", "chunked_local", "mamba")
 PROTOCOLS = ("v1", "v2")
 
@@ -151,13 +152,15 @@ def _type_name(value: object) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _int(value: object, where: _Where, name: str, *, minimum: int | None = None,
+def _int(value: object, where: _Where, name: str, *, minimum: int | None = None, maximum: int | None = None,
          req_id: str | None = None) -> int:
     if type(value) is not int:
         raise where.error(f"expected an integer, got {_type_name(value)} {value!r:.40}", field=name,
                           req_id=req_id)
     if minimum is not None and value < minimum:
         raise where.error(f"must be >= {minimum}, got {value}", field=name, req_id=req_id)
+    if maximum is not None and value > maximum:
+        raise where.error(f"must be <= {maximum}, got {value}", field=name, req_id=req_id)
     return value
 
 
@@ -348,7 +351,8 @@ def parse_step(obj: object, header: TraceHeader, where: _Where) -> Step:
         blocks = _group_lists(r.get("block_ids"), G, where, req_id, "block_ids")
         for g, b in enumerate(blocks):
             block_lists.append((req_id, "block_ids", g, b))
-        nc = _int(r.get("num_computed_tokens"), where, "num_computed_tokens", minimum=0, req_id=req_id)
+        nc = _int(r.get("num_computed_tokens"), where, "num_computed_tokens", minimum=0,
+                  maximum=header.max_model_len, req_id=req_id)
         new_reqs.append(NewRequestData(req_id, prompt, blocks, nc, prefill))
 
     # -- scheduled_cached_reqs (column-oriented)
@@ -367,9 +371,10 @@ def parse_step(obj: object, header: TraceHeader, where: _Where) -> Step:
     if not isinstance(nc_list, list) or len(nc_list) != n:
         raise where.error(f"expected a list of {n} integers (one per req_ids entry)",
                           field="scheduled_cached_reqs.num_computed_tokens")
-    if n and not all(type(v) is int and v >= 0 for v in nc_list):
+    limit = header.max_model_len
+    if n and not all(type(v) is int and 0 <= v <= limit for v in nc_list):
         for r, v in zip(req_ids, nc_list):
-            _int(v, where, "scheduled_cached_reqs.num_computed_tokens", minimum=0, req_id=r)
+            _int(v, where, "scheduled_cached_reqs.num_computed_tokens", minimum=0, maximum=limit, req_id=r)
     nb_raw = c.get("new_block_ids", [None] * n)
     if not isinstance(nb_raw, list) or len(nb_raw) != n:
         raise where.error(f"expected a list of {n} entries (one per req_ids entry)",
@@ -399,9 +404,9 @@ def parse_step(obj: object, header: TraceHeader, where: _Where) -> Step:
     # -- counts
     nst = _dict(so.get("num_scheduled_tokens"), where, "num_scheduled_tokens")
     vals = list(nst.values())
-    if not all(type(v) is int and v > 0 for v in vals):
+    if not all(type(v) is int and 0 < v <= limit for v in vals):
         for r, v in nst.items():
-            _int(v, where, "num_scheduled_tokens", minimum=1, req_id=r)
+            _int(v, where, "num_scheduled_tokens", minimum=1, maximum=limit, req_id=r)
     total = _int(so.get("total_num_scheduled_tokens"), where, "total_num_scheduled_tokens", minimum=0)
     if sum(vals) != total:
         raise where.error(f"is {total} but num_scheduled_tokens adds up to {sum(vals)}",
@@ -453,7 +458,7 @@ def parse_step(obj: object, header: TraceHeader, where: _Where) -> Step:
         for r, toks in drafts_out.items():
             id_lists.append((r, "draft_token_ids", None, toks))
 
-    _int_lists(id_lists, where, what="token id")
+    _int_lists(id_lists, where, maximum=TOKEN_ID_LIMIT, what="token id")
     _int_lists(block_lists, where, maximum=header.num_gpu_blocks, what="block id")
 
     return Step(

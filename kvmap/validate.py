@@ -414,7 +414,8 @@ def _raw_req_ids(obj: object) -> set[str]:
     nst = so.get("num_scheduled_tokens")
     if isinstance(nst, dict):
         out.update(k for k in nst if isinstance(k, str))
-    for nr in so.get("scheduled_new_reqs") or []:
+    new = so.get("scheduled_new_reqs")
+    for nr in new if isinstance(new, list) else []:
         if isinstance(nr, dict) and isinstance(nr.get("req_id"), str):
             out.add(nr["req_id"])
     c = so.get("scheduled_cached_reqs")

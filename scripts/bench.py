@@ -303,6 +303,68 @@ def bench_replay(trace_path: Path, runs: int, backends: list[str]) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------- memory, start-up
+
+
+def longer_trace(src: Path, dst: Path, times: int) -> int:
+    """Write `src` repeated `times` times (request ids suffixed per copy, steps renumbered); returns steps.
+    Each copy starts after the previous one ended (its last step delivers the finished ids), so it is valid."""
+    import gzip as gz
+
+    op = gz.open if src.suffix == ".gz" else open
+    with op(src, "rt") as f:
+        header, *steps = f.read().splitlines()
+    n = 0
+    with gz.open(dst, "wt", compresslevel=1) as out:
+        out.write(header + "\n")
+        for k in range(times):
+            for line in steps:
+                d = json.loads(line)
+                d["step"] = n
+                n += 1
+                out.write(json.dumps(d).replace('"req-', f'"r{k}-req-') + "\n")
+    return n
+
+
+def peak_rss_mib(args: list[str]) -> float:
+    """Peak RSS of `python -m kvmap ARGS` run in a fresh child."""
+    import subprocess
+
+    code = ("import resource, subprocess, sys; subprocess.run([sys.executable, '-m', 'kvmap', *sys.argv[1:]], "
+            "check=True, stdout=subprocess.DEVNULL); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code, *args], check=True, capture_output=True, text=True)
+    return int(out.stdout.strip()) / 1024
+
+
+def startup_ms(args: list[str], runs: int = 11) -> float:
+    import shutil
+    import subprocess
+
+    exe = shutil.which("kvmap") or sys.executable
+    cmd = [exe, *args] if exe != sys.executable else [exe, "-m", "kvmap", *args]
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts[1:])) * 1e3
+
+
+def bench_memory(trace: Path) -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        long10 = Path(tmp) / "x10.jsonl.gz"
+        steps10 = longer_trace(trace, long10, 10)
+        base = ["replay", "--no-progress", "--quiet", "--no-nvtx"]
+        short = peak_rss_mib(base + [str(trace)])
+        longer = peak_rss_mib(base + [str(long10)])
+    small = str(Path(__file__).resolve().parent.parent / "traces" / "worked_example.jsonl")
+    return {"trace_steps": steps10 // 10, "x10_steps": steps10, "peak_rss_mib": short, "x10_peak_rss_mib": longer,
+            "rss_growth": longer / short - 1, "help_ms": startup_ms(["--help"]),
+            "validate_small_ms": startup_ms(["validate", small])}
+
+
 # ------------------------------------------------------------------------------------------- main
 
 
@@ -314,6 +376,7 @@ def main() -> None:
                     help="kvmap workers to time (default: every compiled and vectorized one)")
     ap.add_argument("--trace", default=str(Path(__file__).resolve().parent.parent / "traces" / "long_mixed.jsonl.gz"))
     ap.add_argument("--replay-runs", type=int, default=3)
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-RSS and start-up checks")
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -345,11 +408,17 @@ def main() -> None:
             row += "".join(f" {base[p] / rep['phases'][c][p] if rep['phases'][c][p] else float('nan'):>13.2f}x"
                            for c in cols[1:])
             print(row)
+    mem = None if args.no_memory else bench_memory(Path(args.trace))
+    if mem:
+        print(f"\nmemory and start-up: peak RSS replaying {mem['trace_steps']} steps {mem['peak_rss_mib']:.0f} MiB, "
+              f"{mem['x10_steps']} steps (10x) {mem['x10_peak_rss_mib']:.0f} MiB ({mem['rss_growth']:+.1%}); "
+              f"`kvmap --help` {mem['help_ms']:.0f} ms, `kvmap validate` on the worked example "
+              f"{mem['validate_small_ms']:.0f} ms (medians of 10)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"machine": {"python": platform.python_version(),
                                                                "numpy": np.__version__,
                                                                "processor": platform.processor()},
-                                                   "synthetic": syn, "replay": rep}, indent=1))
+                                                   "synthetic": syn, "replay": rep, "memory": mem}, indent=1))
 
 
 if __name__ == "__main__":
