@@ -133,6 +133,7 @@ class WorkerState:
             self._set_blocks(row, nr.block_ids, step, nr.req_id, "block_ids")
 
         c = so.scheduled_cached_reqs
+        crows = np.zeros(0, dtype=np.int32)
         if c.req_ids:
             index = self.req_id_to_index
             try:
@@ -152,7 +153,7 @@ class WorkerState:
                 self._set_blocks(row, c.new_block_ids[i], step, r, "new_block_ids")
             for r, toks in c.all_token_ids.items():
                 self._set_tokens(self.row_of(r, step, "all_token_ids"), toks, step, r, "all_token_ids")
-            for r in c.req_ids:
+            for r in (c.req_ids if self.preempted else ()):
                 if r in self.preempted:
                     raise TraceError("scheduled after preemption without being resumed", line=step.line,
                                      step=step.step, req_id=r, field="scheduled_cached_reqs.resumed_req_ids")
@@ -162,7 +163,10 @@ class WorkerState:
         nst = so.num_scheduled_tokens
         req_ids = list(nst)
         index = self.req_id_to_index
-        rows = np.array([index[r] for r in req_ids], dtype=np.int32)
+        if not so.scheduled_new_reqs and req_ids == c.req_ids:  # the usual steady state: reuse the lookups
+            rows = crows
+        else:
+            rows = np.array([index[r] for r in req_ids], dtype=np.int32)
         counts = np.array(list(nst.values()), dtype=np.int32)
         spec = so.scheduled_spec_decode_tokens
         num_drafts = np.zeros(len(req_ids), dtype=np.int32)
@@ -237,22 +241,30 @@ class WorkerState:
             ragged_write(self.token_ids, drows, real_end[sel], num_drafts[sel], flat)
 
     def append_sampled(self, step: Step, req_ids: list[str], rows: np.ndarray) -> None:
-        """After the step: append what the model sampled (MRV2's `post_update`)."""
+        """After the step: append what the model sampled (MRV2's `post_update`). `req_ids`/`rows` are the
+        step's scheduled requests; the sampled dict normally lists the same ids in the same order."""
         sampled = step.sampled_token_ids
         if sampled is None:
             self.missing_samples = True
             return
         if not sampled:
             return
-        index = self.req_id_to_index
-        srows = np.array([index[r] for r in sampled], dtype=np.int32)
-        counts = np.array([len(v) for v in sampled.values()], dtype=np.int32)
+        if len(sampled) == len(req_ids) and list(sampled) == req_ids:
+            srows = rows
+        else:
+            index = self.req_id_to_index
+            srows = np.array([index[r] for r in sampled], dtype=np.int32)
+        values = sampled.values()
+        counts = np.fromiter(map(len, values), dtype=np.int32, count=len(sampled))
         starts = self.total_len[srows]
         ends = starts + counts
         if len(ends) and int(ends.max()) > self.header.max_model_len:
             j = int(np.argmax(ends > self.header.max_model_len))
             raise TraceError("sampled tokens overflow max_model_len", line=step.line, step=step.step,
                              req_id=list(sampled)[j], field="sampled_token_ids")
-        flat = np.fromiter((t for v in sampled.values() for t in v), dtype=np.int32, count=int(counts.sum()))
-        ragged_write(self.token_ids, srows, starts, counts, flat)
+        flat = np.fromiter((t for v in values for t in v), dtype=np.int32, count=int(counts.sum()))
+        if len(flat) == len(counts) and int(counts.min()) == 1:  # one token each: a single scatter
+            self.token_ids[srows, starts] = flat
+        else:
+            ragged_write(self.token_ids, srows, starts, counts, flat)
         self.total_len[srows] = ends
