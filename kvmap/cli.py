@@ -82,7 +82,9 @@ TraceArg = Annotated[Optional[Path], typer.Argument(help="Trace file (.jsonl or 
 StepsOpt = Annotated[Optional[str], typer.Option("--steps", help="Only time steps START:END (END exclusive); "
                                                   "earlier steps are still replayed.")]
 BackendOpt = Annotated[Optional[str], typer.Option("--backend", "-b", help="Worker implementation: numba "
-                                                   "(compiled, the default when numba imports) | numpy | reference.",
+                                                   "(compiled, the default when numba imports) | numpy | reference "
+                                                   "| torch | triton (device workers; triton on CPU needs "
+                                                   "TRITON_INTERPRET=1).",
                                                    show_default=False)]
 
 
@@ -91,6 +93,8 @@ BackendOpt = Annotated[Optional[str], typer.Option("--backend", "-b", help="Work
 def replay(
     trace: TraceArg = None,
     backend: BackendOpt = None,
+    device: Annotated[str, typer.Option("--device", help="cpu, or cuda[:N] (state, mappings and KV cache on "
+                                        "the GPU; needs --backend torch or triton).")] = "cpu",
     steps: StepsOpt = None,
     warmup: Annotated[int, typer.Option(help="Measured steps to exclude from statistics.", min=0)] = 2,
     verify_kv: Annotated[bool, typer.Option("--verify-kv", help="Read back every scheduled request's "
@@ -121,6 +125,8 @@ def replay(
     from kvmap.trace import Trace
     from kvmap.worker import default_backend
 
+    if device != "cpu" and backend is None:
+        backend = "triton"
     backend = backend or default_backend()
     start, stop = parse_steps(steps)
     t = Trace(trace or default_trace())
@@ -134,7 +140,7 @@ def replay(
 
     try:
         with _progress(progress, t) as advance:
-            result = run_replay(t, backend=backend, start=start, stop=stop, warmup=warmup, verify_kv=verify_kv,
+            result = run_replay(t, backend=backend, device=device, start=start, stop=stop, warmup=warmup, verify_kv=verify_kv,
                                 write_kv=not no_kv, kv_geometry=geometry, nvtx=nvtx,
                                 on_mappings=on_mappings if dump_file else None, on_step=advance,
                                 capture=nvtx_capture)
@@ -213,6 +219,8 @@ def _render_validation(report) -> None:
         for b, d in report.deep["backends"].items():
             out.print(f"deep: {b}: {d['steps']} steps, {d['differing_steps']} differ from the reference; KV "
                       f"{d['kv_checked']:,} positions read back, {d['kv_mismatches']} mismatches")
+        for b, why in report.deep.get("skipped", {}).items():
+            out.print(Text(f"deep: {b} skipped: {why}", style="dim"))
     for line in report.info:
         out.print(Text(f"info: {line}", style="dim"))
 

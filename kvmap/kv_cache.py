@@ -73,6 +73,20 @@ def canary(token_ids: np.ndarray, positions: np.ndarray, lanes: int) -> np.ndarr
     return x
 
 
+def canary_torch(token_ids, positions, lanes: int):
+    """`canary` in torch int64 arithmetic (any device): [n] token ids, [n] positions -> [n, lanes]."""
+    t = torch()
+    m = 0xFFFFFFFF
+    x = ((token_ids.to(t.int64) * 0x9E3779B1) & m) ^ ((positions.to(t.int64) * 0x85EBCA77) & m)
+    x = (x[:, None] + t.arange(lanes, dtype=t.int64, device=x.device)[None, :] * 0xC2B2AE3D) & m
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & m
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & m
+    x ^= x >> 16
+    return x
+
+
 @dataclass(slots=True)
 class KVMismatch:
     step: int
@@ -129,6 +143,23 @@ class PagedKVCache:
         v = v.view(self.np_bits).reshape(len(token_ids), 2, self.geometry.lanes // 2)  # [n, K/V, H*D]
         return torch().from_numpy(v).permute(1, 0, 2)  # [2, n, H*D]
 
+    def write_device(self, batch: dict) -> None:
+        """Write from a device worker's tensors, on the device (torch ops; no host sync)."""
+        t = torch()
+        ids, pos, slots = batch["input_ids"], batch["positions"], batch["slot_mapping"]
+        values = self._values_torch(ids, pos)  # [2, T, H*D]
+        for g, bits in enumerate(self.bits):
+            bits[:, slots[g]] = values
+
+    def _values_torch(self, token_ids, positions):
+        t = torch()
+        lanes = self.geometry.lanes
+        width = 8 * np.dtype(self.np_bits).itemsize
+        x = canary_torch(token_ids, positions, lanes)  # [n, lanes] int64 in [0, 2**32)
+        half = 1 << (width - 1)
+        x = ((x + half) & ((1 << width) - 1)) - half  # the low `width` bits, as a signed value
+        return x.to(self.bits[0].dtype).view(len(token_ids), 2, lanes // 2).permute(1, 0, 2)
+
     def write(self, m: BatchMappings) -> None:
         if self.kernels is not None:
             for g, ub in enumerate(self.ubits):
@@ -152,6 +183,10 @@ class PagedKVCache:
                max_examples: int = 20) -> KVCheckResult:
         """Read back this step's readable context in every group; add the outcome to `into`."""
         res = into if into is not None else KVCheckResult()
+        if hasattr(worker, "verify_kv"):
+            return worker.verify_kv(self, step, req_ids, res, max_examples)
+        if hasattr(worker, "d_token_ids"):
+            return self._verify_device(worker, step, req_ids, res, max_examples)
         if self.kernels is not None and hasattr(worker, "state"):
             return self._verify_kernels(worker, step, req_ids, res, max_examples)
         t = torch()
@@ -171,18 +206,55 @@ class PagedKVCache:
                                                int(tokens[i]), self._describe(g, int(slots[i]), got[:, i])))
         return res
 
+    def _verify_device(self, worker, step: int, req_ids: list[str], res: KVCheckResult,
+                       max_examples: int) -> KVCheckResult:
+        """Read back on the device; one host sync per group for the mismatch count (a check, not a step)."""
+        t = torch()
+        st = worker.state
+        B = worker._B
+        order = worker._order
+        _, rows_h, counts_h, _ = worker._sched
+        nc_h = st.num_computed_tokens[rows_h[order]].astype(np.int64)
+        end_h = nc_h + counts_h[order]
+        d = worker.device_batch()
+        idx = d["idx_mapping"]
+        nc = d["num_computed_tokens"].to(t.int64)
+        for g, grp in enumerate(self.header.kv_cache_groups):
+            lo_h = _readable_lo(grp, nc_h)
+            cnt_h = end_h - lo_h
+            total = int(cnt_h.sum())
+            if not total:
+                continue
+            lo = t.from_numpy(lo_h).to(idx.device)
+            cnt = t.from_numpy(cnt_h).to(idx.device)
+            breq = t.repeat_interleave(t.arange(B, device=idx.device), cnt, output_size=total)
+            start = t.cumsum(cnt, 0) - cnt
+            pos = t.arange(total, device=idx.device) - (start - lo)[breq]
+            rows = idx[breq]
+            bs = grp.block_size
+            table = worker.d_block_tables[g]
+            slots = table[rows, t.div(pos, bs, rounding_mode="floor")].to(t.int64) * bs + pos % bs
+            toks = worker.d_token_ids[rows, pos]
+            got = self.bits[g][:, slots]
+            want = self._values_torch(toks, pos)
+            bad = (got != want).any(dim=2).any(dim=0)
+            res.checked += total
+            nbad = int(bad.sum())
+            res.mismatches += nbad
+            if nbad:
+                for i in t.nonzero(bad)[: max(max_examples - len(res.examples), 0), 0].tolist():
+                    b = int(breq[i])
+                    res.examples.append(KVMismatch(step, req_ids[b], g, int(pos[i]), int(slots[i]), int(toks[i]),
+                                                   "bits of another token or position (or never written)"))
+        return res
+
     def _verify_kernels(self, worker, step: int, req_ids: list[str], res: KVCheckResult,
                         max_examples: int) -> KVCheckResult:
         m = worker.mappings()
         st = worker.state
         nc = m.num_computed_tokens.astype(np.int64)
         for g, grp in enumerate(self.header.kv_cache_groups):
-            if grp.kind == "sliding_window":
-                lo = np.maximum(nc - grp.sliding_window + 1, 0)
-            elif grp.kind == "chunked_local":
-                lo = nc // grp.attention_chunk_size * grp.attention_chunk_size
-            else:
-                lo = np.zeros_like(nc)
+            lo = _readable_lo(grp, nc)
             checked, bad = self.kernels.kv_verify(m.idx_mapping, lo, m.seq_lens, st.token_ids, st.block_tables[g],
                                                   grp.block_size, self.ubits[g], self.mask, self._bad)
             res.checked += checked
@@ -196,3 +268,12 @@ class PagedKVCache:
         if not self.written[g][slot]:
             return "never written"
         return "bits of another token or position"
+
+
+def _readable_lo(grp, nc: np.ndarray) -> np.ndarray:
+    """First readable position per request (vectorized reference.readable_start)."""
+    if grp.kind == "sliding_window":
+        return np.maximum(nc - grp.sliding_window + 1, 0)
+    if grp.kind == "chunked_local":
+        return nc // grp.attention_chunk_size * grp.attention_chunk_size
+    return np.zeros_like(nc)

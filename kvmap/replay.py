@@ -29,6 +29,7 @@ def replay(
     trace: Trace,
     *,
     backend: str = "numpy",
+    device: str = "cpu",
     start: int = 0,
     stop: int | None = None,
     warmup: int = 2,
@@ -44,10 +45,13 @@ def replay(
     """Replay `trace`; `worker` (an instance) overrides `backend`, for benchmarks of other mapping code.
     `capture`: wrap the measured steps (window minus warm-up) in the NVTX capture range for nsys."""
     header = trace.header
-    worker = worker if worker is not None else make_worker(backend, header)
+    worker = worker if worker is not None else make_worker(backend, header, device)
     geometry = (kv_geometry or KVGeometry()).check()
-    kv = PagedKVCache(header, geometry) if (write_kv or verify_kv) else None
-    phases = [p for p in PHASES if (p != "kv_verify" or verify_kv) and (not p.startswith("kv_") or kv)]
+    device = getattr(worker, "device", None)
+    kv = PagedKVCache(header, geometry, device=str(device) if device is not None else "cpu") \
+        if (write_kv or verify_kv) else None
+    phases = [p for p in PHASES if (p != "kv_verify" or verify_kv) and (not p.startswith("kv_") or kv)
+              and (p != "h2d" or hasattr(worker, "copy_to_device"))]
     markers = Markers(phases, enabled=nvtx)
     result = ReplayResult(
         trace=trace.name, backend=worker.name, protocol=header.model_runner_protocol,
@@ -59,7 +63,12 @@ def replay(
     check = KVCheckResult()
 
     def kv_write() -> None:
-        kv.write(worker.mappings())
+        if hasattr(worker, "write_kv"):
+            worker.write_kv(kv)
+        elif device is not None:
+            kv.write_device(worker.device_batch())
+        else:
+            kv.write(worker.mappings())
 
     def kv_verify() -> None:
         kv.verify(worker, worker.current_step, worker.mappings().req_ids, into=check)
@@ -67,6 +76,7 @@ def replay(
     # every phase after update_states is a call with no arguments: the worker holds the current step
     stages = [(name, fn) for name, fn in (
         ("batch_order", worker.prepare_batch),
+        ("h2d", getattr(worker, "copy_to_device", None)),
         ("prepare_inputs", worker.prepare_inputs),
         ("block_tables", worker.gather_block_tables),
         ("slot_mappings", worker.compute_slot_mappings),
@@ -76,6 +86,13 @@ def replay(
     ) if name in phases]
     clock = time.perf_counter_ns
     push, pop = markers.push, markers.pop
+    events = None  # device time per phase from CUDA events (device workers on a GPU)
+    if device is not None and device.type == "cuda":
+        import torch as _t
+
+        from kvmap.timing import EventTimer
+
+        events = EventTimer(len(phases), lambda: _t.cuda.Event(enable_timing=True))
     seen: set[str] = set()
     rec_steps, rec_reqs, rec_tokens, rec_ns, rec_start = (array("q") for _ in range(5))
     steps = trace.steps(0, stop)
@@ -91,25 +108,37 @@ def replay(
                 capturing = True
             markers.push_step(i)
             push("read_step")
+            if events:
+                events.mark()
             t0 = clock()
             step = next(steps, None)
             ts = [t0, clock()]
+            if events:
+                events.mark()
             pop()
             if step is None:
                 pop()
                 if capturing:
                     pop()
+                if events:
+                    events.current.clear()
                 break
             push("update_states")
             worker.update_states(step)
             ts.append(clock())
+            if events:
+                events.mark()
             pop()
             for name, fn in stages:
                 push(name)
                 fn()
                 ts.append(clock())
+                if events:
+                    events.mark()
                 pop()
             pop()  # step
+            if events:
+                events.end_step(keep=step.step >= start)
             so = step.scheduler_output
             if step.step >= start:
                 rec_steps.append(step.step)
@@ -138,6 +167,11 @@ def replay(
         for a in (rec_steps, rec_reqs, rec_tokens, rec_start))
     result.phase_ns = (np.frombuffer(rec_ns, dtype=np.int64) if len(rec_ns) else np.zeros(0, np.int64)).reshape(
         -1, len(phases))
+    if events:
+        result.device_phase_ns = events.finish()
+    result.device = str(device) if device is not None else "cpu"
+    staging = getattr(worker, "staging", None)
+    result.h2d_bytes = staging.bytes_sent if staging is not None else 0
     result.wall_s = time.perf_counter() - wall0
     result.requests_seen = len(seen)
     result.standin_tokens = worker.num_standin_tokens

@@ -16,6 +16,7 @@ PHASES = (
     "read_step",  # read and decode one trace line into records
     "update_states",  # finish/preempt/add requests, num_computed_tokens, block ids, staged drafts
     "batch_order",  # MRV2 batch order -> idx_mapping order
+    "h2d",  # device workers: one staged non-blocking host-to-device copy of what changed
     "prepare_inputs",  # idx_mapping, query_start_loc, seq_lens, positions, input_ids
     "block_tables",  # gather the batch's block-table rows, every group
     "slot_mappings",  # slot_mapping, every group
@@ -41,6 +42,10 @@ class ReplayResult:
     num_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n]
     phase_ns: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # [n, len(phases)]
     step_start_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n] from the replay's start
+    # device workers on a GPU: [n, len(phases)] device time per phase from CUDA events (empty on CPU)
+    device_phase_ns: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    device: str = "cpu"
+    h2d_bytes: int = 0  # bytes sent host -> device by the staged copies, all steps
     steps_replayed: int = 0  # including steps before the window
     requests_seen: int = 0
     tokens_scheduled: int = 0
@@ -81,7 +86,8 @@ class ReplayResult:
         for k in _ARRAYS:
             kw[k] = np.asarray(kw.get(k, []), dtype=np.int64)
         kw["phase_ns"] = kw["phase_ns"].reshape(-1, len(kw["phases"]))
+        kw["device_phase_ns"] = kw["device_phase_ns"].reshape(-1, len(kw["phases"]))
         return cls(**kw)
 
 
-_ARRAYS = ("steps", "num_reqs", "num_tokens", "phase_ns", "step_start_ns")
+_ARRAYS = ("steps", "num_reqs", "num_tokens", "phase_ns", "step_start_ns", "device_phase_ns")

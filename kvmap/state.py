@@ -62,8 +62,29 @@ class WorkerState:
         # [num_groups] x [R, max_num_blocks_g] int32: row -> physical block ids (valid up to num_blocks)
         self.block_tables = [np.zeros((R, w), dtype=np.int32) for w in self.max_num_blocks]
         self.num_blocks = np.zeros((header.num_groups, R), dtype=np.int32)  # [G, R] valid entries per row
+        # Device workers set this to a list: every write into token_ids / block_tables is also recorded as
+        # (table, group, rows, starts, counts, values), so that only what changed crosses to the device.
+        self.journal: list[tuple[str, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None = None
         self.num_standin_tokens = 0  # input ids that had to be made up (trace without sampled_token_ids)
         self.missing_samples = False  # some step had no sampled_token_ids
+
+    # ------------------------------------------------------------------ writes
+
+    def _write(self, table: str, g: int, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+               values: np.ndarray) -> None:
+        """Ragged write into token_ids (table "tokens") or block_tables[g] ("blocks"), journaled if asked."""
+        target = self.token_ids if table == "tokens" else self.block_tables[g]
+        ragged_write(target, rows, starts, counts, values)
+        if self.journal is not None:
+            self.journal.append((table, g, rows, starts, counts, values))
+
+    def _write_row(self, table: str, g: int, row: int, start: int, values) -> None:
+        values = np.asarray(values, dtype=np.int32)
+        target = self.token_ids if table == "tokens" else self.block_tables[g]
+        target[row, start : start + len(values)] = values
+        if self.journal is not None:
+            one = np.ones(1, dtype=np.int64)
+            self.journal.append((table, g, one * row, one * start, one * len(values), values))
 
     # ------------------------------------------------------------------ rows
 
@@ -87,7 +108,7 @@ class WorkerState:
         if n > self.header.max_model_len:
             raise TraceError(f"{n} tokens exceed max_model_len {self.header.max_model_len}", line=step.line,
                              step=step.step, req_id=req_id, field=field)
-        self.token_ids[row, :n] = tokens
+        self._write_row("tokens", 0, row, 0, tokens)
         self.total_len[row] = n
 
     def _set_blocks(self, row: int, block_ids: list[list[int]], step: Step, req_id: str, field: str) -> None:
@@ -96,7 +117,7 @@ class WorkerState:
             if n > self.max_num_blocks[g]:
                 raise TraceError(f"{n} blocks exceed the row width {self.max_num_blocks[g]}", line=step.line,
                                  step=step.step, req_id=req_id, group=g, field=field)
-            self.block_tables[g][row, :n] = ids
+            self._write_row("blocks", g, row, 0, ids)
             self.num_blocks[g, row] = n
 
     # ------------------------------------------------------------------ step
@@ -195,7 +216,7 @@ class WorkerState:
                                  f"{self.max_num_blocks[g]}", line=step.line, step=step.step,
                                  req_id=c.req_ids[sel[j]], group=g, field="new_block_ids")
             flat = np.fromiter((b for x in lists for b in x), dtype=np.int32, count=int(counts.sum()))
-            ragged_write(self.block_tables[g], rows, starts, counts, flat)
+            self._write("blocks", g, rows, starts, counts, flat)
             self.num_blocks[g, rows] = ends
 
     def _check_and_stage_tokens(self, step: Step, req_ids: list[str], rows: np.ndarray, counts: np.ndarray,
@@ -227,7 +248,8 @@ class WorkerState:
                                  req_id=req_ids[j], field="num_scheduled_tokens")
             for j in np.flatnonzero(gap):  # made-up ids for tokens the trace did not record
                 row = rows[j]
-                self.token_ids[row, known[j]:real_end[j]] = STANDIN_TOKEN_ID
+                self._write_row("tokens", 0, row, int(known[j]),
+                                np.full(int(real_end[j] - known[j]), STANDIN_TOKEN_ID, dtype=np.int32))
                 self.num_standin_tokens += int(real_end[j] - known[j])
                 self.total_len[row] = real_end[j]
         spec = step.scheduler_output.scheduled_spec_decode_tokens
@@ -238,7 +260,7 @@ class WorkerState:
                                count=int(num_drafts.sum()))
             # async scheduling sends -1 placeholders: the real drafts live on the GPU
             flat[flat < 0] = STANDIN_TOKEN_ID
-            ragged_write(self.token_ids, drows, real_end[sel], num_drafts[sel], flat)
+            self._write("tokens", 0, drows, real_end[sel], num_drafts[sel], flat)
 
     def append_sampled(self, step: Step, req_ids: list[str], rows: np.ndarray) -> None:
         """After the step: append what the model sampled (MRV2's `post_update`). `req_ids`/`rows` are the
@@ -263,8 +285,8 @@ class WorkerState:
             raise TraceError("sampled tokens overflow max_model_len", line=step.line, step=step.step,
                              req_id=list(sampled)[j], field="sampled_token_ids")
         flat = np.fromiter((t for v in values for t in v), dtype=np.int32, count=int(counts.sum()))
-        if len(flat) == len(counts) and int(counts.min()) == 1:  # one token each: a single scatter
-            self.token_ids[srows, starts] = flat
+        if len(flat) == len(counts) and int(counts.min()) == 1 and self.journal is None:
+            self.token_ids[srows, starts] = flat  # one token each: a single scatter
         else:
-            ragged_write(self.token_ids, srows, starts, counts, flat)
+            self._write("tokens", 0, srows, starts, counts, flat)
         self.total_len[srows] = ends

@@ -485,7 +485,7 @@ def validate(trace: Trace, max_problems: int | None = None, deep: bool = False) 
 def deep_check(trace: Trace) -> dict:
     """Replay through every available worker; compare each step with the reference; KV canary every step."""
     from kvmap.replay import replay
-    from kvmap.worker import BACKENDS
+    from kvmap.worker import BACKENDS, make_worker
 
     problems: list[dict] = []
     ref: list[dict] = []
@@ -494,10 +494,16 @@ def deep_check(trace: Trace) -> dict:
     except KvmapError as e:
         return {"backends": [], "problems": [asdict(Problem("schema", f"replay failed: {e.message}", e.line, e.step,
                                                             e.req_id, e.group, e.field))]}
-    compared = {}
+    compared: dict = {}
+    skipped: dict = {}
     for backend in [b for b in BACKENDS if b != "reference"]:
         got: list[dict] = []
-        kv = replay(trace, backend=backend, on_mappings=got.append, verify_kv=True, nvtx=False, warmup=0)
+        try:
+            worker = make_worker(backend, trace.header)
+        except KvmapError as e:  # not installed, or needs an environment (triton on CPU: TRITON_INTERPRET=1)
+            skipped[backend] = e.message
+            continue
+        kv = replay(trace, worker=worker, on_mappings=got.append, verify_kv=True, nvtx=False, warmup=0)
         diffs = 0
         for g, w in zip(got, ref):
             if g != w:
@@ -511,4 +517,4 @@ def deep_check(trace: Trace) -> dict:
         for e in kv.kv_examples[:5]:
             problems.append(asdict(Problem("schema", f"KV mismatch at position {e['position']} slot {e['slot']}: "
                                            f"found {e['found']}", None, e["step"], e["req_id"], e["group"])))
-    return {"reference_steps": r.steps_replayed, "backends": compared, "problems": problems}
+    return {"reference_steps": r.steps_replayed, "backends": compared, "skipped": skipped, "problems": problems}

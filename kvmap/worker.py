@@ -17,7 +17,7 @@ from kvmap.reference import ReferenceWorker
 from kvmap.state import WorkerState
 from kvmap.trace import Step, TraceHeader
 
-BACKENDS = ("numba", "numpy", "reference")
+BACKENDS = ("numba", "numpy", "reference", "torch", "triton")
 
 
 def default_backend() -> str:
@@ -158,7 +158,28 @@ class NumbaWorker(NumpyWorker):
             self.k.slot_mapping(idx, n, nc, table, st.block_sizes[g], buf.slot_mapping[g])
 
 
-def make_worker(backend: str, header: TraceHeader) -> NumpyWorker | ReferenceWorker:
+def make_worker(backend: str, header: TraceHeader, device: str = "cpu") -> NumpyWorker | ReferenceWorker:
+    if device != "cpu" and backend not in ("torch", "triton"):
+        raise TraceError(f"--device {device} needs --backend torch or triton (the {backend} worker runs on the "
+                         "host)", field="--device")
+    if backend == "torch":
+        from kvmap.device import TorchWorker
+
+        return TorchWorker(header, device)
+    if backend == "triton":
+        import os
+
+        from kvmap.device import resolve_device
+
+        dev = resolve_device(device)
+        if dev.type == "cpu" and not os.environ.get("TRITON_INTERPRET"):
+            raise TraceError("the triton backend on CPU tensors needs TRITON_INTERPRET=1 in the environment "
+                             "(set before kvmap starts; about 2 ms a kernel program)", field="--backend")
+        try:
+            from kvmap.kernels_triton import TritonWorker
+        except ImportError as e:
+            raise TraceError(f"the triton backend needs triton ({e}); pip install triton", field="--backend") from None
+        return TritonWorker(header, device)
     if backend == "numba":
         try:
             return NumbaWorker(header)

@@ -1,0 +1,239 @@
+"""Device workers: request state lives on a torch device and each step sends only what changed.
+
+Rules (Model Runner V2's design, docs: vllm-internals.md 2.2):
+- The host keeps `WorkerState` (numpy) as the source of truth for what the scheduler said; its journal lists
+  every write into token rows and block tables. Each step the host packs, into one pinned int64 staging
+  buffer, the batch (`idx_mapping`, `num_scheduled_tokens`), the `num_computed_tokens` and `num_blocks` rows,
+  and the journal's writes (flat index, value); one non-blocking copy sends it; the device applies the writes
+  with `index_copy_`. Two pinned buffers are used in turn, and a buffer is refilled only after the event
+  recorded behind its last copy has completed, so the host never rewrites memory a copy may still read.
+- Per-step mappings are computed on the device into preallocated device buffers; no `.item()`, no host sync
+  inside a step (T, the step's token count, is known on the host from the trace).
+- `TorchWorker` uses plain tensor ops (runs on CPU too, for checking); `TritonWorker` (kernels_triton.py)
+  replaces the mapping phases with Triton kernels. Both are checked bit for bit against the reference.
+- On CPU, torch runs with one intra-op thread (see _torch.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvmap._torch import torch
+from kvmap.batch import BatchMappings, PAD_SLOT_ID
+from kvmap.errors import KvmapError
+from kvmap.trace import TraceHeader
+from kvmap.worker import NumpyWorker
+
+
+def resolve_device(name: str):
+    t = torch()
+    if name.startswith("cuda"):
+        if not t.cuda.is_available():
+            raise KvmapError(f"{name} is not available here (torch {t.__version__}, "
+                             f"{'a CPU-only build' if t.version.cuda is None else 'no visible GPU'}); "
+                             "use --device cpu, or run on a machine with an NVIDIA GPU and a CUDA build of torch",
+                             field="--device")
+    elif name != "cpu":
+        raise KvmapError(f"unknown device {name!r}; use cpu or cuda[:N]", field="--device")
+    return t.device(name)
+
+
+class Staging:
+    """Host -> device transfer through two pinned buffers used in turn (plain memory on a CPU device)."""
+
+    def __init__(self, device, capacity: int = 1 << 16) -> None:
+        self.device = device
+        self.pin = device.type == "cuda"
+        self.k = 0
+        self.events: list = [None, None]
+        self.bytes_sent = 0
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        t = torch()
+        self.capacity = capacity
+        self.host = [t.empty(capacity, dtype=t.int64, pin_memory=self.pin) for _ in range(2)]
+        self.host_np = [h.numpy() for h in self.host]
+        self.dev = t.empty(capacity, dtype=t.int64, device=self.device)
+
+    def send(self, parts: list[np.ndarray]) -> tuple:
+        """Copy the concatenation of `parts` to the device; returns one device view per part."""
+        n = sum(len(p) for p in parts)
+        k = self.k
+        self.k ^= 1
+        if self.events[k] is not None:
+            self.events[k].synchronize()  # the copy that last read this buffer (two steps ago) is done
+        if n > self.capacity:  # rare: a step with more new data than ever before
+            if self.device.type == "cuda":
+                torch().cuda.current_stream(self.device).synchronize()
+            self._alloc(max(n, 2 * self.capacity))
+        host = self.host_np[k]
+        views, o = [], 0
+        for p in parts:
+            host[o : o + len(p)] = p
+            views.append((o, len(p)))
+            o += len(p)
+        self.dev[:n].copy_(self.host[k][:n], non_blocking=self.pin)
+        if self.pin:
+            ev = torch().cuda.Event()
+            ev.record()
+            self.events[k] = ev
+        self.bytes_sent += 8 * n
+        return tuple(self.dev[a : a + m] for a, m in views)
+
+
+class TorchWorker(NumpyWorker):
+    """State and mappings on a torch device, plain tensor operations."""
+
+    name = "torch"
+
+    def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
+        super().__init__(header)
+        t = torch()
+        self.device = resolve_device(device)
+        dev = self.device
+        st = self.state
+        st.journal = []
+        R, G = st.max_num_reqs, len(st.block_sizes)
+        T = self.buffers.max_num_tokens
+        # long-lived state on the device
+        self.d_token_ids = t.zeros(st.token_ids.shape, dtype=t.int32, device=dev)  # [R, W] row -> tokens
+        self.d_block_tables = [t.zeros(b.shape, dtype=t.int32, device=dev) for b in st.block_tables]  # [G] x [R, Wg]
+        self.d_num_computed = t.zeros(R, dtype=t.int32, device=dev)  # [R]
+        self.d_num_blocks = t.zeros((G, R), dtype=t.int32, device=dev)  # [G, R]
+        # per-step inputs, preallocated at maximum size
+        self.o_idx_mapping = t.zeros(R, dtype=t.int64, device=dev)  # [R] batch_idx -> req_state_idx
+        self.o_num_scheduled = t.zeros(R, dtype=t.int32, device=dev)  # [R]
+        self.o_num_computed = t.zeros(R, dtype=t.int32, device=dev)  # [R]
+        self.o_query_start_loc = t.zeros(R + 1, dtype=t.int32, device=dev)  # [R + 1]
+        self.o_seq_lens = t.zeros(R, dtype=t.int32, device=dev)  # [R]
+        self.o_positions = t.zeros(T, dtype=t.int64, device=dev)  # [T]
+        self.o_input_ids = t.zeros(T, dtype=t.int32, device=dev)  # [T]
+        self.o_block_tables = [t.zeros(b.shape, dtype=t.int32, device=dev) for b in st.block_tables]
+        self.o_num_blocks = t.zeros((G, R), dtype=t.int32, device=dev)  # [G, R]
+        self.o_slot_mapping = t.full((G, T), PAD_SLOT_ID, dtype=t.int64, device=dev)  # [G, T]
+        self.arange = t.arange(max(T, R + 1), dtype=t.int64, device=dev)
+        self.t_token_req = t.zeros(T, dtype=t.int64, device=dev)  # [T] flat token -> batch_idx
+        self.t_row = t.zeros(T, dtype=t.int64, device=dev)  # [T] flat token -> req_state_idx
+        self.t_tmp = t.zeros(T, dtype=t.int64, device=dev)
+        self.t_req = t.zeros(R, dtype=t.int64, device=dev)
+        self.staging = Staging(dev)
+        self._prev_T = 0
+        self._host_B = 0
+
+    # ------------------------------------------------------------------ phases
+
+    def prepare_batch(self) -> None:
+        super().prepare_batch()  # host: MRV2 order
+
+    def copy_to_device(self) -> None:
+        """One staged non-blocking copy: the batch, per-row counters, and the journal's writes."""
+        _, rows, counts, _ = self._sched
+        st = self.state
+        idx = rows[self._order].astype(np.int64)
+        n = counts[self._order].astype(np.int64)
+        self._host_B, self._host_T = len(idx), int(n.sum())
+        parts = [idx, n, st.num_computed_tokens.astype(np.int64), st.num_blocks.reshape(-1).astype(np.int64)]
+        writes: dict[tuple[str, int], list] = {}
+        for table, g, r, s0, c, v in st.journal:
+            tot = int(c.sum())
+            if not tot:
+                continue
+            seg = np.cumsum(c) - c
+            cols = np.arange(tot) - np.repeat(seg - s0, c)
+            width = st.token_width if table == "tokens" else st.block_tables[g].shape[1]
+            writes.setdefault((table, g), []).append((np.repeat(r.astype(np.int64), c) * width + cols,
+                                                      v.astype(np.int64)))
+        st.journal.clear()
+        keys = list(writes)
+        for key in keys:
+            parts.append(np.concatenate([x[0] for x in writes[key]]))
+            parts.append(np.concatenate([x[1] for x in writes[key]]))
+        views = self.staging.send(parts)
+        d_idx, d_n, d_nc, d_nb = views[:4]
+        B = self._host_B
+        self.o_idx_mapping[:B].copy_(d_idx)
+        self.o_num_scheduled[:B].copy_(d_n)
+        self.d_num_computed.copy_(d_nc)
+        self.d_num_blocks.copy_(d_nb.view(self.d_num_blocks.shape))
+        for i, (table, g) in enumerate(keys):
+            flat, vals = views[4 + 2 * i], views[5 + 2 * i]
+            target = self.d_token_ids if table == "tokens" else self.d_block_tables[g]
+            target.view(-1).index_copy_(0, flat, vals.to(torch().int32))
+
+    def prepare_inputs(self) -> None:
+        t = torch()
+        B, T = self._host_B, self._host_T
+        idx, n = self.o_idx_mapping[:B], self.o_num_scheduled[:B]
+        nc = self.o_num_computed[:B]
+        t.index_select(self.d_num_computed, 0, idx, out=nc)
+        qsl = self.o_query_start_loc
+        t.cumsum(n, 0, out=qsl[1 : B + 1])
+        t.add(nc, n, out=self.o_seq_lens[:B])
+        tr = self.t_token_req[:T]
+        tr.copy_(t.repeat_interleave(self.arange[:B], n, output_size=T))
+        base = self.t_req[:B]
+        t.sub(nc, qsl[:B], out=base)
+        pos = self.o_positions[:T]
+        t.index_select(base, 0, tr, out=pos)
+        pos += self.arange[:T]
+        row = self.t_row[:T]
+        t.index_select(idx, 0, tr, out=row)
+        flat = self.t_tmp[:T]
+        t.mul(row, self.state.token_width, out=flat)
+        flat += pos
+        t.index_select(self.d_token_ids.view(-1), 0, flat, out=self.o_input_ids[:T])
+        self._B, self._T = B, T
+
+    def gather_block_tables(self) -> None:
+        t = torch()
+        B = self._B
+        idx = self.o_idx_mapping[:B]
+        for g, table in enumerate(self.d_block_tables):
+            t.index_select(table, 0, idx, out=self.o_block_tables[g][:B])
+            t.index_select(self.d_num_blocks[g], 0, idx, out=self.o_num_blocks[g, :B])
+
+    def compute_slot_mappings(self) -> None:
+        t = torch()
+        T = self._T
+        pos, row = self.o_positions[:T], self.t_row[:T]
+        for g, table in enumerate(self.d_block_tables):
+            bs = self.state.block_sizes[g]
+            out = self.o_slot_mapping[g, :T]
+            t.mul(row, table.shape[1], out=out)
+            out += t.div(pos, bs, rounding_mode="floor")
+            ids = table.view(-1).index_select(0, out)
+            t.add(ids.to(t.int64) * bs, t.remainder(pos, bs), out=out)
+        if self._prev_T > T:  # padding restarts at the actual count (vLLM #36580)
+            self.o_slot_mapping[:, T : self._prev_T] = PAD_SLOT_ID
+        self._prev_T = T
+
+    # ------------------------------------------------------------------ results
+
+    def device_batch(self) -> dict:
+        B, T = self._B, self._T
+        return {"input_ids": self.o_input_ids[:T], "positions": self.o_positions[:T],
+                "slot_mapping": self.o_slot_mapping[:, :T], "idx_mapping": self.o_idx_mapping[:B],
+                "num_computed_tokens": self.o_num_computed[:B], "seq_lens": self.o_seq_lens[:B],
+                "num_scheduled_tokens": self.o_num_scheduled[:B]}
+
+    def mappings(self) -> BatchMappings:
+        """A host copy of this step's device mappings (synchronizes: for dumps and checks only)."""
+        if self._mappings is None:
+            B, T = self._B, self._T
+            req_ids = self._sched[0]
+            ordered = [req_ids[i] for i in self._order.tolist()]
+            self._mappings = BatchMappings(
+                req_ids=ordered,
+                idx_mapping=self.o_idx_mapping[:B].cpu().numpy().astype(np.int32),
+                num_scheduled_tokens=self.o_num_scheduled[:B].cpu().numpy(),
+                num_computed_tokens=self.o_num_computed[:B].cpu().numpy(),
+                query_start_loc=self.o_query_start_loc[: B + 1].cpu().numpy(),
+                seq_lens=self.o_seq_lens[:B].cpu().numpy(),
+                positions=self.o_positions[:T].cpu().numpy(),
+                input_ids=self.o_input_ids[:T].cpu().numpy(),
+                block_tables=[b[:B].cpu().numpy() for b in self.o_block_tables],
+                num_blocks=self.o_num_blocks[:, :B].cpu().numpy(),
+                slot_mapping=self.o_slot_mapping[:, :T].cpu().numpy(),
+            )
+        return self._mappings
