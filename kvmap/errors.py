@@ -9,6 +9,25 @@ prints one line and exits with `exit_code` (2: unusable input or usage). Invaria
 from __future__ import annotations
 
 
+def format_location(path: str | None = None, line: int | None = None, step: int | None = None,
+                    req_id: str | None = None, group: int | None = None, field: str | None = None) -> str:
+    """`file:line, step N, request 'r', group G, field F` with whatever parts are known."""
+    where = []
+    if path is not None:
+        where.append(f"{path}:{line}" if line is not None else path)
+    elif line is not None:
+        where.append(f"line {line}")
+    if step is not None:
+        where.append(f"step {step}")
+    if req_id is not None:
+        where.append(f"request {req_id!r}")
+    if group is not None:
+        where.append(f"group {group}")
+    if field is not None:
+        where.append(f"field {field}")
+    return ", ".join(where)
+
+
 class KvmapError(Exception):
     """A problem with the user's input, reported as one line without a traceback."""
 
@@ -42,18 +61,7 @@ class KvmapError(Exception):
         return self
 
     def __str__(self) -> str:
-        where = []
-        if self.path is not None:
-            where.append(f"{self.path}:{self.line}" if self.line is not None else self.path)
-        if self.step is not None:
-            where.append(f"step {self.step}")
-        if self.req_id is not None:
-            where.append(f"request {self.req_id!r}")
-        if self.group is not None:
-            where.append(f"group {self.group}")
-        if self.field is not None:
-            where.append(f"field {self.field}")
-        prefix = ", ".join(where)
+        prefix = format_location(self.path, self.line, self.step, self.req_id, self.group, self.field)
         return f"{prefix}: {self.message}" if prefix else self.message
 
 

@@ -15,7 +15,7 @@ from kvmap.errors import KvmapError
 from kvmap.kv_cache import KVGeometry
 from kvmap.reference import readable_start
 from kvmap.trace import Trace
-from kvmap.worker import NumpyWorker
+from kvmap.worker import NumpyWorker, run_step
 
 
 def _list(items: list[str], limit: int = 12) -> str:
@@ -36,11 +36,7 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
     last = -1
     for s in trace.steps(0, step + 1):
         last = s.step
-        worker.update_states(s)
-        worker.prepare_batch()
-        worker.prepare_inputs()
-        worker.gather_block_tables()
-        worker.compute_slot_mappings()
+        run_step(worker, s)
         if s.step == step:
             target = s
             break

@@ -18,7 +18,7 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from kvmap.errors import KvmapError, TraceError
+from kvmap.errors import KvmapError, TraceError, format_location
 from kvmap.trace import Step, Trace, TraceHeader, _loads, _Where, parse_step
 
 KINDS = {
@@ -60,18 +60,7 @@ class Problem:
     field: str | None = None
 
     def where(self) -> str:
-        parts = []
-        if self.line is not None:
-            parts.append(f"line {self.line}")
-        if self.step is not None:
-            parts.append(f"step {self.step}")
-        if self.req_id is not None:
-            parts.append(f"request {self.req_id!r}")
-        if self.group is not None:
-            parts.append(f"group {self.group}")
-        if self.field is not None:
-            parts.append(f"field {self.field}")
-        return ", ".join(parts)
+        return format_location(None, self.line, self.step, self.req_id, self.group, self.field)
 
 
 @dataclass

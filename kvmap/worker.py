@@ -158,6 +158,17 @@ class NumbaWorker(NumpyWorker):
             self.k.slot_mapping(idx, n, nc, table, st.block_sizes[g], buf.slot_mapping[g])
 
 
+def run_step(worker, step: Step) -> None:
+    """Every phase up to the mappings, untimed (explain, tests, scripts): the replay loop times them one by one."""
+    worker.update_states(step)
+    worker.prepare_batch()
+    if hasattr(worker, "copy_to_device"):
+        worker.copy_to_device()
+    worker.prepare_inputs()
+    worker.gather_block_tables()
+    worker.compute_slot_mappings()
+
+
 def make_worker(backend: str, header: TraceHeader, device: str = "cpu") -> NumpyWorker | ReferenceWorker:
     if device != "cpu" and backend not in ("torch", "triton"):
         raise TraceError(f"--device {device} needs --backend torch or triton (the {backend} worker runs on the "

@@ -56,19 +56,13 @@ def test_canary_torch_equals_numpy():
 
 def _cache_after(backend, path, steps=None):
     from kvmap.kv_cache import KVGeometry, PagedKVCache
-    from kvmap.worker import make_worker
+    from kvmap.worker import make_worker, run_step
 
     t = Trace(path)
     w = make_worker(backend, t.header)
     kv = PagedKVCache(t.header, KVGeometry(2, 4, "float16"))
     for s in t.steps(0, steps):
-        w.update_states(s)
-        w.prepare_batch()
-        if hasattr(w, "copy_to_device"):
-            w.copy_to_device()
-        w.prepare_inputs()
-        w.gather_block_tables()
-        w.compute_slot_mappings()
+        run_step(w, s)
         if hasattr(w, "write_kv"):
             w.write_kv(kv)
         elif hasattr(w, "device_batch"):

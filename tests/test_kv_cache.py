@@ -8,7 +8,7 @@ import pytest
 from kvmap.kv_cache import KV_DTYPES, KVGeometry, PagedKVCache, canary
 from kvmap.replay import replay
 from kvmap.trace import Trace
-from kvmap.worker import make_worker
+from kvmap.worker import make_worker, run_step
 
 from .conftest import TRACES
 
@@ -29,11 +29,7 @@ def _replayed_cache(path, use_kernels, dtype, steps=None):
     w = make_worker("numpy", t.header)
     kv = PagedKVCache(t.header, KVGeometry(2, 4, dtype), use_kernels=use_kernels)
     for s in t.steps(0, steps):
-        w.update_states(s)
-        w.prepare_batch()
-        w.prepare_inputs()
-        w.gather_block_tables()
-        w.compute_slot_mappings()
+        run_step(w, s)
         kv.write(w.mappings())
         w.append_sampled()
     return t, w, kv
@@ -54,10 +50,7 @@ def test_pad_slots_are_skipped():
     for use_kernels in (True, False):
         w = make_worker("numpy", t.header)
         kv = PagedKVCache(t.header, KVGeometry(), use_kernels=use_kernels)
-        s = next(t.steps())
-        w.update_states(s)
-        for phase in (w.prepare_batch, w.prepare_inputs, w.gather_block_tables, w.compute_slot_mappings):
-            phase()
+        run_step(w, next(t.steps()))
         m = w.mappings()
         m.slot_mapping[0, :5] = -1  # pretend the first 5 tokens are padding
         kv.write(m)
@@ -78,10 +71,7 @@ def test_verify_finds_a_corrupted_slot(use_kernels):
     kv.bits[0][:, slot] += 1
     r = replay(Trace(path), stop=None, verify_kv=True, nvtx=False)  # a clean replay finds nothing
     assert r.kv_mismatches == 0
-    s = next(t.steps(6, 7))
-    w.update_states(s)
-    for phase in (w.prepare_batch, w.prepare_inputs, w.gather_block_tables, w.compute_slot_mappings):
-        phase()
+    run_step(w, next(t.steps(6, 7)))
     kv.write(w.mappings())
     res = kv.verify(w, 6, w.mappings().req_ids)
     assert res.mismatches == 1

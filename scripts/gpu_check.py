@@ -1,0 +1,128 @@
+"""One command for a machine with an NVIDIA GPU: `python scripts/gpu_check.py [--device cuda]`.
+
+1. Runs the GPU tests (tests/test_gpu.py): torch and Triton device workers equal the reference on every
+   bundled trace, fixed buffer addresses, CUDA-event timings, KV read-back.
+2. Replays the bundled long trace with the CPU worker (numba) and the device workers (torch, triton), KV write
+   on: median host time per step and for the mapping phases, median device time per phase (CUDA events), and
+   bytes copied host-to-device per step.
+3. Synthetic steps at 8 / 64 / 256 / 1024 requests (the bench's workload): host and device time per step.
+Prints one table. `--device cpu` runs the same on CPU tensors (Triton under TRITON_INTERPRET=1, tiny sizes),
+to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--trace", default=str(ROOT / "traces" / "long_mixed.jsonl.gz"))
+    ap.add_argument("--sizes", default="8,64,256,1024")
+    ap.add_argument("--steps", type=int, default=200, help="synthetic steps per size")
+    ap.add_argument("--skip-tests", action="store_true")
+    args = ap.parse_args()
+    cpu = args.device == "cpu"
+    if cpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import numpy as np
+    import torch
+
+    if not cpu and not torch.cuda.is_available():
+        sys.exit("gpu_check: CUDA is not available (use --device cpu to check the script)")
+    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if not cpu else 'cpu'}")
+    if not args.skip_tests:
+        rc = subprocess.call([sys.executable, "-m", "pytest", "-q", str(ROOT / "tests" / "test_gpu.py")])
+        print(f"GPU tests: exit code {rc}")
+
+    from kvmap.replay import replay
+    from kvmap.result import MAPPING_PHASES
+    from kvmap.trace import Trace
+
+    trace = args.trace if not cpu else str(ROOT / "traces" / "chunked_prefill.jsonl")
+    rows = []
+    for backend, device in (("numba", "cpu"), ("torch", args.device), ("triton", args.device)):
+        replay(Trace(trace), backend=backend, device=device, nvtx=False, warmup=5)  # compile, warm caches
+        r = replay(Trace(trace), backend=backend, device=device, nvtx=False, warmup=5)
+        m = r.measured()
+        mi = [r.phases.index(p) for p in MAPPING_PHASES + ("h2d",) if p in r.phases]
+        dev = r.device_phase_ns[r.warmup:] if r.device_phase_ns.size else None
+        rows.append((backend, device, float(np.median(m.sum(1))) / 1e3, float(np.median(m[:, mi].sum(1))) / 1e3,
+                     float(np.median(dev[:, mi].sum(1))) / 1e3 if dev is not None else float("nan"),
+                     r.h2d_bytes / max(r.steps_replayed, 1)))
+    print(f"\nreplay of {Path(trace).name}: median per step (us); 'mapping' = h2d + batch order + inputs + block "
+          "tables + slots")
+    print(f"{'backend':<8} {'device':<7} {'host step':>10} {'host mapping':>13} {'device mapping':>15} {'H2D B/step':>11}")
+    for b, d, step, hm, dm, h2d in rows:
+        print(f"{b:<8} {d:<7} {step:>10.1f} {hm:>13.1f} {dm:>15.1f} {h2d:>11.0f}")
+
+    # synthetic batches through the device workers' mapping phases
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench as Bm
+
+    from kvmap.worker import make_worker
+
+    sizes = [int(x) for x in args.sizes.split(",")] if not cpu else [8]
+    rng, tok, bt, nc0 = Bm.synthetic()
+    header = Bm.make_header(1024 * 512)
+    print(f"\nsynthetic steps ({args.steps if not cpu else 5} per size): median us per step, host (launch) and device "
+          "(CUDA events), mapping phases only")
+    print(f"{'B':>5} {'tokens':>7} | " + " | ".join(f"{b:^23}" for b in ("numba host", "torch host/device",
+                                                                           "triton host/device")))
+    workers = {}
+    for b in ("numba", "torch", "triton"):
+        w = make_worker(b, header, "cpu" if b == "numba" else args.device)
+        st = w.state
+        st.token_ids[:, :Bm.MAX_MODEL_LEN] = tok
+        st.block_tables[0][:, :Bm.MAX_BLOCKS] = bt
+        st.num_computed_tokens[:] = nc0
+        st.num_blocks[0, :] = np.minimum(-(-(nc0 + 512) // Bm.BS), Bm.MAX_BLOCKS)
+        if hasattr(w, "d_token_ids"):
+            w.d_token_ids.copy_(torch.from_numpy(st.token_ids))
+            w.d_block_tables[0].copy_(torch.from_numpy(st.block_tables[0]))
+            st.journal.clear()
+        workers[b] = w
+    no_drafts = np.zeros(1024, dtype=np.int32)
+    for B in sizes:
+        steps = Bm.make_steps(rng, nc0, B)
+        line = f"{B:>5} {int(np.median([sum(c) for _, c in steps])):>7} |"
+        for b, w in workers.items():
+            host, devt = [], []
+            n = args.steps if not cpu else 5
+            for i in range(n + 10):
+                r_, c_ = steps[i % len(steps)]
+                t0 = time.perf_counter_ns()
+                if hasattr(w, "d_token_ids") and not cpu:
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                w._sched = (None, np.array(r_, np.int32), np.array(c_, np.int32), no_drafts[:B])
+                for phase in ("prepare_batch", "copy_to_device", "prepare_inputs", "gather_block_tables",
+                              "compute_slot_mappings"):
+                    if hasattr(w, phase):
+                        getattr(w, phase)()
+                t1 = time.perf_counter_ns()
+                if hasattr(w, "d_token_ids") and not cpu:
+                    e1.record()
+                    e1.synchronize()
+                    d = e0.elapsed_time(e1) * 1e3
+                else:
+                    d = float("nan")
+                if i >= 10:
+                    host.append((t1 - t0) / 1e3)
+                    devt.append(d)
+            cell = f"{np.median(host):8.1f}" + ("" if b == "numba" else f" / {np.median(devt):8.1f}")
+            line += f" {cell:^23} |"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
