@@ -95,23 +95,46 @@ def make_header(max_tokens: int) -> TraceHeader:
 
 class KvmapMappings:
     """kvmap's mapping phases (batch order, inputs, block tables, slots) over a WorkerState, run by one of
-    its workers (`numpy` or `numba`): exactly the calls the replay loop makes."""
+    its workers (numba, numpy, torch): exactly the calls the replay loop makes."""
 
     def __init__(self, worker) -> None:
         self.w = worker
         self.state = worker.state
         self.buf = worker.buffers
         self.no_drafts = np.zeros(ROWS, dtype=np.int32)
+        self.device = hasattr(worker, "copy_to_device")
+        dev = getattr(worker, "device", None)
+        self.sync = None
+        if dev is not None and dev.type == "cuda":
+            import torch
 
-    def step(self, rows_list: list[int], counts_list: list[int]) -> int:
+            self.sync = torch.cuda.synchronize
+
+    def upload(self) -> None:
+        """Device workers: the synthetic state was written straight into the host arrays; send it once."""
+        if self.device:
+            import torch
+
+            w = self.w
+            w.d_token_ids.copy_(torch.from_numpy(w.state.token_ids))
+            for d, h in zip(w.d_block_tables, w.state.block_tables):
+                d.copy_(torch.from_numpy(h))
+            w.state.journal.clear()
+
+    def step(self, rows_list: list[int], counts_list: list[int], req_ids: list[str] | None = None) -> int:
         w = self.w
         rows = np.array(rows_list, dtype=np.int32)
         counts = np.array(counts_list, dtype=np.int32)
-        w._sched = (None, rows, counts, self.no_drafts[: len(rows)])
+        w._sched = (req_ids, rows, counts, self.no_drafts[: len(rows)])
+        w._mappings = None
         w.prepare_batch()
+        if self.device:
+            w.copy_to_device()
         w.prepare_inputs()
         w.gather_block_tables()
         w.compute_slot_mappings()
+        if self.sync is not None:
+            self.sync()  # device work is asynchronous: time it to completion
         return w._T
 
 
@@ -141,19 +164,19 @@ def check_same(base: V1Baseline, kv: KvmapMappings, rows: list[int], counts: lis
     r2 = [rows[i] for i in order]
     c2 = [counts[i] for i in order]
     T = base.step(r2, c2)
-    T2 = kv.step(rows, counts)
+    T2 = kv.step(rows, counts, req_ids=[str(r) for r in rows])
     B = len(rows)
     assert T == T2
-    b = kv.buf
-    assert np.array_equal(b.idx_mapping[:B], base.idx_mapping[:B])
-    assert np.array_equal(b.query_start_loc[: B + 1], base.qsl[: B + 1])
-    assert np.array_equal(b.seq_lens[:B], base.seq_lens[:B])
-    assert np.array_equal(b.positions[:T], base.positions[:T])
-    assert np.array_equal(b.input_ids[:T], base.input_ids[:T])
-    assert np.array_equal(b.slot_mapping[0, :T], base.slot_mapping[:T])
+    m = kv.w.mappings()
+    assert np.array_equal(m.idx_mapping, base.idx_mapping[:B])
+    assert np.array_equal(m.query_start_loc, base.qsl[: B + 1])
+    assert np.array_equal(m.seq_lens, base.seq_lens[:B])
+    assert np.array_equal(m.positions, base.positions[:T])
+    assert np.array_equal(m.input_ids, base.input_ids[:T])
+    assert np.array_equal(m.slot_mapping[0], base.slot_mapping[:T])
     for i in range(B):
-        nb = int(b.num_blocks[0, i])
-        assert np.array_equal(b.block_tables[0][i, :nb], base.batch_table[i, :nb])
+        nb = int(m.num_blocks[0, i])
+        assert np.array_equal(m.block_tables[0][i, :nb], base.batch_table[i, :nb])
 
 
 def stats(ns: np.ndarray, tokens: np.ndarray) -> dict:
@@ -176,6 +199,7 @@ def bench_synthetic(reps: int, sizes: list[int], backends: list[str]) -> list[di
         # a realistic row holds the blocks for its history plus its largest chunk
         st.num_blocks[0, :] = np.minimum(-(-(num_computed + 512) // BS), MAX_BLOCKS)
         kvs[f"kvmap_{name}"] = KvmapMappings(w)
+        kvs[f"kvmap_{name}"].upload()
     base = V1Baseline(token_ids, block_table, num_computed, max_tokens)
     out = []
     for B in sizes:
@@ -271,13 +295,13 @@ class BaselineWorker(NumpyWorker):  # noqa: D101
             np.add(table.ravel()[idx].astype(np.int64) * bs, pos % bs, out=self.buffers.slot_mapping[g, :T])
 
 
-def bench_replay(trace_path: Path, runs: int, backends: list[str]) -> dict:
+def bench_replay(trace_path: Path, runs: int, backends: list[str], args_device: str = "cpu") -> dict:
     from kvmap.replay import replay
     from kvmap.result import MAPPING_PHASES
 
     header = Trace(trace_path).header
-    makers = {"v1_baseline": lambda: BaselineWorker(header), **{b: (lambda b=b: make_worker(b, header))
-                                                               for b in backends}}
+    makers = {"v1_baseline": lambda: BaselineWorker(header),
+              **{b: (lambda b=b: make_worker(b, header, args_device)) for b in backends}}
     results: dict[str, list] = {k: [] for k in makers}
     names = list(makers)
     first_dumps = {}
@@ -372,8 +396,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=300, help="timed steps per batch size and implementation")
     ap.add_argument("--sizes", default="8,64,256,1024")
-    ap.add_argument("--backends", default=",".join(b for b in BACKENDS if b != "reference"),
-                    help="kvmap workers to time (default: every compiled and vectorized one)")
+    ap.add_argument("--backends", default="numba,numpy,torch",
+                    help="kvmap workers to time (default: the host ones and torch on CPU; triton on CPU runs "
+                         "under the interpreter, useless for timing)")
     ap.add_argument("--trace", default=str(Path(__file__).resolve().parent.parent / "traces" / "long_mixed.jsonl.gz"))
     ap.add_argument("--replay-runs", type=int, default=3)
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-RSS and start-up checks")
@@ -403,10 +428,11 @@ def main() -> None:
         cols = list(rep["phases"])
         print(f"{'phase':<16}" + "".join(f" {c:>12}" for c in cols) + "".join(f" {'ratio ' + c:>14}" for c in cols[1:]))
         base = rep["phases"]["v1_baseline"]
-        for p in base:
-            row = f"{p:<16}" + "".join(f" {rep['phases'][c][p]:>12.1f}" for c in cols)
-            row += "".join(f" {base[p] / rep['phases'][c][p] if rep['phases'][c][p] else float('nan'):>13.2f}x"
-                           for c in cols[1:])
+        names = list(dict.fromkeys(p for c in cols for p in rep["phases"][c] if p not in ("mappings", "step")))
+        for p in names + ["mappings", "step"]:
+            vals = [rep["phases"][c].get(p) for c in cols]
+            row = f"{p:<16}" + "".join(f" {v:>12.1f}" if v is not None else f" {'-':>12}" for v in vals)
+            row += "".join(f" {base[p] / v:>13.2f}x" if (v and p in base) else f" {'-':>14}" for v in vals[1:])
             print(row)
     mem = None if args.no_memory else bench_memory(Path(args.trace))
     if mem:
