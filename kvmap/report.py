@@ -97,6 +97,10 @@ def summary_dict(r: ReplayResult) -> dict:
         "mean_tokens_per_step": float(toks.mean()) if len(toks) else 0.0,
         "steps_per_s": len(m) / total_s if total_s else 0.0,
         "tokens_per_s": float(toks.sum()) / total_s if total_s else 0.0,
+        "device": r.device,
+        "h2d_bytes_per_step": r.h2d_bytes / max(r.steps_replayed, 1),
+        "device_phases_p50_us": ({p: float(np.median(r.device_phase_ns[r.warmup:, i])) / 1e3
+                                  for i, p in enumerate(r.phases)} if r.device_phase_ns.size else None),
         "kv": {"bytes": r.kv_bytes, "geometry": r.kv_geometry, "verified": r.kv_verified,
                "checked": r.kv_checked, "mismatches": r.kv_mismatches},
         "phases": {s.name: {"mean_us": s.mean_us, "p50_us": s.p50_us, "p90_us": s.p90_us, "p99_us": s.p99_us,
@@ -143,6 +147,20 @@ def render_summary(r: ReplayResult, console: Console) -> None:
                       "" if st.name == "step" else f"{st.share:.0%}", style=style,
                       end_section=st.name == r.phases[-1])
     console.print(table)
+    if r.device_phase_ns.size:
+        dev = r.device_phase_ns[r.warmup :]
+        dt = Table(title=f"device time per step on {r.device} (us, CUDA events; queueing included)",
+                   title_justify="left")
+        for col in ("phase", "mean", "p50", "p90", "p99", "max"):
+            dt.add_column(col, justify="left" if col == "phase" else "right")
+        for i, p in enumerate(r.phases):
+            us = dev[:, i] / 1e3
+            p50, p90, p99 = np.percentile(us, [50, 90, 99]) if len(us) else (0, 0, 0)
+            dt.add_row(p, f"{us.mean() if len(us) else 0:.1f}", f"{p50:.1f}", f"{p90:.1f}", f"{p99:.1f}",
+                       f"{us.max() if len(us) else 0:.1f}")
+        console.print(dt)
+    if r.h2d_bytes:
+        console.print(f"host-to-device: {r.h2d_bytes / max(r.steps_replayed, 1):,.0f} bytes per step in one staged copy")
     for e in r.kv_examples[:5]:
         console.print(f"[red]KV mismatch[/] step {e['step']}, request {e['req_id']!r}, group {e['group']}, "
                       f"position {e['position']}, slot {e['slot']}: expected token {e['expected_token']}, "

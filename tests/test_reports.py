@@ -80,3 +80,19 @@ def test_report_rejects_a_file_that_is_not_a_run(tmp_path):
     p.write_text('{"hello": 1}')
     res = runner.invoke(app, ["report", str(p)])
     assert res.exit_code == 2 and "not a kvmap run" in res.stderr
+
+
+def test_device_times_are_rendered_when_present():
+    import numpy as np
+    from rich.console import Console
+
+    from kvmap.report import render_summary, summary_dict
+
+    r = replay(Trace(TRACE), nvtx=False)
+    r.device = "cuda:0"
+    r.device_phase_ns = np.full_like(r.phase_ns, 2000)  # as CUDA events would give, 2 us a phase
+    console = Console(record=True, width=120)
+    render_summary(r, console)
+    text = console.export_text()
+    assert "device time per step on cuda:0" in text
+    assert summary_dict(r)["device_phases_p50_us"]["prepare_inputs"] == 2.0

@@ -5,6 +5,8 @@ row 0 (the explainer's "B is batch row 2" contradicts its own query_start_loc [0
 from kvmap.replay import replay
 from kvmap.trace import Trace
 
+from .conftest import TRACES
+
 
 def _step(path, backend, n):
     dumps = []
@@ -39,3 +41,29 @@ def test_verify_kv_reads_back_every_position(worked_example):
     assert r.kv_mismatches == 0
     # step 0: 16 + 31, step 1: 32 + 24, step 2: 33 + 25 readable positions
     assert r.kv_checked == (16 + 31) + (32 + 24) + (33 + 25)
+
+
+def test_a_trace_without_sampled_tokens_uses_stand_ins_and_says_so(tmp_path):
+    """trace-format.md: without sampled_token_ids decode input ids are unknown; the replay must say so and use
+    stand-in ids (here 0), never pretend they are real. Positions and slots do not depend on them."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvmap.cli import app
+
+    from .conftest import read_lines, write_lines
+
+    lines = read_lines(TRACES / "worked_example.jsonl")
+    for d in lines[1:]:
+        d.pop("sampled_token_ids")
+    path = write_lines(tmp_path / "nosamples.jsonl", lines)
+    for backend in ("numpy", "reference"):
+        dumps = []
+        r = replay(Trace(path), backend=backend, on_mappings=dumps.append, verify_kv=backend == "numpy", nvtx=False)
+        assert r.standin_tokens == 1 + 2  # B at position 31 in step 1; B at 32 and A at 24 in step 2
+        assert dumps[1]["input_ids"][0] == 0 and dumps[1]["slot_mapping"] == [[207] + list(range(704, 712))]
+        assert dumps[2]["input_ids"] == [0, 0]
+    res = CliRunner().invoke(app, ["replay", str(path), "--no-progress"])
+    assert res.exit_code == 0 and "3 input ids are stand-ins" in res.stdout
+    json.dumps(dumps)
