@@ -262,9 +262,11 @@ def record(
 ) -> None:
     """Record a trace from vLLM's real scheduler (no model, no GPU) driven by a workload file."""
     from kvmap.record.engine import record as run_record
+    from kvmap.record.engine import require_vllm
     from kvmap.record.workload import load_workload
 
     w = load_workload(workload)
+    require_vllm()
     tmp = output.with_name(f".{output.name}.partial")
     if not output.parent.is_dir():
         raise KvmapError(f"folder {output.parent} does not exist", path=str(output))

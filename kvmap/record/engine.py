@@ -44,6 +44,14 @@ def _true_token(seed: int, req_id: str, position: int, vocab: int) -> int:
     return 1 + int.from_bytes(h, "little") % (vocab - 1)
 
 
+def require_vllm() -> None:
+    """Fail early, with the install recipe, where vLLM is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise KvmapError(INSTALL_HINT)
+
+
 def build_scheduler(w: Workload):
     """A vLLM scheduler configured as the workload says. Imports vLLM (and sets its environment) here."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
