@@ -145,14 +145,12 @@ class PagedKVCache:
 
     def write_device(self, batch: dict) -> None:
         """Write from a device worker's tensors, on the device (torch ops; no host sync)."""
-        t = torch()
         ids, pos, slots = batch["input_ids"], batch["positions"], batch["slot_mapping"]
         values = self._values_torch(ids, pos)  # [2, T, H*D]
         for g, bits in enumerate(self.bits):
             bits[:, slots[g]] = values
 
     def _values_torch(self, token_ids, positions):
-        t = torch()
         lanes = self.geometry.lanes
         width = 8 * np.dtype(self.np_bits).itemsize
         x = canary_torch(token_ids, positions, lanes)  # [n, lanes] int64 in [0, 2**32)
@@ -218,7 +216,6 @@ class PagedKVCache:
         end_h = nc_h + counts_h[order]
         d = worker.device_batch()
         idx = d["idx_mapping"]
-        nc = d["num_computed_tokens"].to(t.int64)
         for g, grp in enumerate(self.header.kv_cache_groups):
             lo_h = _readable_lo(grp, nc_h)
             cnt_h = end_h - lo_h

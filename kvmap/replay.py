@@ -159,7 +159,7 @@ def replay(
             if capturing:
                 markers.pop()
     except KvmapError as e:
-        raise e.located(path=trace.name)
+        raise e.located(path=trace.name) from None
     result.kv_checked, result.kv_mismatches = check.checked, check.mismatches
     result.kv_examples = [asdict(e) for e in check.examples]
     result.steps, result.num_reqs, result.num_tokens, result.step_start_ns = (

@@ -159,10 +159,10 @@ class WorkerState:
             index = self.req_id_to_index
             try:
                 crows = np.array([index[r] for r in c.req_ids], dtype=np.int32)
-            except KeyError:
+            except KeyError:  # name the first unknown one
                 for r in c.req_ids:
                     self.row_of(r, step, "scheduled_cached_reqs.req_ids")
-                raise AssertionError("unreachable")  # pragma: no cover
+                raise AssertionError("unreachable") from None  # pragma: no cover
             self.num_computed_tokens[crows] = c.num_computed_tokens
             for r in c.resumed_req_ids:
                 row = self.row_of(r, step, "scheduled_cached_reqs.resumed_req_ids")

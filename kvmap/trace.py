@@ -214,7 +214,7 @@ def _int_lists(items: list[tuple[str | None, str, int | None, object]], where: _
                 bound = f"[{minimum}, {maximum})" if maximum is not None else f">= {minimum}"
                 raise where.error(f"{what} {v} at entry {i} is outside {bound}", req_id=req_id, field=name,
                                   group=group)
-    raise where.error(f"a value is not a list of integers in range")  # pragma: no cover
+    raise where.error("a value is not a list of integers in range")  # pragma: no cover
 
 
 # ---------------------------------------------------------------------------------------------- header

@@ -31,10 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvmap import batch as KB  # noqa: E402
-from kvmap.state import WorkerState  # noqa: E402
 from kvmap.trace import KVCacheGroup, Trace, TraceHeader  # noqa: E402
-from kvmap.worker import BACKENDS, NumpyWorker, default_backend, make_worker  # noqa: E402
+from kvmap.worker import NumpyWorker, make_worker  # noqa: E402
 
 ROWS, MAX_MODEL_LEN, BS = 1024, 8192, 16
 MAX_BLOCKS = MAX_MODEL_LEN // BS  # 512
@@ -248,7 +246,6 @@ class BaselineWorker(NumpyWorker):  # noqa: D101
         st = self.state
         self.base = V1Baseline(st.token_ids, st.block_tables[0], st.num_computed_tokens,
                                self.buffers.max_num_tokens)
-        self.base.token_ids = st.token_ids
 
     def prepare_inputs(self) -> None:
         _, rows, counts, _ = self._sched

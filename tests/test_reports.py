@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from kvmap.cli import app
 from kvmap.replay import replay
-from kvmap.report import compare_dict, to_chrome_trace, to_csv
+from kvmap.report import to_chrome_trace, to_csv
 from kvmap.result import ReplayResult
 from kvmap.trace import Trace
 

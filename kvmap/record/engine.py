@@ -89,7 +89,7 @@ def build_scheduler(w: Workload):
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, device_config=DeviceConfig(device="cpu"),
                     **kw)
     groups, n = [], 0
-    for gi, g in enumerate(w.kv_cache_groups):
+    for g in w.kv_cache_groups:
         names = [f"model.layers.{n + i}.self_attn" for i in range(g.num_layers)]
         n += g.num_layers
         if g.kind == "sliding_window":

@@ -8,7 +8,7 @@ requests. Token ids are derived from the seed; shared prefixes give prefix-cache
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import yaml
