@@ -1,8 +1,10 @@
 """NVTX ranges for Nsight Systems: one `kvmap` domain, a range per step and a nested range per phase.
 
 Rules (NVTX best practices): one domain for the library; event attributes built once per phase (registered
-strings, fixed colours), never formatted per call; the step index travels as the range's payload, not in the
-message, so that messages stay registered strings. The step range is called `execute_model`, like the worker
+strings, fixed colours), never formatted per call; numbers travel as payloads, not in messages, so that
+messages stay registered strings: the step index is the step range's payload, and the step's number of
+requests and tokens are the payloads of two marks, `num_reqs` and `num_tokens`, inside it (the Python nvtx
+API carries one payload per event). The step range is called `execute_model`, like the worker
 method vLLM's per-step range wraps, so kvmap and vLLM timelines line up. `--no-nvtx` or the `NVTX_DISABLE`
 environment variable turn every call into nothing.
 
@@ -39,6 +41,7 @@ class Markers:
         self._handle = self._domain.handle
         self._push = _lib.push_range
         self._pop = _lib.pop_range
+        self._mark = _lib.mark
         for i, name in enumerate(phases):
             self._phase_attrs[name] = self._domain.get_event_attributes(name, _COLORS[i % len(_COLORS)], None, None)
 
@@ -49,6 +52,12 @@ class Markers:
     def push_step(self, step: int) -> None:
         if self.enabled:
             self._push(self._domain.get_event_attributes(STEP_RANGE, "white", None, step), self._handle)
+
+    def mark_counts(self, num_reqs: int, num_tokens: int) -> None:
+        if self.enabled:
+            attrs = self._domain.get_event_attributes
+            self._mark(attrs("num_reqs", "white", None, num_reqs), self._handle)
+            self._mark(attrs("num_tokens", "white", None, num_tokens), self._handle)
 
     def push(self, phase: str) -> None:
         if self.enabled:

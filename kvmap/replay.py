@@ -123,6 +123,8 @@ def replay(
                 if events:
                     events.current.clear()
                 break
+            markers.mark_counts(len(step.scheduler_output.num_scheduled_tokens),
+                                step.scheduler_output.total_num_scheduled_tokens)
             push("update_states")
             worker.update_states(step)
             ts.append(clock())

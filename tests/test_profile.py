@@ -31,6 +31,20 @@ def test_profile_records_every_phase_once_per_step(tmp_path):
             continue
         assert ranges[phase].instances == captured, phase
     assert "missing" not in res.stdout
+    # the numbers travel as payloads: the step index on each step range, requests and tokens on two marks
+    import json
+    import sqlite3
+
+    db = sqlite3.connect(out.with_name("prof.sqlite"))
+    rows = db.execute("select coalesce(e.text, s.value), e.int64Value from NVTX_EVENTS e "
+                      "left join StringIds s on e.textId = s.id where e.eventType in (34, 59) order by e.start").fetchall()
+    steps = [v for name, v in rows if name == "execute_model"]
+    assert steps == list(range(6, 20))
+    lines = [json.loads(x) for x in (TRACES / "chunked_prefill.jsonl").read_text().splitlines()[1:]]
+    tokens = [v for name, v in rows if name == "num_tokens"]
+    assert tokens == [lines[k]["scheduler_output"]["total_num_scheduled_tokens"] for k in range(6, 20)]
+    reqs = [v for name, v in rows if name == "num_reqs"]
+    assert reqs == [len(lines[k]["scheduler_output"]["num_scheduled_tokens"]) for k in range(6, 20)]
 
 
 def test_missing_nsys_says_how_to_get_it(tmp_path, monkeypatch):
