@@ -33,8 +33,11 @@ def ragged_write(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, counts
 
     `values` is the concatenation of the segments (MRV2's `StagedWriteTensor` does the same on the GPU).
     """
-    total = int(counts.sum())
+    total = len(values)
     if total == 0:
+        return
+    if total == len(rows) and int(counts.min()) == 1:  # one value per row (the usual decode step)
+        table[rows, starts] = values
         return
     seg_start = np.cumsum(counts) - counts  # [n] offset of each segment in `values`
     cols = np.arange(total) - np.repeat(seg_start - starts, counts)
@@ -285,8 +288,5 @@ class WorkerState:
             raise TraceError("sampled tokens overflow max_model_len", line=step.line, step=step.step,
                              req_id=list(sampled)[j], field="sampled_token_ids")
         flat = np.fromiter((t for v in values for t in v), dtype=np.int32, count=int(counts.sum()))
-        if len(flat) == len(counts) and int(counts.min()) == 1 and self.journal is None:
-            self.token_ids[srows, starts] = flat  # one token each: a single scatter
-        else:
-            self._write("tokens", 0, srows, starts, counts, flat)
+        self._write("tokens", 0, srows, starts, counts, flat)
         self.total_len[srows] = ends
