@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -131,25 +132,18 @@ def replay(
     start, stop = parse_steps(steps)
     t = Trace(trace or default_trace())
     geometry = KVGeometry(kv_heads, head_size, kv_dtype).check()
-    dump_ctx = atomic_open(dump_mappings) if dump_mappings else None
-    dump_file = dump_ctx.__enter__() if dump_ctx else None
+    with ExitStack() as stack:  # the dump is renamed into place only if the whole replay succeeds
+        dump_file = stack.enter_context(atomic_open(dump_mappings)) if dump_mappings else None
 
-    def on_mappings(d: dict) -> None:
-        if d["step"] >= start:
-            dump_file.write(json.dumps(d, separators=(",", ":")) + "\n")
+        def on_mappings(d: dict) -> None:
+            if d["step"] >= start:
+                dump_file.write(json.dumps(d, separators=(",", ":")) + "\n")
 
-    try:
         with _progress(progress, t) as advance:
-            result = run_replay(t, backend=backend, device=device, start=start, stop=stop, warmup=warmup, verify_kv=verify_kv,
-                                write_kv=not no_kv, kv_geometry=geometry, nvtx=nvtx,
+            result = run_replay(t, backend=backend, device=device, start=start, stop=stop, warmup=warmup,
+                                verify_kv=verify_kv, write_kv=not no_kv, kv_geometry=geometry, nvtx=nvtx,
                                 on_mappings=on_mappings if dump_file else None, on_step=advance,
                                 capture=nvtx_capture)
-    except BaseException:
-        if dump_ctx:
-            dump_ctx.__exit__(*sys.exc_info())
-        raise
-    if dump_ctx:
-        dump_ctx.__exit__(None, None, None)
     if not quiet:
         render_summary(result, out)
     if json_out:

@@ -145,7 +145,8 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
              "is_draft": token >= n - drafts, "links": [
                  f"request {req_id!r} -> batch {b} (batch order: sorted by scheduled tokens)",
                  f"batch {b} -> row {row} (idx_mapping[{b}] = {row})",
-                 f"token {token} of the request -> flat token {qsl[b]} + {token} = {t} (query_start_loc[{b}] = {qsl[b]})",
+                 f"token {token} of the request -> flat token {qsl[b]} + {token} = {t} "
+                 f"(query_start_loc[{b}] = {qsl[b]})",
                  f"flat token {t} -> position {nc} + {token} = {p} (num_computed_tokens + offset)",
              ], "groups": []}
     H, D = geometry.num_kv_heads, geometry.head_size
@@ -165,7 +166,8 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
                 f"position {p} -> block {p} // {bs} = {lb}, offset {p} % {bs} = {off}",
                 f"block_table[{row}][{lb}] = {blk}",
                 f"slot {blk} * {bs} + {off} = {slot}",
-                f"bytes (one layer, [2, {h.num_gpu_blocks}, {bs}, {H}, {D}] {geometry.dtype}): K at {k0}..{k0 + H * D * elem - 1}, "
+                f"bytes (one layer, [2, {h.num_gpu_blocks}, {bs}, {H}, {D}] {geometry.dtype}): "
+                f"K at {k0}..{k0 + H * D * elem - 1}, "
                 f"V at {plane + k0}..{plane + k0 + H * D * elem - 1} ({H * D * elem} bytes each)",
             ]})
     out["token"] = chain

@@ -41,7 +41,8 @@ def render_explain(d: dict, console: Console) -> None:
     console.print(Text(f"seq_lens        {d['seq_lens']}"))
     req = d.get("request")
     if req:
-        console.print(Text(f"\nrequest {req['req_id']!r} ({req['origin']}): row {req['row']}, batch {req['batch_idx']}, "
+        console.print(Text(f"\nrequest {req['req_id']!r} ({req['origin']}): row {req['row']}, "
+                           f"batch {req['batch_idx']}, "
                            f"flat tokens {req['tokens'][0]}..{req['tokens'][1] - 1}, positions "
                            f"{req['positions'][0]}..{req['positions'][1]}"
                            + (f" ({req['num_draft_tokens']} drafts)" if req["num_draft_tokens"] else ""),

@@ -160,7 +160,8 @@ def render_summary(r: ReplayResult, console: Console) -> None:
                        f"{us.max() if len(us) else 0:.1f}")
         console.print(dt)
     if r.h2d_bytes:
-        console.print(f"host-to-device: {r.h2d_bytes / max(r.steps_replayed, 1):,.0f} bytes per step in one staged copy")
+        per_step = r.h2d_bytes / max(r.steps_replayed, 1)
+        console.print(f"host-to-device: {per_step:,.0f} bytes per step in one staged copy")
     for e in r.kv_examples[:5]:
         console.print(f"[red]KV mismatch[/] step {e['step']}, request {e['req_id']!r}, group {e['group']}, "
                       f"position {e['position']}, slot {e['slot']}: expected token {e['expected_token']}, "

@@ -335,7 +335,8 @@ class Validator:
                 first = nc // bs
                 if any(b == self.null for b in row[first:need]):
                     j = first + [b == self.null for b in row[first:need]].index(True)
-                    self.add("null_block", f"scheduled positions in logical block {j} map to the null block {self.null}",
+                    self.add("null_block",
+                             f"scheduled positions in logical block {j} map to the null block {self.null}",
                              step, req_id=r, group=g, field="block_ids/new_block_ids")
                 if grp.kind == "sliding_window":
                     lo = max(0, nc - grp.sliding_window + 1) // bs

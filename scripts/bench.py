@@ -416,7 +416,8 @@ def main() -> None:
         for name in impls:
             a = r[name]
             sp = f" {a['speedup']:.2f}x" if "speedup" in a else "      "
-            line += f" | {a['median_us']:>6.1f} [{a['p10_us']:>4.0f}-{a['p90_us']:<4.0f}] {a['ns_per_token']:>5.1f}ns{sp}"
+            line += (f" | {a['median_us']:>6.1f} [{a['p10_us']:>4.0f}-{a['p90_us']:<4.0f}] "
+                     f"{a['ns_per_token']:>5.1f}ns{sp}")
         print(line)
     rep = bench_replay(Path(args.trace), args.replay_runs, backends) if args.replay_runs else None
     if rep:

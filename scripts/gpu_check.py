@@ -61,7 +61,8 @@ def main() -> None:
                      r.h2d_bytes / max(r.steps_replayed, 1)))
     print(f"\nreplay of {Path(trace).name}: median per step (us); 'mapping' = h2d + batch order + inputs + block "
           "tables + slots")
-    print(f"{'backend':<8} {'device':<7} {'host step':>10} {'host mapping':>13} {'device mapping':>15} {'H2D B/step':>11}")
+    print(f"{'backend':<8} {'device':<7} {'host step':>10} {'host mapping':>13} {'device mapping':>15} "
+          f"{'H2D B/step':>11}")
     for b, d, step, hm, dm, h2d in rows:
         print(f"{b:<8} {d:<7} {step:>10.1f} {hm:>13.1f} {dm:>15.1f} {h2d:>11.0f}")
 

@@ -37,7 +37,8 @@ def test_profile_records_every_phase_once_per_step(tmp_path):
 
     db = sqlite3.connect(out.with_name("prof.sqlite"))
     rows = db.execute("select coalesce(e.text, s.value), e.int64Value from NVTX_EVENTS e "
-                      "left join StringIds s on e.textId = s.id where e.eventType in (34, 59) order by e.start").fetchall()
+                      "left join StringIds s on e.textId = s.id where e.eventType in (34, 59) "
+                      "order by e.start").fetchall()
     steps = [v for name, v in rows if name == "execute_model"]
     assert steps == list(range(6, 20))
     lines = [json.loads(x) for x in (TRACES / "chunked_prefill.jsonl").read_text().splitlines()[1:]]
