@@ -21,6 +21,7 @@ import numpy as np
 from kvmap._torch import torch
 from kvmap.batch import BatchMappings, PAD_SLOT_ID
 from kvmap.errors import KvmapError
+from kvmap.state import ragged_columns
 from kvmap.trace import TraceHeader
 from kvmap.worker import NumpyWorker
 
@@ -136,11 +137,9 @@ class TorchWorker(NumpyWorker):
         parts = [idx, n, st.num_computed_tokens.astype(np.int64), st.num_blocks.reshape(-1).astype(np.int64)]
         writes: dict[tuple[str, int], list] = {}
         for table, g, r, s0, c, v in st.journal:
-            tot = int(c.sum())
-            if not tot:
+            if not len(v):
                 continue
-            seg = np.cumsum(c) - c
-            cols = np.arange(tot) - np.repeat(seg - s0, c)
+            cols = ragged_columns(s0, c)
             width = st.token_width if table == "tokens" else st.block_tables[g].shape[1]
             writes.setdefault((table, g), []).append((np.repeat(r.astype(np.int64), c) * width + cols,
                                                       v.astype(np.int64)))
@@ -209,6 +208,12 @@ class TorchWorker(NumpyWorker):
         self._prev_T = T
 
     # ------------------------------------------------------------------ results
+
+    def host_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        """(num_computed_tokens, seq_lens) of the batch, int64, from the host mirror: no device sync."""
+        _, rows, counts, _ = self._sched
+        nc = self.state.num_computed_tokens[rows[self._order]].astype(np.int64)
+        return nc, nc + counts[self._order]
 
     def device_batch(self) -> dict:
         B, T = self._B, self._T

@@ -16,7 +16,8 @@ import triton.language as tl
 from kvmap._torch import torch
 from kvmap.batch import PAD_SLOT_ID
 from kvmap.device import TorchWorker
-from kvmap.kv_cache import KVCheckResult, KVMismatch, _readable_lo
+from kvmap.kv_cache import KVCheckResult, KVMismatch
+from kvmap.reference import readable_lo
 
 BLOCK = 128  # tokens per loop iteration of a program
 
@@ -207,12 +208,11 @@ class TritonWorker(TorchWorker):
         if not B:
             return res
         half = kv.geometry.lanes // 2
-        nc_h = self.o_num_computed[:B].cpu().numpy().astype(np.int64)  # a check: syncing here is fine
-        seq_h = self.o_seq_lens[:B].cpu().numpy().astype(np.int64)
+        nc_h, seq_h = self.host_batch()
         bad = t.zeros(B, dtype=t.int32, device=self.device)
         first = t.zeros(B, dtype=t.int64, device=self.device)
         for g, grp in enumerate(self.header.kv_cache_groups):
-            lo_h = _readable_lo(grp, nc_h)
+            lo_h = readable_lo(grp, nc_h)
             lo = t.from_numpy(lo_h).to(self.device)
             table, bits = self.d_block_tables[g], kv.bits[g]
             _kv_verify_kernel[(B,)](self.o_idx_mapping, lo, self.o_seq_lens, self.d_token_ids,

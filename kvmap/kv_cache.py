@@ -23,6 +23,7 @@ import numpy as np
 from kvmap._torch import torch
 from kvmap.batch import BatchMappings
 from kvmap.errors import KvmapError
+from kvmap.reference import readable_lo
 from kvmap.trace import TraceHeader
 
 # dtype name -> (torch dtype attribute, integer view dtype in numpy, in torch)
@@ -208,16 +209,12 @@ class PagedKVCache:
                        max_examples: int) -> KVCheckResult:
         """Read back on the device; one host sync per group for the mismatch count (a check, not a step)."""
         t = torch()
-        st = worker.state
         B = worker._B
-        order = worker._order
-        _, rows_h, counts_h, _ = worker._sched
-        nc_h = st.num_computed_tokens[rows_h[order]].astype(np.int64)
-        end_h = nc_h + counts_h[order]
+        nc_h, end_h = worker.host_batch()
         d = worker.device_batch()
         idx = d["idx_mapping"]
         for g, grp in enumerate(self.header.kv_cache_groups):
-            lo_h = _readable_lo(grp, nc_h)
+            lo_h = readable_lo(grp, nc_h)
             cnt_h = end_h - lo_h
             total = int(cnt_h.sum())
             if not total:
@@ -251,7 +248,7 @@ class PagedKVCache:
         st = worker.state
         nc = m.num_computed_tokens.astype(np.int64)
         for g, grp in enumerate(self.header.kv_cache_groups):
-            lo = _readable_lo(grp, nc)
+            lo = readable_lo(grp, nc)
             checked, bad = self.kernels.kv_verify(m.idx_mapping, lo, m.seq_lens, st.token_ids, st.block_tables[g],
                                                   grp.block_size, self.ubits[g], self.mask, self._bad)
             res.checked += checked
@@ -266,11 +263,3 @@ class PagedKVCache:
             return "never written"
         return "bits of another token or position"
 
-
-def _readable_lo(grp, nc: np.ndarray) -> np.ndarray:
-    """First readable position per request (vectorized reference.readable_start)."""
-    if grp.kind == "sliding_window":
-        return np.maximum(nc - grp.sliding_window + 1, 0)
-    if grp.kind == "chunked_local":
-        return nc // grp.attention_chunk_size * grp.attention_chunk_size
-    return np.zeros_like(nc)

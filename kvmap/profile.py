@@ -61,8 +61,8 @@ def nsys_command(nsys: str, out: Path, replay_args: list[str]) -> list[str]:
 
 
 def run_nsys(nsys: str, out: Path, replay_args: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NSYS_NVTX_PROFILER_REGISTER_ONLY="0", NVTX_DISABLE="")
-    env.pop("NVTX_DISABLE")
+    env = {k: v for k, v in os.environ.items() if k != "NVTX_DISABLE"}  # a profile needs the ranges
+    env["NSYS_NVTX_PROFILER_REGISTER_ONLY"] = "0"
     proc = subprocess.run(nsys_command(nsys, out, replay_args), capture_output=True, text=True, env=env)
     rep = out.with_suffix(".nsys-rep") if out.suffix != ".nsys-rep" else out
     if proc.returncode != 0 or not rep.exists():

@@ -189,6 +189,15 @@ class ReferenceWorker:
             self.free_rows.append(req.row)
 
 
+def readable_lo(group, num_computed_tokens: np.ndarray) -> np.ndarray:
+    """`readable_start` for a batch: [num_reqs] first readable position in a KV cache group."""
+    if group.kind == "sliding_window":
+        return np.maximum(num_computed_tokens - group.sliding_window + 1, 0)
+    if group.kind == "chunked_local":
+        return num_computed_tokens // group.attention_chunk_size * group.attention_chunk_size
+    return np.zeros_like(num_computed_tokens)
+
+
 def readable_start(kind: str, sliding_window: int | None, chunk: int | None, num_computed_tokens: int) -> int:
     """First position a step starting at `num_computed_tokens` may read (vLLM's skipped-token rule)."""
     if kind == "sliding_window":

@@ -27,6 +27,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def ragged_columns(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Columns of ragged segments: segment i covers `starts[i] .. starts[i] + counts[i] - 1`, concatenated."""
+    seg_start = np.cumsum(counts) - counts  # [n] offset of each segment in the concatenation
+    return np.arange(int(counts.sum())) - np.repeat(seg_start - starts, counts)
+
+
 def ragged_write(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
                  values: np.ndarray) -> None:
     """`table[rows[i], starts[i] : starts[i] + counts[i]] = values[segment i]` for all i, in one scatter.
@@ -39,9 +45,7 @@ def ragged_write(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, counts
     if total == len(rows) and int(counts.min()) == 1:  # one value per row (the usual decode step)
         table[rows, starts] = values
         return
-    seg_start = np.cumsum(counts) - counts  # [n] offset of each segment in `values`
-    cols = np.arange(total) - np.repeat(seg_start - starts, counts)
-    table[np.repeat(rows, counts), cols] = values
+    table[np.repeat(rows, counts), ragged_columns(starts, counts)] = values
 
 
 class WorkerState:

@@ -13,8 +13,8 @@ import numpy as np
 
 from kvmap import batch as B
 from kvmap.errors import TraceError
-from kvmap.reference import ReferenceWorker
-from kvmap.state import WorkerState
+from kvmap.reference import ReferenceWorker, readable_lo
+from kvmap.state import WorkerState, ragged_columns
 from kvmap.trace import Step, TraceHeader
 
 BACKENDS = ("numba", "numpy", "reference", "torch", "triton")
@@ -105,16 +105,10 @@ class NumpyWorker:
         idx = buf.idx_mapping[:Bn].astype(np.int64)
         nc = buf.num_computed_tokens[:Bn].astype(np.int64)
         hi = buf.seq_lens[:Bn].astype(np.int64)
-        if g.kind == "sliding_window":
-            lo = np.maximum(nc - g.sliding_window + 1, 0)
-        elif g.kind == "chunked_local":
-            lo = nc // g.attention_chunk_size * g.attention_chunk_size
-        else:
-            lo = np.zeros_like(nc)
+        lo = readable_lo(g, nc)
         counts = hi - lo
         breq = np.repeat(np.arange(Bn), counts)
-        start = np.cumsum(counts) - counts
-        pos = np.arange(int(counts.sum())) - np.repeat(start - lo, counts)
+        pos = ragged_columns(lo, counts)
         rows = idx[breq]
         bs = g.block_size
         blocks = st.block_tables[group][rows, pos // bs].astype(np.int64)
