@@ -96,6 +96,9 @@ class InputBuffers:
         self.tmp_req = np.zeros(N, dtype=np.int64)  # [N]
         self.tmp_req2 = np.zeros(N, dtype=np.int64)  # [N]
         self.tmp_blk = np.zeros(T, dtype=np.int32)  # [T] gathered block ids
+        self.order = np.zeros(N, dtype=np.int32)  # [N] batch_idx -> scheduler entry (compiled workers)
+        self.sort_keys = np.zeros(N, dtype=np.int64)  # [N] sort key per scheduler entry
+        self.sort_tmp = np.zeros(N, dtype=np.int32)  # [N] merge scratch
 
 
 def build_inputs(state: WorkerState, buf: InputBuffers, rows: np.ndarray, counts: np.ndarray,

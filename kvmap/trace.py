@@ -478,6 +478,148 @@ def parse_step(obj: object, header: TraceHeader, where: _Where) -> Step:
     )
 
 
+# ---------------------------------------------------------------------------------------------- fast path
+
+_INT, _STR, _LIST = {int}, {str}, {list}
+
+
+def _ints_in(values: object, lo: int, hi: int) -> bool:
+    """`values` is a list of ints (not bools) with lo <= v <= hi; C-speed builtins, no loop in Python."""
+    return type(values) is list and (not values or (set(map(type, values)) == _INT and min(values) >= lo
+                                                    and max(values) <= hi))
+
+
+def _int_lists_in(lists: list, lo: int, hi: int) -> bool:
+    """Every entry of `lists` is a list of ints in [lo, hi]."""
+    if not lists:
+        return True
+    if set(map(type, lists)) != _LIST:
+        return False
+    return _ints_in(list(chain.from_iterable(lists)), lo, hi)
+
+
+def _strs(values: object) -> bool:
+    return values is None or (type(values) is list and (not values or set(map(type, values)) == _STR))
+
+
+def fast_step(obj: object, header: TraceHeader, where: _Where) -> Step | None:
+    """`parse_step` for a well-formed line in the current vLLM form, with whole-list checks in C.
+
+    Returns the Step `parse_step` would return, or None whenever anything is off (a problem, a legacy field
+    form, a value `parse_step` accepts only after a closer look): the caller then runs `parse_step`, which
+    names the problem or converts the old form. tests/test_trace_fast.py holds the two to the same results.
+    """
+    if type(obj) is not dict or obj.get("kind") == "header" or obj.get("step") != where.step \
+            or type(obj.get("step")) is not int:
+        return None
+    so = obj.get("scheduler_output")
+    if type(so) is not dict:
+        return None
+    G = header.num_groups
+    limit = header.max_model_len
+    tok_hi = TOKEN_ID_LIMIT - 1
+    blk_hi = header.num_gpu_blocks - 1
+    token_lists: list = []
+    block_lists: list = []
+
+    new_raw = so.get("scheduled_new_reqs", [])
+    if type(new_raw) is not list:
+        return None
+    new_reqs = []
+    for r in new_raw:
+        if type(r) is not dict:
+            return None
+        req_id, prompt, prefill = r.get("req_id"), r.get("prompt_token_ids"), r.get("prefill_token_ids")
+        blocks, nc = r.get("block_ids"), r.get("num_computed_tokens")
+        if type(req_id) is not str or type(nc) is not int or not 0 <= nc <= limit or type(blocks) is not list \
+                or len(blocks) != G or (G == 1 and (not blocks or type(blocks[0]) is int)):
+            return None
+        if prompt is None:
+            if prefill is None:
+                return None
+            prompt = prefill
+        token_lists.append(prompt)
+        if prefill is not None:
+            token_lists.append(prefill)
+        block_lists += blocks
+        new_reqs.append(NewRequestData(req_id, prompt, blocks, nc, prefill))
+
+    c = so.get("scheduled_cached_reqs") or {}
+    if type(c) is not dict or "resumed_from_preemption" in c and "resumed_req_ids" not in c \
+            or "resumed_req_token_ids" in c and "all_token_ids" not in c:
+        return None
+    req_ids = c.get("req_ids")
+    resumed = c.get("resumed_req_ids")
+    if not (_strs(req_ids) and _strs(resumed)):
+        return None
+    req_ids = req_ids or []
+    n = len(req_ids)
+    nc_list = c.get("num_computed_tokens", [])
+    nb_raw = c.get("new_block_ids", [None] * n)
+    if type(nc_list) is not list or len(nc_list) != n or (n and not _ints_in(nc_list, 0, limit)) \
+            or type(nb_raw) is not list or len(nb_raw) != n:
+        return None
+    for entry in nb_raw:
+        if entry is not None:
+            if type(entry) is not list or len(entry) != G or (G == 1 and (not entry or type(entry[0]) is int)):
+                return None
+            block_lists += entry
+    all_tok = c.get("all_token_ids") or {}
+    num_out = c.get("num_output_tokens")
+    if type(all_tok) is not dict or (num_out is not None and (type(num_out) is not list or len(num_out) != n)):
+        return None
+    token_lists += all_tok.values()
+
+    nst = so.get("num_scheduled_tokens")
+    total = so.get("total_num_scheduled_tokens")
+    if type(nst) is not dict or type(total) is not int:
+        return None
+    vals = list(nst.values())
+    if not _ints_in(vals, 1, limit) or sum(vals) != total or len(nst) != len(new_reqs) + n:
+        return None
+    keys = nst.keys()
+    if not (list(keys) == req_ids or keys >= set(req_ids)) or any(r.req_id not in nst for r in new_reqs):
+        return None
+    spec = so.get("scheduled_spec_decode_tokens") or {}
+    if type(spec) is not dict:
+        return None
+    for r, drafts in spec.items():
+        if r not in nst or type(drafts) is not list or len(drafts) >= nst[r]:
+            return None
+        token_lists.append([d for d in drafts if d != -1] if -1 in drafts else drafts)
+    finished, preempted = so.get("finished_req_ids"), so.get("preempted_req_ids")
+    if not (_strs(finished) and _strs(preempted)):
+        return None
+
+    sampled, drafts_out = obj.get("sampled_token_ids"), obj.get("draft_token_ids")
+    if sampled is not None:
+        if type(sampled) is not dict or not (sampled.keys() == keys or sampled.keys() <= keys):
+            return None
+        token_lists += sampled.values()
+    if drafts_out is not None:
+        if type(drafts_out) is not dict:
+            return None
+        token_lists += drafts_out.values()
+    if not (_int_lists_in(token_lists, 0, tok_hi) and _int_lists_in(block_lists, 0, blk_hi)):
+        return None
+    return Step(
+        step=where.step,
+        line=where.line,
+        scheduler_output=SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=CachedRequestData(req_ids, set(resumed or ()), nb_raw, nc_list, all_tok,
+                                                    num_out),
+            num_scheduled_tokens=nst,
+            total_num_scheduled_tokens=total,
+            scheduled_spec_decode_tokens=spec,
+            finished_req_ids=finished or [],
+            preempted_req_ids=preempted or [],
+        ),
+        sampled_token_ids=sampled,
+        draft_token_ids=drafts_out,
+    )
+
+
 # ---------------------------------------------------------------------------------------------- files
 
 
@@ -537,7 +679,8 @@ class Trace:
                 where = _Where(self.name, line, i)
                 if not raw.strip():
                     raise where.error("blank line (a trace has one JSON object on every line)")
-                yield parse_step(self._json(raw, line, i), self.header, where)
+                obj = self._json(raw, line, i)
+                yield fast_step(obj, self.header, where) or parse_step(obj, self.header, where)
 
     def raw_steps(self) -> Iterator[tuple[int, str]]:
         """(line number, raw text) of every step line, for tools that parse leniently (validate)."""

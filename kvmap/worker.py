@@ -128,6 +128,14 @@ class NumbaWorker(NumpyWorker):
 
         self.k = kernels_cpu
 
+    def prepare_batch(self) -> None:
+        assert self._sched is not None
+        _, _, counts, drafts = self._sched
+        buf = self.buffers
+        n = self.k.batch_order(counts, drafts, self.header.num_speculative_tokens, buf.order, buf.sort_keys,
+                               buf.sort_tmp)
+        self._order = buf.order[:n]
+
     def prepare_inputs(self) -> None:
         assert self._sched is not None and self._order is not None
         _, rows, counts, _ = self._sched
