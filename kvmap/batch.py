@@ -15,6 +15,7 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,11 +25,39 @@ from kvmap.state import WorkerState
 PAD_SLOT_ID = -1
 
 
+class BatchReqIds(Sequence):
+    """Request ids in batch order, looked up through the batch order only when read (most steps never read
+    them: the KV write needs only the arrays)."""
+
+    __slots__ = ("_ids", "_order")
+
+    def __init__(self, scheduler_ids: list[str], order: np.ndarray) -> None:
+        self._ids, self._order = scheduler_ids, order  # order: [num_reqs] batch_idx -> scheduler entry
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __getitem__(self, b):
+        if isinstance(b, slice):
+            return [self._ids[i] for i in self._order[b].tolist()]
+        return self._ids[int(self._order[b])]
+
+    def __iter__(self):
+        ids = self._ids
+        return (ids[i] for i in self._order.tolist())
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 @dataclass(slots=True)
 class BatchMappings:
     """One step's worker inputs, in batch order. Arrays are views into preallocated buffers: copy to keep."""
 
-    req_ids: list[str]  # [num_reqs] batch_idx -> req_id
+    req_ids: Sequence[str]  # [num_reqs] batch_idx -> req_id
     idx_mapping: np.ndarray  # [num_reqs] int32, batch_idx -> req_state_idx
     num_scheduled_tokens: np.ndarray  # [num_reqs] int32, batch_idx -> tokens this step (drafts included)
     num_computed_tokens: np.ndarray  # [num_reqs] int32, batch_idx -> position of its first token
@@ -181,7 +210,7 @@ def compute_slot_mappings(state: WorkerState, buf: InputBuffers, B: int, T: int)
             out += off
 
 
-def view(buf: InputBuffers, req_ids: list[str], B: int, T: int) -> BatchMappings:
+def view(buf: InputBuffers, req_ids: Sequence[str], B: int, T: int) -> BatchMappings:
     return BatchMappings(
         req_ids=req_ids,
         idx_mapping=buf.idx_mapping[:B],

@@ -150,6 +150,45 @@ def slot_mapping(idx_mapping, num_scheduled_tokens, num_computed_tokens, table, 
             p = stop
 
 
+@_jit
+def scatter(dst, idx, values):
+    """dst[idx[i]] = values[i]."""
+    for i in range(idx.shape[0]):
+        dst[idx[i]] = values[i]
+
+
+@_jit
+def positions_fit(rows, counts, num_drafts, num_computed_tokens, capacity, total_len):
+    """Every scheduled position has a block in every group and is within max_model_len (capacity), and every
+    position before the drafts holds a known token (total_len)."""
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        end = num_computed_tokens[row] + counts[i]
+        if end > capacity[row] or end - num_drafts[i] > total_len[row]:
+            return False
+    return True
+
+
+@_jit
+def append_tokens(token_ids, total_len, rows, counts, flat, max_model_len):
+    """After a step: token_ids[rows[i], total_len[rows[i]] :][: counts[i]] = segment i of flat, total_len grows.
+    Checks every row first and writes nothing if one would pass max_model_len: returns its index, else -1."""
+    for i in range(rows.shape[0]):
+        if total_len[rows[i]] + counts[i] > max_model_len:
+            return i
+    t = 0
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        start = total_len[row]
+        n = counts[i]
+        dst = token_ids[row, start : start + n]
+        for k in range(n):
+            dst[k] = flat[t + k]
+        total_len[row] = start + n
+        t += n
+    return -1
+
+
 # ------------------------------------------------------------------------------------------- KV canary
 # The same hash as kv_cache.canary (numpy), one value at a time: lowbias32 of a mix of token, position, lane.
 _M32 = 0xFFFFFFFF
@@ -168,13 +207,15 @@ def _canary(token, position, lane):
 
 
 @_jit
-def kv_write(input_ids, positions, slots, bits, mask):
-    """bits: [2, num_slots, H*D] unsigned view of the cache; lane l of K is l, of V is H*D + l."""
+def kv_write(input_ids, positions, slots, bits, mask, written):
+    """bits: [2, num_slots, H*D] unsigned view of the cache; lane l of K is l, of V is H*D + l.
+    written: [num_slots] bool, set for every slot written."""
     half = bits.shape[2]
     for t in range(slots.shape[0]):
         s = slots[t]
         if s < 0:  # PAD_SLOT_ID
             continue
+        written[s] = True
         tok = input_ids[t]
         p = positions[t]
         for l in range(half):

@@ -163,8 +163,7 @@ class PagedKVCache:
         if self.kernels is not None:
             for g, ub in enumerate(self.ubits):
                 slots = m.slot_mapping[g]
-                self.kernels.kv_write(m.input_ids, m.positions, slots, ub, self.mask)
-                self.written[g][slots[slots >= 0]] = True
+                self.kernels.kv_write(m.input_ids, m.positions, slots, ub, self.mask, self.written[g])
             return
         t = torch()
         values = self._values(m.input_ids, m.positions)

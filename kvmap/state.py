@@ -15,12 +15,15 @@ Rules:
 
 from __future__ import annotations
 
+from itertools import chain, compress
+
 import numpy as np
 
 from kvmap.errors import TraceError
 from kvmap.trace import SchedulerOutput, Step, TraceHeader
 
 STANDIN_TOKEN_ID = 0  # input id used where the trace did not record what the model sampled
+ROW_WRITES_MAX = 16  # up to this many rows with new blocks: one slice write each; more: one vectorized scatter
 
 
 def cdiv(a: int, b: int) -> int:
@@ -34,15 +37,18 @@ def ragged_columns(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 def ragged_write(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-                 values: np.ndarray) -> None:
+                 values: np.ndarray, one_each: bool | None = None) -> None:
     """`table[rows[i], starts[i] : starts[i] + counts[i]] = values[segment i]` for all i, in one scatter.
 
     `values` is the concatenation of the segments (MRV2's `StagedWriteTensor` does the same on the GPU).
+    `one_each`: the caller knows whether every count is 1 (None: look).
     """
     total = len(values)
     if total == 0:
         return
-    if total == len(rows) and int(counts.min()) == 1:  # one value per row (the usual decode step)
+    if one_each is None:
+        one_each = total == len(rows) and int(counts.min()) == 1
+    if one_each:  # one value per row (the usual decode step)
         table[rows, starts] = values
         return
     table[np.repeat(rows, counts), ragged_columns(starts, counts)] = values
@@ -69,19 +75,22 @@ class WorkerState:
         # [num_groups] x [R, max_num_blocks_g] int32: row -> physical block ids (valid up to num_blocks)
         self.block_tables = [np.zeros((R, w), dtype=np.int32) for w in self.max_num_blocks]
         self.num_blocks = np.zeros((header.num_groups, R), dtype=np.int32)  # [G, R] valid entries per row
+        # [R] positions every group's blocks cover, capped at max_model_len: min_g num_blocks[g] * block_size_g
+        self.capacity = np.zeros(R, dtype=np.int32)
         # Device workers set this to a list: every write into token_ids / block_tables is also recorded as
         # (table, group, rows, starts, counts, values), so that only what changed crosses to the device.
         self.journal: list[tuple[str, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None = None
         self.num_standin_tokens = 0  # input ids that had to be made up (trace without sampled_token_ids)
+        self.kernels = None  # kvmap.kernels_cpu when the worker is compiled: appends run as one kernel call
         self.missing_samples = False  # some step had no sampled_token_ids
 
     # ------------------------------------------------------------------ writes
 
     def _write(self, table: str, g: int, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-               values: np.ndarray) -> None:
+               values: np.ndarray, one_each: bool | None = None) -> None:
         """Ragged write into token_ids (table "tokens") or block_tables[g] ("blocks"), journaled if asked."""
         target = self.token_ids if table == "tokens" else self.block_tables[g]
-        ragged_write(target, rows, starts, counts, values)
+        ragged_write(target, rows, starts, counts, values, one_each)
         if self.journal is not None:
             self.journal.append((table, g, rows, starts, counts, values))
 
@@ -126,6 +135,13 @@ class WorkerState:
                                  step=step.step, req_id=req_id, group=g, field=field)
             self._write_row("blocks", g, row, 0, ids)
             self.num_blocks[g, row] = n
+        self._refresh_capacity(row)
+
+    def _refresh_capacity(self, rows) -> None:
+        cap = np.minimum(self.num_blocks[0, rows] * self.block_sizes[0], self.header.max_model_len)
+        for g in range(1, len(self.block_sizes)):
+            cap = np.minimum(cap, self.num_blocks[g, rows] * self.block_sizes[g])
+        self.capacity[rows] = cap
 
     # ------------------------------------------------------------------ step
 
@@ -165,12 +181,16 @@ class WorkerState:
         if c.req_ids:
             index = self.req_id_to_index
             try:
-                crows = np.array([index[r] for r in c.req_ids], dtype=np.int32)
+                crows = np.fromiter(map(index.__getitem__, c.req_ids), np.int32, len(c.req_ids))
             except KeyError:  # name the first unknown one
                 for r in c.req_ids:
                     self.row_of(r, step, "scheduled_cached_reqs.req_ids")
                 raise AssertionError("unreachable") from None  # pragma: no cover
-            self.num_computed_tokens[crows] = c.num_computed_tokens
+            nc = np.fromiter(c.num_computed_tokens, np.int32, len(crows))
+            if self.kernels is not None:
+                self.kernels.scatter(self.num_computed_tokens, crows, nc)
+            else:
+                self.num_computed_tokens[crows] = nc
             for r in c.resumed_req_ids:
                 row = self.row_of(r, step, "scheduled_cached_reqs.resumed_req_ids")
                 self.preempted.discard(r)
@@ -195,7 +215,7 @@ class WorkerState:
             rows = crows
         else:
             rows = np.array([index[r] for r in req_ids], dtype=np.int32)
-        counts = np.array(list(nst.values()), dtype=np.int32)
+        counts = np.fromiter(nst.values(), np.int32, len(nst))
         spec = so.scheduled_spec_decode_tokens
         num_drafts = np.zeros(len(req_ids), dtype=np.int32)
         if spec:
@@ -207,14 +227,37 @@ class WorkerState:
 
     def _append_blocks(self, step: Step, crows: np.ndarray) -> None:
         c = step.scheduler_output.scheduled_cached_reqs
+        nb = c.new_block_ids
+        if nb.count(None) == len(nb):
+            return
+        sel = list(compress(range(len(nb)), nb))  # entries with new blocks (a group-list list is never empty)
         resumed = c.resumed_req_ids
-        sel = [i for i, b in enumerate(c.new_block_ids) if b is not None and c.req_ids[i] not in resumed]
-        if not sel:
+        if resumed:
+            sel = [i for i in sel if c.req_ids[i] not in resumed]
+            if not sel:
+                return
+        if len(sel) <= ROW_WRITES_MAX:  # the usual step: a few rows cross into a new block
+            num_blocks, sizes = self.num_blocks, self.block_sizes
+            for i in sel:
+                row = int(crows[i])
+                cap = self.header.max_model_len
+                for g, ids in enumerate(nb[i]):
+                    have = int(num_blocks[g, row])
+                    if ids:
+                        if have + len(ids) > self.max_num_blocks[g]:
+                            raise TraceError(f"appending {len(ids)} blocks overflows the row width "
+                                             f"{self.max_num_blocks[g]}", line=step.line, step=step.step,
+                                             req_id=c.req_ids[i], group=g, field="new_block_ids")
+                        self._write_row("blocks", g, row, have, ids)
+                        have += len(ids)
+                        num_blocks[g, row] = have
+                    cap = min(cap, have * sizes[g])
+                self.capacity[row] = cap
             return
         rows = crows[sel]
         for g in range(self.header.num_groups):
-            lists = [c.new_block_ids[i][g] for i in sel]
-            counts = np.array([len(x) for x in lists], dtype=np.int32)
+            lists = [nb[i][g] for i in sel]
+            counts = np.fromiter(map(len, lists), np.int32, len(lists))
             starts = self.num_blocks[g, rows]
             ends = starts + counts
             if int(ends.max()) > self.max_num_blocks[g]:
@@ -222,15 +265,40 @@ class WorkerState:
                 raise TraceError(f"appending {int(counts[j])} blocks overflows the row width "
                                  f"{self.max_num_blocks[g]}", line=step.line, step=step.step,
                                  req_id=c.req_ids[sel[j]], group=g, field="new_block_ids")
-            flat = np.fromiter((b for x in lists for b in x), dtype=np.int32, count=int(counts.sum()))
+            flat = np.fromiter(chain.from_iterable(lists), dtype=np.int32, count=int(counts.sum()))
             self._write("blocks", g, rows, starts, counts, flat)
             self.num_blocks[g, rows] = ends
+        self._refresh_capacity(rows)
 
     def _check_and_stage_tokens(self, step: Step, req_ids: list[str], rows: np.ndarray, counts: np.ndarray,
                                 num_drafts: np.ndarray) -> None:
         """Check that every scheduled position fits and has a block; stage drafts after the known tokens."""
-        nc = self.num_computed_tokens[rows]
-        end = nc + counts  # [n] seq_lens
+        spec = step.scheduler_output.scheduled_spec_decode_tokens
+        # one look at the whole batch; `_check_positions` names the first problem (or stages stand-in tokens)
+        if self.kernels is not None:
+            ok = self.kernels.positions_fit(rows, counts, num_drafts, self.num_computed_tokens, self.capacity,
+                                            self.total_len)
+        else:
+            end = self.num_computed_tokens[rows] + counts
+            ok = not (bool((end > self.capacity[rows]).any())
+                      or bool((end - num_drafts > self.total_len[rows]).any()))
+        if ok and not spec:
+            return
+        end = self.num_computed_tokens[rows] + counts  # [n] seq_lens
+        real_end = end - num_drafts  # positions past this are drafts
+        if not ok:
+            self._check_positions(step, req_ids, rows, end, real_end)
+        if spec:
+            sel = np.flatnonzero(num_drafts)
+            drows = rows[sel]
+            flat = np.fromiter((t for j in sel for t in spec[req_ids[j]]), dtype=np.int32,
+                               count=int(num_drafts.sum()))
+            # async scheduling sends -1 placeholders: the real drafts live on the GPU
+            flat[flat < 0] = STANDIN_TOKEN_ID
+            self._write("tokens", 0, drows, real_end[sel], num_drafts[sel], flat)
+
+    def _check_positions(self, step: Step, req_ids: list[str], rows: np.ndarray, end: np.ndarray,
+                         real_end: np.ndarray) -> None:
         h = self.header
         if len(rows) and int(end.max()) > h.max_model_len:
             j = int(np.argmax(end > h.max_model_len))
@@ -245,7 +313,6 @@ class WorkerState:
                                  line=step.line, step=step.step, req_id=req_ids[j], group=g,
                                  field="block_ids/new_block_ids")
         known = self.total_len[rows]
-        real_end = end - num_drafts  # positions past this are drafts
         gap = real_end > known
         if bool(gap.any()):
             if not self.missing_samples:
@@ -259,15 +326,6 @@ class WorkerState:
                                 np.full(int(real_end[j] - known[j]), STANDIN_TOKEN_ID, dtype=np.int32))
                 self.num_standin_tokens += int(real_end[j] - known[j])
                 self.total_len[row] = real_end[j]
-        spec = step.scheduler_output.scheduled_spec_decode_tokens
-        if spec:
-            sel = np.flatnonzero(num_drafts)
-            drows = rows[sel]
-            flat = np.fromiter((t for j in sel for t in spec[req_ids[j]]), dtype=np.int32,
-                               count=int(num_drafts.sum()))
-            # async scheduling sends -1 placeholders: the real drafts live on the GPU
-            flat[flat < 0] = STANDIN_TOKEN_ID
-            self._write("tokens", 0, drows, real_end[sel], num_drafts[sel], flat)
 
     def append_sampled(self, step: Step, req_ids: list[str], rows: np.ndarray) -> None:
         """After the step: append what the model sampled (MRV2's `post_update`). `req_ids`/`rows` are the
@@ -284,13 +342,25 @@ class WorkerState:
             index = self.req_id_to_index
             srows = np.array([index[r] for r in sampled], dtype=np.int32)
         values = sampled.values()
-        counts = np.fromiter(map(len, values), dtype=np.int32, count=len(sampled))
+        if self.kernels is not None and self.journal is None:
+            counts = np.fromiter(map(len, values), np.int32, len(sampled))
+            flat = np.fromiter(chain.from_iterable(values), np.int32)
+            j = self.kernels.append_tokens(self.token_ids, self.total_len, srows, counts, flat,
+                                           self.header.max_model_len)
+            if j >= 0:
+                raise TraceError("sampled tokens overflow max_model_len", line=step.line, step=step.step,
+                                 req_id=list(sampled)[j], field="sampled_token_ids")
+            return
+        lens = list(map(len, values))
+        total = sum(lens)
+        one_each = total == len(lens) and max(lens) == 1  # the usual decode step
         starts = self.total_len[srows]
+        counts = np.array(lens, dtype=np.int32)
         ends = starts + counts
         if len(ends) and int(ends.max()) > self.header.max_model_len:
             j = int(np.argmax(ends > self.header.max_model_len))
             raise TraceError("sampled tokens overflow max_model_len", line=step.line, step=step.step,
                              req_id=list(sampled)[j], field="sampled_token_ids")
-        flat = np.fromiter((t for v in values for t in v), dtype=np.int32, count=int(counts.sum()))
-        self._write("tokens", 0, srows, starts, counts, flat)
+        flat = np.fromiter(chain.from_iterable(values), dtype=np.int32, count=total)
+        self._write("tokens", 0, srows, starts, counts, flat, one_each)
         self.total_len[srows] = ends

@@ -22,7 +22,7 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, compress
 from pathlib import Path
 from typing import Any
 
@@ -559,11 +559,13 @@ def fast_step(obj: object, header: TraceHeader, where: _Where) -> Step | None:
     if type(nc_list) is not list or len(nc_list) != n or (n and not _ints_in(nc_list, 0, limit)) \
             or type(nb_raw) is not list or len(nb_raw) != n:
         return None
-    for entry in nb_raw:
-        if entry is not None:
-            if type(entry) is not list or len(entry) != G or (G == 1 and (not entry or type(entry[0]) is int)):
-                return None
-            block_lists += entry
+    grown = list(compress(nb_raw, nb_raw))  # the entries with new blocks, skipping the Nones in C
+    if len(grown) != n - nb_raw.count(None):
+        return None  # an empty entry: legacy or wrong, parse_step decides
+    for entry in grown:
+        if type(entry) is not list or len(entry) != G or (G == 1 and type(entry[0]) is int):
+            return None
+        block_lists += entry
     all_tok = c.get("all_token_ids") or {}
     num_out = c.get("num_output_tokens")
     if type(all_tok) is not dict or (num_out is not None and (type(num_out) is not list or len(num_out) != n)):

@@ -88,9 +88,7 @@ class NumpyWorker:
         """This step's mappings (views into the input buffers; valid until the next step)."""
         if self._mappings is None:
             assert self._sched is not None and self._order is not None
-            req_ids = self._sched[0]
-            ordered = [req_ids[i] for i in self._order.tolist()]
-            self._mappings = B.view(self.buffers, ordered, self._B, self._T)
+            self._mappings = B.view(self.buffers, B.BatchReqIds(self._sched[0], self._order), self._B, self._T)
         return self._mappings
 
     def mappings_dict(self) -> dict:
@@ -127,6 +125,7 @@ class NumbaWorker(NumpyWorker):
         from kvmap import kernels_cpu
 
         self.k = kernels_cpu
+        self.state.kernels = kernels_cpu
 
     def prepare_batch(self) -> None:
         assert self._sched is not None

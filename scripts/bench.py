@@ -9,8 +9,9 @@ from the scheduler's Python lists (rows, tokens per request) to finished arrays 
 seq_lens, positions, input_ids, batch block table, slot_mapping). Implementations alternate step by step after
 a warm-up; every output is checked identical before timing.
 
-Part 2, the bundled long trace replayed by kvmap's loop twice: with kvmap's numpy worker, and with the same
-worker whose mapping phases are the baseline's code (KV write on, KV verify off). Medians per step.
+Part 2, the bundled long trace replayed by kvmap's loop: with each kvmap worker, and with kvmap's default
+(numba) worker whose mapping phases are the baseline's code, writing into the same buffers (KV write on, KV
+verify off). Medians per step.
 
 The baseline is vLLM's V1 runner before #32951 (positions, token gather and slot mapping in numpy on the CPU):
 `req_indices = np.repeat(arange, counts)`, per-token offsets by the cumsum trick, `np.take` from the flattened
@@ -32,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvmap.trace import KVCacheGroup, Trace, TraceHeader  # noqa: E402
-from kvmap.worker import NumpyWorker, make_worker  # noqa: E402
+from kvmap.worker import NumbaWorker, NumpyWorker, make_worker  # noqa: E402
 
 ROWS, MAX_MODEL_LEN, BS = 1024, 8192, 16
 MAX_BLOCKS = MAX_MODEL_LEN // BS  # 512
@@ -236,46 +237,35 @@ def bench_synthetic(reps: int, sizes: list[int], backends: list[str]) -> list[di
 # ------------------------------------------------------------------------------------------- whole replay
 
 
-class BaselineWorker(NumpyWorker):  # noqa: D101
-    """kvmap's worker with the mapping phases replaced by the V1-style baseline's code."""
+class BaselineWorker(NumbaWorker):  # noqa: D101
+    """kvmap's default worker (the same state update, KV write and post-update) with the mapping phases replaced
+    by the V1-style baseline's numpy code, which writes straight into kvmap's input buffers (as V1 writes into
+    its pinned CPU buffers): the two differ in the mapping code only."""
 
     name = "v1_baseline"
 
-    def __init__(self, header: TraceHeader) -> None:
-        super().__init__(header)
-        st = self.state
-        self.base = V1Baseline(st.token_ids, st.block_tables[0], st.num_computed_tokens,
-                               self.buffers.max_num_tokens)
+    def prepare_batch(self) -> None:
+        NumpyWorker.prepare_batch(self)  # the numpy stable argsort
 
     def prepare_inputs(self) -> None:
         _, rows, counts, _ = self._sched
-        order = self._order
-        b = self.base
-        r = rows[order]
-        ns = counts[order]
+        buf, st = self.buffers, self.state
+        r = rows[self._order]
+        ns = counts[self._order]
         B = len(r)
-        b.idx_mapping[:B] = r
-        req_indices = np.repeat(b.arange[:B], ns)
+        buf.idx_mapping[:B] = r
+        req_indices = np.repeat(buf.arange[:B], ns)
         cu = np.cumsum(ns)
         T = int(cu[-1]) if B else 0
-        b.qsl[1 : B + 1] = cu
-        query_pos = b.arange[:T] - np.repeat(cu - ns, ns)
-        nc = self.state.num_computed_tokens[r]
-        np.add(nc[req_indices], query_pos, out=b.positions[:T])
-        np.add(nc, ns, out=b.seq_lens[:B])
-        flat = b.positions[:T] + r[req_indices].astype(np.int64) * self.state.token_width
-        np.take(self.state.token_ids.ravel(), flat, out=b.input_ids[:T])
+        buf.query_start_loc[1 : B + 1] = cu
+        query_pos = buf.arange[:T] - np.repeat(cu - ns, ns)
+        nc = st.num_computed_tokens[r]
+        np.add(nc[req_indices], query_pos, out=buf.positions[:T])
+        np.add(nc, ns, out=buf.seq_lens[:B])
+        flat = buf.positions[:T] + r[req_indices].astype(np.int64) * st.token_width
+        np.take(st.token_ids.ravel(), flat, out=buf.input_ids[:T])
         self._req_indices = req_indices
         self._B, self._T = B, T
-        # publish into kvmap's buffers so that the KV write reads the same arrays
-        buf = self.buffers
-        buf.idx_mapping[:B] = r
-        buf.num_scheduled_tokens[:B] = ns
-        buf.num_computed_tokens[:B] = nc
-        buf.query_start_loc[: B + 1] = b.qsl[: B + 1]
-        buf.seq_lens[:B] = b.seq_lens[:B]
-        buf.positions[:T] = b.positions[:T]
-        buf.input_ids[:T] = b.input_ids[:T]
 
     def gather_block_tables(self) -> None:
         r = self.buffers.idx_mapping[: self._B]

@@ -150,3 +150,23 @@ def test_steps_window_and_json(tmp_path, worked_example):
     d = json.loads(j.read_text())
     assert d["result"]["steps"] == [1, 2]
     assert [json.loads(x)["step"] for x in dump.read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_sampled_tokens_past_max_model_len(tmp_path, worked_example, backend):
+    """The last step's sampled token would be token max_model_len + 1: named, and nothing is appended."""
+    from kvmap.errors import TraceError
+    from kvmap.replay import replay
+    from kvmap.trace import Trace
+
+    lines = read_lines(worked_example)
+    longest = 0
+    for step in lines[1:]:  # the longest request after its last step: computed + scheduled + 1 sampled
+        c = step["scheduler_output"]["scheduled_cached_reqs"]
+        for r, nc in zip(c["req_ids"], c["num_computed_tokens"]):
+            longest = max(longest, nc + step["scheduler_output"]["num_scheduled_tokens"][r] + 1)
+    lines[0]["max_model_len"] = longest - 1
+    path = write_lines(tmp_path / "short.jsonl", lines)
+    with pytest.raises(TraceError) as e:
+        replay(Trace(path), backend=backend, nvtx=False, write_kv=False)
+    assert "field sampled_token_ids: sampled tokens overflow max_model_len" in str(e.value), e.value

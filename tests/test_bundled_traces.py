@@ -32,6 +32,18 @@ def test_backend_equals_reference_every_step(path, backend):
         assert g == w, f"step {g['step']} differs"
 
 
+@pytest.mark.parametrize("path", [p for p in TRACES if "long" not in p.name], ids=lambda p: p.name)
+def test_vectorized_block_appends_equal_the_row_writes(path, monkeypatch):
+    """Steps where many rows grow take one vectorized scatter instead of a slice write per row: force it."""
+    import kvmap.state
+
+    monkeypatch.setattr(kvmap.state, "ROW_WRITES_MAX", -1)
+    got, want = [], []
+    replay(Trace(path), backend="numpy", on_mappings=got.append, write_kv=False, nvtx=False)
+    replay(Trace(path), backend="reference", on_mappings=want.append, write_kv=False, nvtx=False)
+    assert got == want
+
+
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name)
 def test_verify_kv_finds_no_mismatch(path):
     r = replay(Trace(path), verify_kv=True, nvtx=False)
