@@ -160,15 +160,18 @@ class PagedKVCache:
         return x.to(self.bits[0].dtype).view(len(token_ids), 2, lanes // 2).permute(1, 0, 2)
 
     def write(self, m: BatchMappings) -> None:
+        self.write_tokens(m.input_ids, m.positions, m.slot_mapping)
+
+    def write_tokens(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray) -> None:
+        """Write one step's tokens: input_ids, positions [T]; slot_mapping [G, T] (PAD_SLOT_ID skipped)."""
         if self.kernels is not None:
             for g, ub in enumerate(self.ubits):
-                slots = m.slot_mapping[g]
-                self.kernels.kv_write(m.input_ids, m.positions, slots, ub, self.mask, self.written[g])
+                self.kernels.kv_write(input_ids, positions, slot_mapping[g], ub, self.mask, self.written[g])
             return
         t = torch()
-        values = self._values(m.input_ids, m.positions)
+        values = self._values(input_ids, positions)
         for g, bits in enumerate(self.bits):
-            slots = m.slot_mapping[g]
+            slots = slot_mapping[g]
             if len(slots) and slots.min() < 0:
                 keep = slots >= 0
                 slots, vals = slots[keep], values[:, t.from_numpy(keep)]

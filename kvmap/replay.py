@@ -67,6 +67,8 @@ def replay(
             worker.write_kv(kv)
         elif device is not None:
             kv.write_device(worker.device_batch())
+        elif hasattr(worker, "token_arrays"):
+            kv.write_tokens(*worker.token_arrays())
         else:
             kv.write(worker.mappings())
 

@@ -91,6 +91,12 @@ class NumpyWorker:
             self._mappings = B.view(self.buffers, B.BatchReqIds(self._sched[0], self._order), self._B, self._T)
         return self._mappings
 
+    def token_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What the KV write needs, without building the whole mappings record: input_ids [T],
+        positions [T], slot_mapping [G, T]."""
+        buf, T = self.buffers, self._T
+        return buf.input_ids[:T], buf.positions[:T], buf.slot_mapping[:, :T]
+
     def mappings_dict(self) -> dict:
         assert self._step is not None
         return self.mappings().to_dict(self._step.step)
