@@ -8,7 +8,8 @@ Rules:
 - No per-token Python. Per-token arrays come from `np.repeat` of per-request bases plus `arange` (the one
   per-step temporary: numpy's repeat has no output argument); a step of pure decodes needs no expansion.
 - Slots are computed from the persistent row-indexed block tables through `idx_mapping` (as MRV2's kernel
-  does), not from the gathered batch table. Power-of-two block sizes use shifts and masks.
+  does), not from the gathered batch table. Power-of-two block sizes use shifts and masks here; the compiled
+  kernels go block by block instead (one table read and one division per block).
 - Batch order is Model Runner V2's: a stable ascending sort by scheduled tokens; with speculative decoding,
   requests with drafts, then requests of exactly `1 + num_speculative_tokens` tokens, come first (#47381).
 """

@@ -7,7 +7,10 @@ Rules:
   scheduled. Under the v1 protocol a preempted request keeps its row, marked not live, until it resumes
   with a full replacement block row and its tokens.
 - Everything is preallocated at maximum size. Updates are vectorized ragged writes (`ragged_write`), never a
-  loop per token; the only Python loops are per request, for requests that carry new data.
+  loop per token; the only Python loops are per request, for requests that carry new data (a step where a
+  few rows cross into a new block writes those rows' slices directly: cheaper than setting up a scatter).
+- A compiled worker sets `kernels` (kvmap.kernels_cpu): the whole-batch position check and the sampled-token
+  append are then one kernel call each. Device workers keep the numpy path, which journals every write.
 - `num_computed_tokens` is always taken from the trace. Sampled tokens are appended after the step.
 - Problems that need state to detect (unknown request, a full pool of rows, a row that overflows, a scheduled
   position without a block) raise `TraceError` naming step, request, group and field.
@@ -82,6 +85,7 @@ class WorkerState:
         self.journal: list[tuple[str, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None = None
         self.num_standin_tokens = 0  # input ids that had to be made up (trace without sampled_token_ids)
         self.kernels = None  # kvmap.kernels_cpu when the worker is compiled: appends run as one kernel call
+        self._ones = np.ones(R, dtype=np.int32)  # [R] counts of a step that samples one token per request
         self.missing_samples = False  # some step had no sampled_token_ids
 
     # ------------------------------------------------------------------ writes
@@ -95,12 +99,14 @@ class WorkerState:
             self.journal.append((table, g, rows, starts, counts, values))
 
     def _write_row(self, table: str, g: int, row: int, start: int, values) -> None:
-        values = np.asarray(values, dtype=np.int32)
         target = self.token_ids if table == "tokens" else self.block_tables[g]
+        if self.journal is None:
+            target[row, start : start + len(values)] = values  # numpy converts a list in C
+            return
+        values = np.asarray(values, dtype=np.int32)
         target[row, start : start + len(values)] = values
-        if self.journal is not None:
-            one = np.ones(1, dtype=np.int64)
-            self.journal.append((table, g, one * row, one * start, one * len(values), values))
+        one = np.ones(1, dtype=np.int64)
+        self.journal.append((table, g, one * row, one * start, one * len(values), values))
 
     # ------------------------------------------------------------------ rows
 
@@ -343,8 +349,11 @@ class WorkerState:
             srows = np.array([index[r] for r in sampled], dtype=np.int32)
         values = sampled.values()
         if self.kernels is not None and self.journal is None:
-            counts = np.fromiter(map(len, values), np.int32, len(sampled))
             flat = np.fromiter(chain.from_iterable(values), np.int32)
+            if len(flat) == len(sampled) and [] not in values:  # one token each, the usual decode step
+                counts = self._ones[: len(flat)]
+            else:
+                counts = np.fromiter(map(len, values), np.int32, len(sampled))
             j = self.kernels.append_tokens(self.token_ids, self.total_len, srows, counts, flat,
                                            self.header.max_model_len)
             if j >= 0:

@@ -291,18 +291,15 @@ def bench_replay(trace_path: Path, runs: int, backends: list[str], args_device: 
               **{b: (lambda b=b: make_worker(b, header, args_device)) for b in backends}}
     results: dict[str, list] = {k: [] for k in makers}
     names = list(makers)
-    first_dumps = {}
+    dumps: dict[str, list] = {name: [] for name in names}  # an untimed pass first: every worker agrees
+    for name in names:
+        replay(Trace(trace_path), nvtx=False, worker=makers[name](), on_mappings=dumps[name].append)
+    for name, d in dumps.items():
+        assert d == dumps["v1_baseline"], f"{name} and the baseline worker disagree on the trace"
+    dumps.clear()
     for i in range(runs):
         for name in names[i % len(names):] + names[: i % len(names)]:
-            dumps: list | None = [] if i == 0 else None
-            r = replay(Trace(trace_path), nvtx=False, warmup=20, worker=makers[name](),
-                       on_mappings=dumps.append if dumps is not None else None)
-            results[name].append(r)
-            if dumps is not None:
-                first_dumps[name] = dumps
-    ref = first_dumps["v1_baseline"]
-    for name, d in first_dumps.items():
-        assert d == ref, f"{name} and the baseline worker disagree on the trace"
+            results[name].append(replay(Trace(trace_path), nvtx=False, warmup=20, worker=makers[name]()))
     out = {"trace": str(trace_path), "runs": runs, "steps": results[names[0]][0].steps_replayed, "phases": {}}
     for name, rs in results.items():
         m = np.concatenate([r.measured() for r in rs])

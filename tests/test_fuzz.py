@@ -99,23 +99,29 @@ FIELDS = [("scheduler_output", "num_scheduled_tokens"), ("scheduler_output", "to
           ("new0", "prompt_token_ids"), ("new0", "num_computed_tokens"), ("new0", "req_id")]
 
 
-@settings(max_examples=300, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(which=st.sampled_from(FIELDS), value=JSONISH, line=st.integers(1, 3))
-def test_hypothesis_values_in_step_fields(tmp_path, which, value, line):
-    lines = [json.loads(x) for x in (TRACES / "worked_example.jsonl").read_text().splitlines()]
-    step = lines[line]
+def set_field(step: dict, which: tuple[str, ...], value: object) -> bool:
+    """Put `value` at the place `which` (one of FIELDS) names; False when the step has no such place."""
     so = step["scheduler_output"]
     if which[0] == "cached":
         so["scheduled_cached_reqs"][which[1]] = value
     elif which[0] == "new0":
         if not so["scheduled_new_reqs"]:
-            return
+            return False
         so["scheduled_new_reqs"][0][which[1]] = value
     elif len(which) == 2:
         so[which[1]] = value
     else:
         step[which[0]] = value
+    return True
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(which=st.sampled_from(FIELDS), value=JSONISH, line=st.integers(1, 3))
+def test_hypothesis_values_in_step_fields(tmp_path, which, value, line):
+    lines = [json.loads(x) for x in (TRACES / "worked_example.jsonl").read_text().splitlines()]
+    if not set_field(lines[line], which, value):
+        return
     path = tmp_path / "h.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     run_both(path)

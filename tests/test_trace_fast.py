@@ -15,7 +15,7 @@ from kvmap.errors import TraceError
 from kvmap.trace import Trace, _Where, fast_step, parse_step
 
 from .conftest import TRACES, bundled_traces
-from .test_fuzz import FIELDS, JSONISH
+from .test_fuzz import FIELDS, JSONISH, set_field
 
 
 def lines_of(path):
@@ -53,19 +53,8 @@ def test_fast_path_never_accepts_what_the_checked_parser_rejects(which, value, l
     path = TRACES / src
     lines = lines_of(path)
     header = Trace(path).header
-    step = lines[line]
-    so = step["scheduler_output"]
-    if which[0] == "cached":
-        so["scheduled_cached_reqs"][which[1]] = value
-    elif which[0] == "new0":
-        if not so["scheduled_new_reqs"]:
-            return
-        so["scheduled_new_reqs"][0][which[1]] = value
-    elif len(which) == 2:
-        so[which[1]] = value
-    else:
-        step[which[0]] = value
-    both(step, header, line - 1)
+    if set_field(lines[line], which, value):
+        both(lines[line], header, line - 1)
 
 
 @pytest.mark.parametrize("mutation", [
