@@ -55,6 +55,7 @@ def batch_order(counts, num_drafts, num_speculative_tokens, order, keys, tmp):
         return n
     src = rest
     dst = tmp[:L]
+    in_tmp = False  # which buffer holds the latest pass
     width = 1
     while width < L:
         for a in range(0, L, 2 * width):
@@ -78,8 +79,9 @@ def batch_order(counts, num_drafts, num_speculative_tokens, order, keys, tmp):
                 j += 1
                 k += 1
         src, dst = dst, src
+        in_tmp = not in_tmp
         width *= 2
-    if src.ctypes.data != rest.ctypes.data:
+    if in_tmp:
         rest[:] = src
     return n
 

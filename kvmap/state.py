@@ -86,6 +86,7 @@ class WorkerState:
         self.num_standin_tokens = 0  # input ids that had to be made up (trace without sampled_token_ids)
         self.kernels = None  # kvmap.kernels_cpu when the worker is compiled: appends run as one kernel call
         self._ones = np.ones(R, dtype=np.int32)  # [R] counts of a step that samples one token per request
+        self._zeros = np.zeros(R, dtype=np.int32)  # [R] draft counts of a step without drafts (never written)
         self.missing_samples = False  # some step had no sampled_token_ids
 
     # ------------------------------------------------------------------ writes
@@ -183,7 +184,7 @@ class WorkerState:
             self._set_blocks(row, nr.block_ids, step, nr.req_id, "block_ids")
 
         c = so.scheduled_cached_reqs
-        crows = np.zeros(0, dtype=np.int32)
+        crows = self._zeros[:0]
         if c.req_ids:
             index = self.req_id_to_index
             try:
@@ -223,8 +224,9 @@ class WorkerState:
             rows = np.array([index[r] for r in req_ids], dtype=np.int32)
         counts = np.fromiter(nst.values(), np.int32, len(nst))
         spec = so.scheduled_spec_decode_tokens
-        num_drafts = np.zeros(len(req_ids), dtype=np.int32)
+        num_drafts = self._zeros[: len(req_ids)]  # read-only: a step with drafts gets its own array
         if spec:
+            num_drafts = np.zeros(len(req_ids), dtype=np.int32)
             pos_of = {r: i for i, r in enumerate(req_ids)}
             for r, d in spec.items():
                 num_drafts[pos_of[r]] = len(d)
