@@ -111,6 +111,10 @@ class WorkerState:
 
     # ------------------------------------------------------------------ rows
 
+    def _rows(self, req_ids) -> np.ndarray:
+        """[n] int32 rows of live request ids, in order (KeyError for an unknown one)."""
+        return np.fromiter(map(self.req_id_to_index.__getitem__, req_ids), np.int32, len(req_ids))
+
     def row_of(self, req_id: str, step: Step, field: str) -> int:
         row = self.req_id_to_index.get(req_id)
         if row is None:
@@ -186,9 +190,8 @@ class WorkerState:
         c = so.scheduled_cached_reqs
         crows = self._zeros[:0]
         if c.req_ids:
-            index = self.req_id_to_index
             try:
-                crows = np.fromiter(map(index.__getitem__, c.req_ids), np.int32, len(c.req_ids))
+                crows = self._rows(c.req_ids)
             except KeyError:  # name the first unknown one
                 for r in c.req_ids:
                     self.row_of(r, step, "scheduled_cached_reqs.req_ids")
@@ -217,11 +220,10 @@ class WorkerState:
         # the scheduled batch, in scheduler order
         nst = so.num_scheduled_tokens
         req_ids = list(nst)
-        index = self.req_id_to_index
         if not so.scheduled_new_reqs and req_ids == c.req_ids:  # the usual steady state: reuse the lookups
             rows = crows
         else:
-            rows = np.array([index[r] for r in req_ids], dtype=np.int32)
+            rows = self._rows(req_ids)
         counts = np.fromiter(nst.values(), np.int32, len(nst))
         spec = so.scheduled_spec_decode_tokens
         num_drafts = self._zeros[: len(req_ids)]  # read-only: a step with drafts gets its own array
@@ -283,6 +285,7 @@ class WorkerState:
         """Check that every scheduled position fits and has a block; stage drafts after the known tokens."""
         spec = step.scheduler_output.scheduled_spec_decode_tokens
         # one look at the whole batch; `_check_positions` names the first problem (or stages stand-in tokens)
+        end = None
         if self.kernels is not None:
             ok = self.kernels.positions_fit(rows, counts, num_drafts, self.num_computed_tokens, self.capacity,
                                             self.total_len)
@@ -292,7 +295,8 @@ class WorkerState:
                       or bool((end - num_drafts > self.total_len[rows]).any()))
         if ok and not spec:
             return
-        end = self.num_computed_tokens[rows] + counts  # [n] seq_lens
+        if end is None:
+            end = self.num_computed_tokens[rows] + counts  # [n] seq_lens
         real_end = end - num_drafts  # positions past this are drafts
         if not ok:
             self._check_positions(step, req_ids, rows, end, real_end)
@@ -347,8 +351,7 @@ class WorkerState:
         if len(sampled) == len(req_ids) and list(sampled) == req_ids:
             srows = rows
         else:
-            index = self.req_id_to_index
-            srows = np.array([index[r] for r in sampled], dtype=np.int32)
+            srows = self._rows(sampled)
         values = sampled.values()
         if self.kernels is not None and self.journal is None:
             flat = np.fromiter(chain.from_iterable(values), np.int32)
