@@ -27,6 +27,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -43,44 +44,67 @@ MAX_BLOCKS = MAX_MODEL_LEN // BS  # 512
 
 
 class V1Baseline:
-    """vLLM V1-style numpy input prep on preallocated buffers (persistent-batch order, no sort)."""
+    """vLLM V1-style numpy input prep (persistent-batch order, no sort) into preallocated buffers: its own
+    (`own_buffers`, the synthetic part) or kvmap's `InputBuffers` (the whole replay), as V1 writes into its
+    pinned CPU buffers. One method per phase, so the replay times them like kvmap's."""
 
-    def __init__(self, token_ids: np.ndarray, block_table: np.ndarray, num_computed: np.ndarray,
-                 max_tokens: int) -> None:
+    def __init__(self, token_ids: np.ndarray, block_tables: list[np.ndarray], block_sizes: list[int],
+                 num_computed: np.ndarray, out) -> None:
         self.token_ids = token_ids  # [R, max_model_len]
-        self.block_table = block_table  # [R, max_blocks]
+        self.block_tables = block_tables  # [G] x [R, max_blocks_g]
+        self.block_sizes = block_sizes  # [G]
         self.num_computed = num_computed  # [R]
-        R = token_ids.shape[0]
-        self.arange = np.arange(max(max_tokens, R + 1), dtype=np.int64)
-        self.qsl = np.zeros(R + 1, dtype=np.int32)
-        self.seq_lens = np.zeros(R, dtype=np.int32)
-        self.positions = np.zeros(max_tokens, dtype=np.int64)
-        self.input_ids = np.zeros(max_tokens, dtype=np.int32)
-        self.batch_table = np.zeros_like(block_table)
-        self.slot_mapping = np.full(max_tokens, -1, dtype=np.int64)
-        self.idx_mapping = np.zeros(R, dtype=np.int32)
+        self.out = out  # idx_mapping, query_start_loc, seq_lens, positions, input_ids, block_tables, slot_mapping
+        self.B = self.T = 0
+        self.req_indices = out.arange[:0]
 
     def step(self, rows_list: list[int], counts_list: list[int]) -> int:
-        rows = np.array(rows_list, dtype=np.int32)
-        ns = np.array(counts_list, dtype=np.int32)
+        """From the scheduler's lists, already in batch order, to finished arrays. Returns T."""
+        self.prepare_inputs(np.array(rows_list, dtype=np.int32), np.array(counts_list, dtype=np.int32))
+        self.gather_block_tables()
+        self.compute_slot_mappings()
+        return self.T
+
+    def prepare_inputs(self, rows: np.ndarray, ns: np.ndarray) -> None:
+        o = self.out
         B = len(rows)
-        self.idx_mapping[:B] = rows
-        req_indices = np.repeat(self.arange[:B], ns)
+        o.idx_mapping[:B] = rows
+        req_indices = np.repeat(o.arange[:B], ns)
         cu = np.cumsum(ns)
-        T = int(cu[-1])
-        self.qsl[0] = 0
-        self.qsl[1 : B + 1] = cu
-        query_pos = self.arange[:T] - np.repeat(cu - ns, ns)
+        T = int(cu[-1]) if B else 0
+        o.query_start_loc[0] = 0
+        o.query_start_loc[1 : B + 1] = cu
+        query_pos = o.arange[:T] - np.repeat(cu - ns, ns)
         nc = self.num_computed[rows]
-        positions = self.positions[:T]
+        positions = o.positions[:T]
         np.add(nc[req_indices], query_pos, out=positions)
-        np.add(nc, ns, out=self.seq_lens[:B])
+        np.add(nc, ns, out=o.seq_lens[:B])
         flat = positions + rows[req_indices].astype(np.int64) * self.token_ids.shape[1]
-        np.take(self.token_ids.ravel(), flat, out=self.input_ids[:T])
-        np.take(self.block_table, rows, axis=0, out=self.batch_table[:B])  # full rows, as V1 commits them
-        idx = req_indices * self.block_table.shape[1] + positions // BS
-        np.add(self.batch_table.ravel()[idx] * BS, positions % BS, out=self.slot_mapping[:T])
-        return T
+        np.take(self.token_ids.ravel(), flat, out=o.input_ids[:T])
+        self.req_indices, self.B, self.T = req_indices, B, T
+
+    def gather_block_tables(self) -> None:
+        rows = self.out.idx_mapping[: self.B]
+        for table, batch_table in zip(self.block_tables, self.out.block_tables):
+            np.take(table, rows, axis=0, out=batch_table[: self.B])  # full rows, as V1 commits them
+
+    def compute_slot_mappings(self) -> None:
+        T = self.T
+        pos = self.out.positions[:T]
+        for g, (table, bs) in enumerate(zip(self.out.block_tables, self.block_sizes)):
+            idx = self.req_indices * table.shape[1] + pos // bs
+            np.add(table.ravel()[idx].astype(np.int64) * bs, pos % bs, out=self.out.slot_mapping[g, :T])
+
+
+def own_buffers(block_tables: list[np.ndarray], max_tokens: int) -> SimpleNamespace:
+    """The baseline's own buffers, named and typed as kvmap's `InputBuffers`."""
+    R = block_tables[0].shape[0]
+    return SimpleNamespace(
+        arange=np.arange(max(max_tokens, R + 1), dtype=np.int64), idx_mapping=np.zeros(R, dtype=np.int32),
+        query_start_loc=np.zeros(R + 1, dtype=np.int32), seq_lens=np.zeros(R, dtype=np.int32),
+        positions=np.zeros(max_tokens, dtype=np.int64), input_ids=np.zeros(max_tokens, dtype=np.int32),
+        block_tables=[np.zeros_like(t) for t in block_tables],
+        slot_mapping=np.full((len(block_tables), max_tokens), -1, dtype=np.int64))
 
 
 # ------------------------------------------------------------------------------------------- kvmap
@@ -166,16 +190,16 @@ def check_same(base: V1Baseline, kv: KvmapMappings, rows: list[int], counts: lis
     T2 = kv.step(rows, counts, req_ids=[str(r) for r in rows])
     B = len(rows)
     assert T == T2
-    m = kv.w.mappings()
-    assert np.array_equal(m.idx_mapping, base.idx_mapping[:B])
-    assert np.array_equal(m.query_start_loc, base.qsl[: B + 1])
-    assert np.array_equal(m.seq_lens, base.seq_lens[:B])
-    assert np.array_equal(m.positions, base.positions[:T])
-    assert np.array_equal(m.input_ids, base.input_ids[:T])
-    assert np.array_equal(m.slot_mapping[0], base.slot_mapping[:T])
+    m, o = kv.w.mappings(), base.out
+    assert np.array_equal(m.idx_mapping, o.idx_mapping[:B])
+    assert np.array_equal(m.query_start_loc, o.query_start_loc[: B + 1])
+    assert np.array_equal(m.seq_lens, o.seq_lens[:B])
+    assert np.array_equal(m.positions, o.positions[:T])
+    assert np.array_equal(m.input_ids, o.input_ids[:T])
+    assert np.array_equal(m.slot_mapping[0], o.slot_mapping[0, :T])
     for i in range(B):
         nb = int(m.num_blocks[0, i])
-        assert np.array_equal(m.block_tables[0][i, :nb], base.batch_table[i, :nb])
+        assert np.array_equal(m.block_tables[0][i, :nb], o.block_tables[0][i, :nb])
 
 
 def stats(ns: np.ndarray, tokens: np.ndarray) -> dict:
@@ -199,7 +223,7 @@ def bench_synthetic(reps: int, sizes: list[int], backends: list[str]) -> list[di
         st.num_blocks[0, :] = np.minimum(-(-(num_computed + 512) // BS), MAX_BLOCKS)
         kvs[f"kvmap_{name}"] = KvmapMappings(w)
         kvs[f"kvmap_{name}"].upload()
-    base = V1Baseline(token_ids, block_table, num_computed, max_tokens)
+    base = V1Baseline(token_ids, [block_table], [BS], num_computed, own_buffers([block_table], max_tokens))
     out = []
     for B in sizes:
         steps = make_steps(rng, num_computed, B)
@@ -239,47 +263,31 @@ def bench_synthetic(reps: int, sizes: list[int], backends: list[str]) -> list[di
 
 class BaselineWorker(NumbaWorker):  # noqa: D101
     """kvmap's default worker (the same state update, KV write and post-update) with the mapping phases replaced
-    by the V1-style baseline's numpy code, which writes straight into kvmap's input buffers (as V1 writes into
-    its pinned CPU buffers): the two differ in the mapping code only."""
+    by the V1-style baseline, which writes straight into kvmap's input buffers: the two differ in the mapping
+    code only."""
 
     name = "v1_baseline"
+
+    def __init__(self, header: TraceHeader) -> None:
+        super().__init__(header)
+        st = self.state
+        self.base = V1Baseline(st.token_ids, st.block_tables, st.block_sizes, st.num_computed_tokens, self.buffers)
 
     def prepare_batch(self) -> None:
         NumpyWorker.prepare_batch(self)  # the numpy stable argsort
 
     def prepare_inputs(self) -> None:
         _, rows, counts, _ = self._sched
-        buf, st = self.buffers, self.state
-        r = rows[self._order]
-        ns = counts[self._order]
-        B = len(r)
-        buf.idx_mapping[:B] = r
-        req_indices = np.repeat(buf.arange[:B], ns)
-        cu = np.cumsum(ns)
-        T = int(cu[-1]) if B else 0
-        buf.query_start_loc[1 : B + 1] = cu
-        query_pos = buf.arange[:T] - np.repeat(cu - ns, ns)
-        nc = st.num_computed_tokens[r]
-        np.add(nc[req_indices], query_pos, out=buf.positions[:T])
-        np.add(nc, ns, out=buf.seq_lens[:B])
-        flat = buf.positions[:T] + r[req_indices].astype(np.int64) * st.token_width
-        np.take(st.token_ids.ravel(), flat, out=buf.input_ids[:T])
-        self._req_indices = req_indices
-        self._B, self._T = B, T
+        self.base.prepare_inputs(rows[self._order], counts[self._order])
+        self._B, self._T = self.base.B, self.base.T
 
     def gather_block_tables(self) -> None:
-        r = self.buffers.idx_mapping[: self._B]
-        for g, table in enumerate(self.state.block_tables):
-            np.take(table, r, axis=0, out=self.buffers.block_tables[g][: self._B])  # full rows
-            self.buffers.num_blocks[g, : self._B] = self.state.num_blocks[g, r]
+        self.base.gather_block_tables()
+        idx = self.buffers.idx_mapping[: self._B]  # kvmap's record also keeps each row's valid length
+        self.buffers.num_blocks[:, : self._B] = self.state.num_blocks[:, idx]
 
     def compute_slot_mappings(self) -> None:
-        T = self._T
-        pos = self.buffers.positions[:T]
-        for g, table in enumerate(self.buffers.block_tables):
-            bs = self.state.block_sizes[g]
-            idx = self._req_indices * table.shape[1] + pos // bs
-            np.add(table.ravel()[idx].astype(np.int64) * bs, pos % bs, out=self.buffers.slot_mapping[g, :T])
+        self.base.compute_slot_mappings()
 
 
 def bench_replay(trace_path: Path, runs: int, backends: list[str], args_device: str = "cpu") -> dict:
