@@ -1,5 +1,5 @@
 """`python -m kvmap` runs the command-line interface."""
 
-from kvmap.cli import main
+from kvmap.cli.app import main
 
 main()

@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvmap.trace import KVCacheGroup, Trace, TraceHeader  # noqa: E402
-from kvmap.worker import NumbaWorker, NumpyWorker, make_worker  # noqa: E402
+from kvmap.workers.host import NumbaWorker, NumpyWorker, make_worker  # noqa: E402
 
 ROWS, MAX_MODEL_LEN, BS = 1024, 8192, 16
 MAX_BLOCKS = MAX_MODEL_LEN // BS  # 512
@@ -291,8 +291,8 @@ class BaselineWorker(NumbaWorker):  # noqa: D101
 
 
 def bench_replay(trace_path: Path, runs: int, backends: list[str], args_device: str = "cpu") -> dict:
-    from kvmap.replay import replay
-    from kvmap.result import MAPPING_PHASES
+    from kvmap.run.replay import replay
+    from kvmap.run.result import MAPPING_PHASES
 
     header = Trace(trace_path).header
     makers = {"v1_baseline": lambda: BaselineWorker(header),

@@ -44,8 +44,8 @@ def main() -> None:
         rc = subprocess.call([sys.executable, "-m", "pytest", "-q", str(ROOT / "tests" / "test_gpu.py")])
         print(f"GPU tests: exit code {rc}")
 
-    from kvmap.replay import replay
-    from kvmap.result import MAPPING_PHASES
+    from kvmap.run.replay import replay
+    from kvmap.run.result import MAPPING_PHASES
     from kvmap.trace import Trace
 
     trace = args.trace if not cpu else str(ROOT / "traces" / "chunked_prefill.jsonl")
@@ -70,7 +70,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench as Bm
 
-    from kvmap.worker import make_worker
+    from kvmap.workers.host import make_worker
 
     sizes = [int(x) for x in args.sizes.split(",")] if not cpu else [8]
     rng, tok, bt, nc0 = Bm.synthetic()

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kvmap.markers import Markers  # noqa: E402
+from kvmap.run.markers import Markers  # noqa: E402
 
 N = 20000
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 # Triton kernels run on CPU tensors under the interpreter when there is no GPU; the variable must be set
-# before kvmap.kernels_triton is imported (perf-facts.md, section 2). An empty CUDA_VISIBLE_DEVICES, set
+# before kvmap.workers.triton_worker is imported (perf-facts.md, section 2). An empty CUDA_VISIBLE_DEVICES, set
 # before vLLM is first imported, keeps vLLM's own Triton kernels enabled on such a machine (vllm-on-cpu.md).
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")

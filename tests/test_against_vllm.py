@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 
-from kvmap.replay import replay
+from kvmap.run.replay import replay
 from kvmap.trace import Trace
 
 from .conftest import TRACES

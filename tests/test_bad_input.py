@@ -9,7 +9,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvmap.cli import app
+from kvmap.cli.app import app
 
 from .conftest import read_lines, write_lines
 
@@ -156,7 +156,7 @@ def test_steps_window_and_json(tmp_path, worked_example):
 def test_sampled_tokens_past_max_model_len(tmp_path, worked_example, backend):
     """The last step's sampled token would be token max_model_len + 1: named, and nothing is appended."""
     from kvmap.errors import TraceError
-    from kvmap.replay import replay
+    from kvmap.run.replay import replay
     from kvmap.trace import Trace
 
     lines = read_lines(worked_example)

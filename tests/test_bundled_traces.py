@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmap.replay import replay
+from kvmap.run.replay import replay
 from kvmap.trace import Trace
 
 from .conftest import bundled_traces
@@ -35,9 +35,9 @@ def test_backend_equals_reference_every_step(path, backend):
 @pytest.mark.parametrize("path", [p for p in TRACES if "long" not in p.name], ids=lambda p: p.name)
 def test_vectorized_block_appends_equal_the_row_writes(path, monkeypatch):
     """Steps where many rows grow take one vectorized scatter instead of a slice write per row: force it."""
-    import kvmap.state
+    import kvmap.workers.state
 
-    monkeypatch.setattr(kvmap.state, "ROW_WRITES_MAX", -1)
+    monkeypatch.setattr(kvmap.workers.state, "ROW_WRITES_MAX", -1)
     got, want = [], []
     replay(Trace(path), backend="numpy", on_mappings=got.append, write_kv=False, nvtx=False)
     replay(Trace(path), backend="reference", on_mappings=want.append, write_kv=False, nvtx=False)

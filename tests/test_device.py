@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from kvmap.cli import app
-from kvmap.kv_cache import KVCheckResult, canary, canary_torch
-from kvmap.replay import replay
-from kvmap.timing import EventTimer
+from kvmap.cli.app import app
+from kvmap.kv.cache import KVCheckResult, canary, canary_torch
+from kvmap.run.replay import replay
+from kvmap.run.timing import EventTimer
 from kvmap.trace import Trace
 
 from .conftest import TRACES, bundled_traces
@@ -55,8 +55,8 @@ def test_canary_torch_equals_numpy():
 
 
 def _cache_after(backend, path, steps=None):
-    from kvmap.kv_cache import KVGeometry, PagedKVCache
-    from kvmap.worker import make_worker, run_step
+    from kvmap.kv.cache import KVGeometry, PagedKVCache
+    from kvmap.workers.host import make_worker, run_step
 
     t = Trace(path)
     w = make_worker(backend, t.header)

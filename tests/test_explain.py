@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvmap.cli import app
+from kvmap.cli.app import app
 
 from .conftest import TRACES
 

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmap.errors import KvmapError
-from kvmap.replay import replay
+from kvmap.run.replay import replay
 from kvmap.trace import Trace
-from kvmap.validate import validate
+from kvmap.validate.shadow import validate
 
 from .conftest import TRACES
 

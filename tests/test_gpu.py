@@ -8,9 +8,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from kvmap.replay import replay  # noqa: E402
+from kvmap.run.replay import replay  # noqa: E402
 from kvmap.trace import Trace  # noqa: E402
-from kvmap.worker import make_worker, run_step  # noqa: E402
+from kvmap.workers.host import make_worker, run_step  # noqa: E402
 
 from .conftest import TRACES, bundled_traces  # noqa: E402
 

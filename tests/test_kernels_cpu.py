@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvmap.batch import batch_order
+from kvmap.workers.buffers import batch_order
 
-kc = pytest.importorskip("kvmap.kernels_cpu")
+kc = pytest.importorskip("kvmap.workers.kernels_cpu")
 
 
 @pytest.mark.parametrize("n", [0, 1, 5, 48, 49, 300, 1024])

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvmap.kv_cache import KV_DTYPES, KVGeometry, PagedKVCache, canary
-from kvmap.replay import replay
+from kvmap.kv.cache import KV_DTYPES, KVGeometry, PagedKVCache, canary
+from kvmap.run.replay import replay
 from kvmap.trace import Trace
-from kvmap.worker import make_worker, run_step
+from kvmap.workers.host import make_worker, run_step
 
 from .conftest import TRACES
 
 
 def test_numba_canary_equals_numpy_canary():
-    kc = pytest.importorskip("kvmap.kernels_cpu")
+    kc = pytest.importorskip("kvmap.workers.kernels_cpu")
     rng = np.random.default_rng(0)
     toks = rng.integers(0, 2**31 - 1, 50)
     pos = rng.integers(0, 2**20, 50)

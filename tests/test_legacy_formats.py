@@ -8,8 +8,8 @@ import json
 
 from typer.testing import CliRunner
 
-from kvmap.cli import app
-from kvmap.replay import replay
+from kvmap.cli.app import app
+from kvmap.run.replay import replay
 from kvmap.trace import Trace
 
 from .conftest import TRACES, write_lines

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from kvmap import profile as P
-from kvmap.cli import app
-from kvmap.result import PHASES
+from kvmap.run import profile as P
+from kvmap.cli.app import app
+from kvmap.run.result import PHASES
 
 from .conftest import TRACES
 

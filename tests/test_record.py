@@ -9,7 +9,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvmap.cli import app
+from kvmap.cli.app import app
 from kvmap.record.workload import load_workload
 
 from .conftest import TRACES

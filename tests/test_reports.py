@@ -9,10 +9,10 @@ import json
 
 from typer.testing import CliRunner
 
-from kvmap.cli import app
-from kvmap.replay import replay
-from kvmap.report import to_chrome_trace, to_csv
-from kvmap.result import ReplayResult
+from kvmap.cli.app import app
+from kvmap.run.replay import replay
+from kvmap.run.report import to_chrome_trace, to_csv
+from kvmap.run.result import ReplayResult
 from kvmap.trace import Trace
 
 from .conftest import TRACES
@@ -86,7 +86,7 @@ def test_device_times_are_rendered_when_present():
     import numpy as np
     from rich.console import Console
 
-    from kvmap.report import render_summary, summary_dict
+    from kvmap.run.report import render_summary, summary_dict
 
     r = replay(Trace(TRACE), nvtx=False)
     r.device = "cuda:0"

@@ -9,7 +9,7 @@ from .conftest import TRACES
 
 PROBE = """
 import sys
-from kvmap.cli import app
+from kvmap.cli.app import app
 try:
     app(sys.argv[1:], standalone_mode=False)
 except SystemExit:

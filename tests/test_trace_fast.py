@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmap.errors import TraceError
-from kvmap.trace import Trace, _Where, fast_step, parse_step
+from kvmap.trace import Trace, Where, fast_step, parse_step
 
 from .conftest import TRACES, bundled_traces
 from .test_fuzz import FIELDS, JSONISH, set_field
@@ -25,7 +25,7 @@ def lines_of(path):
 
 
 def both(obj, header, i):
-    where = _Where("t.jsonl", i + 2, i)
+    where = Where("t.jsonl", i + 2, i)
     fast = fast_step(obj, header, where)
     try:
         slow = parse_step(obj, header, where)
@@ -70,4 +70,4 @@ def test_fast_path_steps_aside_on_edge_values(mutation):
     lines = lines_of(path)
     step = lines[2]
     mutation(step)
-    assert fast_step(step, Trace(path).header, _Where("t", 3, 1)) is None
+    assert fast_step(step, Trace(path).header, Where("t", 3, 1)) is None

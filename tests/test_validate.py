@@ -10,9 +10,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvmap.cli import app
+from kvmap.cli.app import app
 from kvmap.trace import Trace
-from kvmap.validate import validate
+from kvmap.validate.shadow import validate
 
 from .conftest import TRACES, bundled_traces, write_lines
 

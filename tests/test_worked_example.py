@@ -2,7 +2,7 @@
 16 computed, blocks [81, 44]) computes 8. Model Runner V2 sorts the batch by scheduled tokens, so B is batch
 row 0 (the explainer's "B is batch row 2" contradicts its own query_start_loc [0, 1, 9])."""
 
-from kvmap.replay import replay
+from kvmap.run.replay import replay
 from kvmap.trace import Trace
 
 from .conftest import TRACES
@@ -50,7 +50,7 @@ def test_a_trace_without_sampled_tokens_uses_stand_ins_and_says_so(tmp_path):
 
     from typer.testing import CliRunner
 
-    from kvmap.cli import app
+    from kvmap.cli.app import app
 
     from .conftest import read_lines, write_lines
 

@@ -15,7 +15,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvmap.result import MAPPING_PHASES, ReplayResult
+from kvmap.run.result import MAPPING_PHASES, ReplayResult
 
 OUTLIER_Z = 14.0  # modified z-score threshold (hyperfine's)
 NOISE_MAD = 0.25  # MAD / median above this -> noisy

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmap.errors import KvmapError
-from kvmap.markers import CAPTURE_RANGE, DOMAIN
+from kvmap.run.markers import CAPTURE_RANGE, DOMAIN
 
 GET_NSYS = "scripts/get_nsys.sh (unpacks Debian's non-free Nsight Systems into .tools/nsys, no system install)"
 

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from kvmap.errors import KvmapError, TraceError, format_location
-from kvmap.trace import Step, Trace, TraceHeader, _loads, _Where, parse_step
+from kvmap.trace import Step, Trace, TraceHeader, Where, loads, parse_step
 
 KINDS = {
     "json": "line is not JSON or is truncated",
@@ -433,13 +433,13 @@ def validate(trace: Trace, max_problems: int | None = None, deep: bool = False) 
     i = 0
     try:
         for line, raw in trace.raw_steps():
-            where = _Where(trace.name, line, i)
+            where = Where(trace.name, line, i)
             i += 1
             if not raw.strip():
                 v.add("json", "blank line", line=line, step_idx=i - 1)
                 continue
             try:
-                obj = _loads(raw)
+                obj = loads(raw)
             except json.JSONDecodeError as e:
                 v.add("json", f"not JSON ({e.msg} at column {e.colno})", line=line, step_idx=i - 1)
                 continue
@@ -474,8 +474,8 @@ def validate(trace: Trace, max_problems: int | None = None, deep: bool = False) 
 
 def deep_check(trace: Trace) -> dict:
     """Replay through every available worker; compare each step with the reference; KV canary every step."""
-    from kvmap.replay import replay
-    from kvmap.worker import BACKENDS, make_worker
+    from kvmap.run.replay import replay
+    from kvmap.workers.host import BACKENDS, make_worker
 
     problems: list[dict] = []
     ref: list[dict] = []

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvmap._torch import torch
-from kvmap.batch import BatchMappings
+from kvmap.workers.buffers import BatchMappings
 from kvmap.errors import KvmapError
-from kvmap.reference import readable_lo
+from kvmap.workers.reference import readable_lo
 from kvmap.trace import TraceHeader
 
 # dtype name -> (torch dtype attribute, integer view dtype in numpy, in torch)
@@ -129,7 +129,7 @@ class PagedKVCache:
         self.kernels = None
         if device == "cpu" and use_kernels:
             try:
-                from kvmap import kernels_cpu
+                from kvmap.workers import kernels_cpu
             except ImportError:
                 pass
             else:

@@ -19,11 +19,11 @@ from __future__ import annotations
 import numpy as np
 
 from kvmap._torch import torch
-from kvmap.batch import BatchMappings, PAD_SLOT_ID
+from kvmap.workers.buffers import BatchMappings, PAD_SLOT_ID
 from kvmap.errors import KvmapError
-from kvmap.state import ragged_columns
+from kvmap.workers.state import ragged_columns
 from kvmap.trace import TraceHeader
-from kvmap.worker import NumpyWorker
+from kvmap.workers.host import NumpyWorker
 
 
 def resolve_device(name: str):

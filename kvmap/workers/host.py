@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvmap import batch as B
+from kvmap.workers import buffers as B
 from kvmap.errors import TraceError
-from kvmap.reference import ReferenceWorker, readable_lo
-from kvmap.state import WorkerState, ragged_columns
+from kvmap.workers.reference import ReferenceWorker, readable_lo
+from kvmap.workers.state import WorkerState, ragged_columns
 from kvmap.trace import Step, TraceHeader
 
 BACKENDS = ("numba", "numpy", "reference", "torch", "triton")
@@ -128,7 +128,7 @@ class NumbaWorker(NumpyWorker):
 
     def __init__(self, header: TraceHeader) -> None:
         super().__init__(header)
-        from kvmap import kernels_cpu
+        from kvmap.workers import kernels_cpu
 
         self.k = kernels_cpu
         self.state.kernels = kernels_cpu
@@ -181,20 +181,20 @@ def make_worker(backend: str, header: TraceHeader, device: str = "cpu") -> Numpy
         raise TraceError(f"--device {device} needs --backend torch or triton (the {backend} worker runs on the "
                          "host)", field="--device")
     if backend == "torch":
-        from kvmap.device import TorchWorker
+        from kvmap.workers.torch_worker import TorchWorker
 
         return TorchWorker(header, device)
     if backend == "triton":
         import os
 
-        from kvmap.device import resolve_device
+        from kvmap.workers.torch_worker import resolve_device
 
         dev = resolve_device(device)
         if dev.type == "cpu" and not os.environ.get("TRITON_INTERPRET"):
             raise TraceError("the triton backend on CPU tensors needs TRITON_INTERPRET=1 in the environment "
                              "(set before kvmap starts; about 2 ms a kernel program)", field="--backend")
         try:
-            from kvmap.kernels_triton import TritonWorker
+            from kvmap.workers.triton_worker import TritonWorker
         except ImportError as e:
             raise TraceError(f"the triton backend needs triton ({e}); pip install triton", field="--backend") from None
         return TritonWorker(header, device)

@@ -9,7 +9,7 @@ Rules:
 - Everything is preallocated at maximum size. Updates are vectorized ragged writes (`ragged_write`), never a
   loop per token; the only Python loops are per request, for requests that carry new data (a step where a
   few rows cross into a new block writes those rows' slices directly: cheaper than setting up a scatter).
-- A compiled worker sets `kernels` (kvmap.kernels_cpu): the whole-batch position check and the sampled-token
+- A compiled worker sets `kernels` (kvmap.workers.kernels_cpu): the whole-batch position check and the sampled-token
   append are then one kernel call each. Device workers keep the numpy path, which journals every write.
 - `num_computed_tokens` is always taken from the trace. Sampled tokens are appended after the step.
 - Problems that need state to detect (unknown request, a full pool of rows, a row that overflows, a scheduled
@@ -84,7 +84,7 @@ class WorkerState:
         # (table, group, rows, starts, counts, values), so that only what changed crosses to the device.
         self.journal: list[tuple[str, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None = None
         self.num_standin_tokens = 0  # input ids that had to be made up (trace without sampled_token_ids)
-        self.kernels = None  # kvmap.kernels_cpu when the worker is compiled: appends run as one kernel call
+        self.kernels = None  # kvmap.workers.kernels_cpu when the worker is compiled: appends run as one kernel call
         self._ones = np.ones(R, dtype=np.int32)  # [R] counts of a step that samples one token per request
         self._zeros = np.zeros(R, dtype=np.int32)  # [R] draft counts of a step without drafts (never written)
         self.missing_samples = False  # some step had no sampled_token_ids

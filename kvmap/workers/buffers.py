@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvmap.state import WorkerState
+from kvmap.workers.state import WorkerState
 
 PAD_SLOT_ID = -1
 

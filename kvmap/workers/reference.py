@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvmap.batch import PAD_SLOT_ID
+from kvmap.workers.buffers import PAD_SLOT_ID
 from kvmap.errors import TraceError
-from kvmap.state import STANDIN_TOKEN_ID
+from kvmap.workers.state import STANDIN_TOKEN_ID
 from kvmap.trace import Step, TraceHeader
 
 
@@ -211,7 +211,7 @@ def readable_start(kind: str, sliding_window: int | None, chunk: int | None, num
 
 def mappings_from_dict(d: dict, num_groups: int):
     """A plain-list mappings record -> `BatchMappings` (block rows right-padded with 0)."""
-    from kvmap.batch import BatchMappings
+    from kvmap.workers.buffers import BatchMappings
 
     B = len(d["req_ids"])
     tables, nbs = [], []

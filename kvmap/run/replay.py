@@ -18,11 +18,11 @@ from dataclasses import asdict
 import numpy as np
 
 from kvmap.errors import KvmapError
-from kvmap.kv_cache import KVCheckResult, KVGeometry, PagedKVCache
-from kvmap.markers import Markers
-from kvmap.result import PHASES, ReplayResult
+from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache
+from kvmap.run.markers import Markers
+from kvmap.run.result import PHASES, ReplayResult
 from kvmap.trace import Trace
-from kvmap.worker import make_worker
+from kvmap.workers.host import make_worker
 
 
 def replay(
@@ -92,7 +92,7 @@ def replay(
     if device is not None and device.type == "cuda":
         import torch as _t
 
-        from kvmap.timing import EventTimer
+        from kvmap.run.timing import EventTimer
 
         events = EventTimer(len(phases), lambda: _t.cuda.Event(enable_timing=True))
     seen: set[str] = set()

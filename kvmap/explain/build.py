@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from kvmap.errors import KvmapError
-from kvmap.kv_cache import KVGeometry
-from kvmap.reference import readable_start
+from kvmap.kv.cache import KVGeometry
+from kvmap.workers.reference import readable_start
 from kvmap.trace import Trace
-from kvmap.worker import NumpyWorker, run_step
+from kvmap.workers.host import NumpyWorker, run_step
 
 
 def _list(items: list[str], limit: int = 12) -> str:

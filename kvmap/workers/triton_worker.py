@@ -14,10 +14,10 @@ import triton
 import triton.language as tl
 
 from kvmap._torch import torch
-from kvmap.batch import PAD_SLOT_ID
-from kvmap.device import TorchWorker
-from kvmap.kv_cache import KVCheckResult, KVMismatch
-from kvmap.reference import readable_lo
+from kvmap.workers.buffers import PAD_SLOT_ID
+from kvmap.workers.torch_worker import TorchWorker
+from kvmap.kv.cache import KVCheckResult, KVMismatch
+from kvmap.workers.reference import readable_lo
 
 BLOCK = 128  # tokens per loop iteration of a program
 

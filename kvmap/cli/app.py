@@ -119,12 +119,12 @@ def replay(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no summary.")] = False,
 ) -> None:
     """Replay a trace step by step: every index mapping, a real paged KV cache, a timing summary."""
-    from kvmap.kv_cache import KVGeometry
-    from kvmap.outputs import atomic_open, default_trace, write_json, write_text
-    from kvmap.replay import replay as run_replay
-    from kvmap.report import render_summary, summary_dict, to_chrome_trace, to_csv
+    from kvmap.kv.cache import KVGeometry
+    from kvmap.files import atomic_open, default_trace, write_json, write_text
+    from kvmap.run.replay import replay as run_replay
+    from kvmap.run.report import render_summary, summary_dict, to_chrome_trace, to_csv
     from kvmap.trace import Trace
-    from kvmap.worker import default_backend
+    from kvmap.workers.host import default_backend
 
     if device != "cpu" and backend is None:
         backend = "triton"
@@ -167,9 +167,9 @@ def validate(
     max_problems: Annotated[Optional[int], typer.Option(help="Stop after N problems.", min=1)] = None,
 ) -> None:
     """Check a trace for every inconsistency; exit 0 if valid, 1 if problems were found, 2 if unusable."""
-    from kvmap.outputs import write_json
+    from kvmap.files import write_json
     from kvmap.trace import Trace
-    from kvmap.validate import validate as run_validate
+    from kvmap.validate.shadow import validate as run_validate
 
     report = run_validate(Trace(trace), max_problems=max_problems, deep=deep)
     if json_out and str(json_out) == "-":
@@ -188,7 +188,7 @@ def _render_validation(report) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from kvmap.validate import KINDS
+    from kvmap.validate.shadow import KINDS
 
     if report.valid:
         out.print(f"[green]valid[/]: {report.trace}: {report.steps} steps, {report.requests} requests, no problems")
@@ -234,10 +234,10 @@ def explain(
     json_out: Annotated[bool, typer.Option("--json", help="Print the explanation as JSON.")] = False,
 ) -> None:
     """Show how one step's scheduler decisions become rows, flat tokens, positions, blocks and KV slots."""
-    from kvmap.explain import explain as run_explain
-    from kvmap.kv_cache import KVGeometry
-    from kvmap.outputs import default_trace
-    from kvmap.render_explain import render_explain
+    from kvmap.explain.build import explain as run_explain
+    from kvmap.kv.cache import KVGeometry
+    from kvmap.files import default_trace
+    from kvmap.explain.render import render_explain
     from kvmap.trace import Trace
 
     d = run_explain(Trace(trace or default_trace()), step, req, token, group, KVGeometry(kv_heads, head_size, kv_dtype))
@@ -296,10 +296,10 @@ def profile(
     kvmap's own timings."""
     import tempfile
 
-    from kvmap import profile as P
-    from kvmap.outputs import default_trace
-    from kvmap.report import render_profile
-    from kvmap.result import ReplayResult
+    from kvmap.run import profile as P
+    from kvmap.files import default_trace
+    from kvmap.run.report import render_profile
+    from kvmap.run.result import ReplayResult
 
     from kvmap.trace import Trace
 
@@ -340,8 +340,8 @@ def report(
     trace_out: Annotated[Optional[Path], typer.Option("--trace-out", help="Also write a Chrome trace.")] = None,
 ) -> None:
     """Re-render a saved run: the same summary `kvmap replay` printed."""
-    from kvmap.outputs import write_json, write_text
-    from kvmap.report import render_summary, to_chrome_trace, to_csv
+    from kvmap.files import write_json, write_text
+    from kvmap.run.report import render_summary, to_chrome_trace, to_csv
 
     r = _load_result(result)
     render_summary(r, out)
@@ -359,8 +359,8 @@ def compare(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the ratios as JSON.")] = None,
 ) -> None:
     """Per-phase ratios B / A of two saved runs (two backends, two machines, two versions)."""
-    from kvmap.outputs import write_json
-    from kvmap.report import compare_dict, render_compare
+    from kvmap.files import write_json
+    from kvmap.run.report import compare_dict, render_compare
 
     ra, rb = _load_result(a), _load_result(b)
     render_compare(ra, rb, out, (str(a), str(b)))
@@ -369,7 +369,7 @@ def compare(
 
 
 def _load_result(path: Path):
-    from kvmap.result import ReplayResult
+    from kvmap.run.result import ReplayResult
 
     try:
         d = json.loads(path.read_text())

@@ -1,0 +1,3 @@
+from kvmap.cli.app import main
+
+__all__ = ["main"]

@@ -1,0 +1,101 @@
+"""Typed field checks for the trace boundary: each raises a located `TraceError` naming the field.
+
+Rules: a check returns the value it accepted (or raises); bulk checks (`int_lists`) test whole lists at once
+and only look at entries one by one to name the culprit when the bulk test fails.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import chain
+
+import numpy as np
+
+from kvmap.errors import TraceError
+
+try:  # orjson decodes a step line about twice as fast; the standard library is the fallback
+    from orjson import loads
+except ImportError:  # pragma: no cover
+    loads = json.loads
+
+class Where:
+    """Location of the value being checked, for error messages."""
+
+    __slots__ = ("path", "line", "step")
+
+    def __init__(self, path: str, line: int, step: int | None) -> None:
+        self.path, self.line, self.step = path, line, step
+
+    def error(self, message: str, *, req_id: str | None = None, group: int | None = None,
+              field: str | None = None) -> TraceError:
+        return TraceError(message, path=self.path, line=self.line, step=self.step, req_id=req_id,
+                          group=group, field=field)
+
+
+def type_name(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def int_field(value: object, where: Where, name: str, *, minimum: int | None = None, maximum: int | None = None,
+         req_id: str | None = None) -> int:
+    if type(value) is not int:
+        raise where.error(f"expected an integer, got {type_name(value)} {value!r:.40}", field=name,
+                          req_id=req_id)
+    if minimum is not None and value < minimum:
+        raise where.error(f"must be >= {minimum}, got {value}", field=name, req_id=req_id)
+    if maximum is not None and value > maximum:
+        raise where.error(f"must be <= {maximum}, got {value}", field=name, req_id=req_id)
+    return value
+
+
+def str_list(value: object, where: Where, name: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(type(v) is str for v in value):
+        raise where.error(f"expected a list of request ids (strings), got {value!r:.60}", field=name)
+    return value
+
+
+def dict_field(value: object, where: Where, name: str) -> dict:
+    if not isinstance(value, dict):
+        raise where.error(f"expected an object, got {type_name(value)}", field=name)
+    return value
+
+
+def int_lists(items: list[tuple[str | None, str, int | None, object]], where: Where, *,
+               minimum: int = 0, maximum: int | None = None, what: str = "id") -> None:
+    """Check that every value in `items` is a list of ints within [minimum, maximum).
+
+    `items` holds (req_id, field, group, value). One numpy conversion checks them all; only when that fails
+    is each list looked at on its own, to name the culprit.
+    """
+    if not items:
+        return
+    lists = [v for _, _, _, v in items]
+    ok = all(type(v) is list for v in lists)
+    if ok:
+        flat = list(chain.from_iterable(lists))
+        if flat:
+            try:
+                arr = np.array(flat)
+                ok = arr.dtype.kind in "iu" and arr.ndim == 1
+                if ok:
+                    lo, hi = int(arr.min()), int(arr.max())
+                    ok = lo >= minimum and (maximum is None or hi < maximum)
+            except (ValueError, TypeError, OverflowError):
+                ok = False
+    if ok:
+        return
+    for req_id, name, group, value in items:
+        if type(value) is not list:
+            raise where.error(f"expected a list of integers, got {type_name(value)}", req_id=req_id,
+                              field=name, group=group)
+        for i, v in enumerate(value):
+            if type(v) is not int:
+                raise where.error(f"entry {i} is {type_name(v)} {v!r:.30}, expected an integer",
+                                  req_id=req_id, field=name, group=group)
+            if v < minimum or (maximum is not None and v >= maximum):
+                bound = f"[{minimum}, {maximum})" if maximum is not None else f">= {minimum}"
+                raise where.error(f"{what} {v} at entry {i} is outside {bound}", req_id=req_id, field=name,
+                                  group=group)
+    raise where.error("a value is not a list of integers in range")  # pragma: no cover

@@ -1,0 +1,105 @@
+"""Trace records: the header and one step's `SchedulerOutput`, typed, under vLLM's own names.
+
+Rules: plain dataclasses, no behaviour beyond derived properties; every parser produces these and every
+consumer (workers, validate, explain) reads only these. Shapes are stated per field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT = "kvmap-vllm-trace/1"
+TOKEN_ID_LIMIT = 2**31  # token rows are int32, as vLLM's
+GROUP_KINDS = ("full_attention", "sliding_window", "chunked_local", "mamba")
+PROTOCOLS = ("v1", "v2")
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroup:
+    group_id: int
+    kind: str  # full_attention | sliding_window | chunked_local | mamba
+    block_size: int  # tokens per block in this group
+    sliding_window: int | None = None  # tokens, sliding_window groups only
+    attention_chunk_size: int | None = None  # tokens, chunked_local groups only
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_size: int | None = None
+    dtype: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TraceHeader:
+    model_runner_protocol: str  # "v1" | "v2"
+    block_size: int
+    num_gpu_blocks: int  # block ids are 0 .. num_gpu_blocks - 1, one pool for all groups
+    kv_cache_groups: tuple[KVCacheGroup, ...]
+    max_num_seqs: int  # also the number of worker request-state rows
+    max_num_batched_tokens: int
+    max_model_len: int
+    num_speculative_tokens: int = 0
+    null_block_id: int | None = None
+    max_num_scheduled_tokens: int | None = None
+    vllm_version: str | None = None
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    async_scheduling: bool | None = None
+    scheduling_policy: str | None = None
+    kv_cache_spec: KVCacheSpec = field(default_factory=KVCacheSpec)
+    extra: dict[str, Any] = field(default_factory=dict)  # informational keys kvmap does not interpret
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.kv_cache_groups)
+
+    @property
+    def token_budget(self) -> int:
+        return self.max_num_scheduled_tokens or self.max_num_batched_tokens
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]  # [prompt_len]
+    block_ids: list[list[int]]  # [num_groups][num_blocks_g]: all blocks so far, prefix hits first
+    num_computed_tokens: int  # prefix-cache hit length = position of the first scheduled token
+    prefill_token_ids: list[int] | None  # v2 protocol: prompt + outputs before a preemption
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens the worker's row starts with."""
+        return self.prefill_token_ids if self.prefill_token_ids is not None else self.prompt_token_ids
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_ids: list[str]  # running requests (running-queue order), then v1 resumed ones
+    resumed_req_ids: set[str]  # v1: new_block_ids replace the row instead of appending
+    new_block_ids: list[list[list[int]] | None]  # [num_cached] -> None | [num_groups][new blocks]
+    num_computed_tokens: list[int]  # [num_cached], before this step's tokens
+    all_token_ids: dict[str, list[int]]  # v1: full token list of requests not scheduled last step
+    num_output_tokens: list[int] | None  # [num_cached]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens this step (drafts included), scheduler order
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]]  # req_id -> draft ids to verify
+    finished_req_ids: list[str]  # free before this step
+    preempted_req_ids: list[str]  # preempted while scheduling this step
+
+
+@dataclass(slots=True)
+class Step:
+    step: int
+    line: int  # 1-based line in the file
+    scheduler_output: SchedulerOutput
+    sampled_token_ids: dict[str, list[int]] | None  # req_id -> tokens the model returned; None: not recorded
+    draft_token_ids: dict[str, list[int]] | None  # req_id -> drafts proposed after this step
