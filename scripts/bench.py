@@ -34,66 +34,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvmap.trace import KVCacheGroup, Trace, TraceHeader  # noqa: E402
-from kvmap.workers.host import NumbaWorker, NumpyWorker, make_worker  # noqa: E402
+from kvmap.workers.numba_worker import NumbaWorker  # noqa: E402
+from kvmap.workers.registry import make_worker  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from example_backend import V1Baseline, V1StyleWorker  # noqa: E402
 
 ROWS, MAX_MODEL_LEN, BS = 1024, 8192, 16
 MAX_BLOCKS = MAX_MODEL_LEN // BS  # 512
 
 
 # ------------------------------------------------------------------------------------------- baseline
-
-
-class V1Baseline:
-    """vLLM V1-style numpy input prep (persistent-batch order, no sort) into preallocated buffers: its own
-    (`own_buffers`, the synthetic part) or kvmap's `InputBuffers` (the whole replay), as V1 writes into its
-    pinned CPU buffers. One method per phase, so the replay times them like kvmap's."""
-
-    def __init__(self, token_ids: np.ndarray, block_tables: list[np.ndarray], block_sizes: list[int],
-                 num_computed: np.ndarray, out) -> None:
-        self.token_ids = token_ids  # [R, max_model_len]
-        self.block_tables = block_tables  # [G] x [R, max_blocks_g]
-        self.block_sizes = block_sizes  # [G]
-        self.num_computed = num_computed  # [R]
-        self.out = out  # idx_mapping, query_start_loc, seq_lens, positions, input_ids, block_tables, slot_mapping
-        self.B = self.T = 0
-        self.req_indices = out.arange[:0]
-
-    def step(self, rows_list: list[int], counts_list: list[int]) -> int:
-        """From the scheduler's lists, already in batch order, to finished arrays. Returns T."""
-        self.prepare_inputs(np.array(rows_list, dtype=np.int32), np.array(counts_list, dtype=np.int32))
-        self.gather_block_tables()
-        self.compute_slot_mappings()
-        return self.T
-
-    def prepare_inputs(self, rows: np.ndarray, ns: np.ndarray) -> None:
-        o = self.out
-        B = len(rows)
-        o.idx_mapping[:B] = rows
-        req_indices = np.repeat(o.arange[:B], ns)
-        cu = np.cumsum(ns)
-        T = int(cu[-1]) if B else 0
-        o.query_start_loc[0] = 0
-        o.query_start_loc[1 : B + 1] = cu
-        query_pos = o.arange[:T] - np.repeat(cu - ns, ns)
-        nc = self.num_computed[rows]
-        positions = o.positions[:T]
-        np.add(nc[req_indices], query_pos, out=positions)
-        np.add(nc, ns, out=o.seq_lens[:B])
-        flat = positions + rows[req_indices].astype(np.int64) * self.token_ids.shape[1]
-        np.take(self.token_ids.ravel(), flat, out=o.input_ids[:T])
-        self.req_indices, self.B, self.T = req_indices, B, T
-
-    def gather_block_tables(self) -> None:
-        rows = self.out.idx_mapping[: self.B]
-        for table, batch_table in zip(self.block_tables, self.out.block_tables):
-            np.take(table, rows, axis=0, out=batch_table[: self.B])  # full rows, as V1 commits them
-
-    def compute_slot_mappings(self) -> None:
-        T = self.T
-        pos = self.out.positions[:T]
-        for g, (table, bs) in enumerate(zip(self.out.block_tables, self.block_sizes)):
-            idx = self.req_indices * table.shape[1] + pos // bs
-            np.add(table.ravel()[idx].astype(np.int64) * bs, pos % bs, out=self.out.slot_mapping[g, :T])
 
 
 def own_buffers(block_tables: list[np.ndarray], max_tokens: int) -> SimpleNamespace:
@@ -122,43 +73,18 @@ class KvmapMappings:
 
     def __init__(self, worker) -> None:
         self.w = worker
-        self.state = worker.state
-        self.buf = worker.buffers
-        self.no_drafts = np.zeros(ROWS, dtype=np.int32)
-        self.device = hasattr(worker, "copy_to_device")
-        dev = getattr(worker, "device", None)
-        self.sync = None
-        if dev is not None and dev.type == "cuda":
-            import torch
-
-            self.sync = torch.cuda.synchronize
 
     def upload(self) -> None:
         """Device workers: the synthetic state was written straight into the host arrays; send it once."""
-        if self.device:
-            import torch
-
-            w = self.w
-            w.d_token_ids.copy_(torch.from_numpy(w.state.token_ids))
-            for d, h in zip(w.d_block_tables, w.state.block_tables):
-                d.copy_(torch.from_numpy(h))
-            w.state.journal.clear()
+        if self.w.has_h2d:
+            self.w.upload_state()
 
     def step(self, rows_list: list[int], counts_list: list[int], req_ids: list[str] | None = None) -> int:
         w = self.w
-        rows = np.array(rows_list, dtype=np.int32)
-        counts = np.array(counts_list, dtype=np.int32)
-        w._sched = (req_ids, rows, counts, self.no_drafts[: len(rows)])
-        w._mappings = None
-        w.prepare_batch()
-        if self.device:
-            w.copy_to_device()
-        w.prepare_inputs()
-        w.gather_block_tables()
-        w.compute_slot_mappings()
-        if self.sync is not None:
-            self.sync()  # device work is asynchronous: time it to completion
-        return w._T
+        w.schedule(rows_list, counts_list, req_ids)
+        w.mapping_phases()
+        w.synchronize()  # device work is asynchronous: time it to completion
+        return w.batch.num_tokens
 
 
 def synthetic(seed: int = 0):
@@ -261,33 +187,12 @@ def bench_synthetic(reps: int, sizes: list[int], backends: list[str]) -> list[di
 # ------------------------------------------------------------------------------------------- whole replay
 
 
-class BaselineWorker(NumbaWorker):  # noqa: D101
-    """kvmap's default worker (the same state update, KV write and post-update) with the mapping phases replaced
-    by the V1-style baseline, which writes straight into kvmap's input buffers: the two differ in the mapping
-    code only."""
+class BaselineWorker(V1StyleWorker, NumbaWorker):
+    """kvmap's default worker (the same state update, KV write and post-update) with the batch order and mapping
+    phases replaced by the V1-style example backend, which writes straight into kvmap's input buffers: the two
+    differ in the mapping code only."""
 
     name = "v1_baseline"
-
-    def __init__(self, header: TraceHeader) -> None:
-        super().__init__(header)
-        st = self.state
-        self.base = V1Baseline(st.token_ids, st.block_tables, st.block_sizes, st.num_computed_tokens, self.buffers)
-
-    def prepare_batch(self) -> None:
-        NumpyWorker.prepare_batch(self)  # the numpy stable argsort
-
-    def prepare_inputs(self) -> None:
-        _, rows, counts, _ = self._sched
-        self.base.prepare_inputs(rows[self._order], counts[self._order])
-        self._B, self._T = self.base.B, self.base.T
-
-    def gather_block_tables(self) -> None:
-        self.base.gather_block_tables()
-        idx = self.buffers.idx_mapping[: self._B]  # kvmap's record also keeps each row's valid length
-        self.buffers.num_blocks[:, : self._B] = self.state.num_blocks[:, idx]
-
-    def compute_slot_mappings(self) -> None:
-        self.base.compute_slot_mappings()
 
 
 def bench_replay(trace_path: Path, runs: int, backends: list[str], args_device: str = "cpu") -> dict:

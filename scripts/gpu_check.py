@@ -70,7 +70,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench as Bm
 
-    from kvmap.workers.host import make_worker
+    from kvmap.workers.registry import make_worker
 
     sizes = [int(x) for x in args.sizes.split(",")] if not cpu else [8]
     rng, tok, bt, nc0 = Bm.synthetic()
@@ -87,12 +87,9 @@ def main() -> None:
         st.block_tables[0][:, :Bm.MAX_BLOCKS] = bt
         st.num_computed_tokens[:] = nc0
         st.num_blocks[0, :] = np.minimum(-(-(nc0 + 512) // Bm.BS), Bm.MAX_BLOCKS)
-        if hasattr(w, "d_token_ids"):
-            w.d_token_ids.copy_(torch.from_numpy(st.token_ids))
-            w.d_block_tables[0].copy_(torch.from_numpy(st.block_tables[0]))
-            st.journal.clear()
+        if w.has_h2d:
+            w.upload_state()
         workers[b] = w
-    no_drafts = np.zeros(1024, dtype=np.int32)
     for B in sizes:
         steps = Bm.make_steps(rng, nc0, B)
         line = f"{B:>5} {int(np.median([sum(c) for _, c in steps])):>7} |"
@@ -102,16 +99,13 @@ def main() -> None:
             for i in range(n + 10):
                 r_, c_ = steps[i % len(steps)]
                 t0 = time.perf_counter_ns()
-                if hasattr(w, "d_token_ids") and not cpu:
+                if w.has_h2d and not cpu:
                     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     e0.record()
-                w._sched = (None, np.array(r_, np.int32), np.array(c_, np.int32), no_drafts[:B])
-                for phase in ("prepare_batch", "copy_to_device", "prepare_inputs", "gather_block_tables",
-                              "compute_slot_mappings"):
-                    if hasattr(w, phase):
-                        getattr(w, phase)()
+                w.schedule(r_, c_)
+                w.mapping_phases()
                 t1 = time.perf_counter_ns()
-                if hasattr(w, "d_token_ids") and not cpu:
+                if w.has_h2d and not cpu:
                     e1.record()
                     e1.synchronize()
                     d = e0.elapsed_time(e1) * 1e3

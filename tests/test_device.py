@@ -55,20 +55,15 @@ def test_canary_torch_equals_numpy():
 
 
 def _cache_after(backend, path, steps=None):
-    from kvmap.kv.cache import KVGeometry, PagedKVCache
-    from kvmap.workers.host import make_worker, run_step
+    from kvmap.kv.cache import KVGeometry
+    from kvmap.workers.registry import make_worker
 
     t = Trace(path)
     w = make_worker(backend, t.header)
-    kv = PagedKVCache(t.header, KVGeometry(2, 4, "float16"))
+    kv = w.make_kv_cache(KVGeometry(2, 4, "float16"))
     for s in t.steps(0, steps):
-        run_step(w, s)
-        if hasattr(w, "write_kv"):
-            w.write_kv(kv)
-        elif hasattr(w, "device_batch"):
-            kv.write_device(w.device_batch())
-        else:
-            kv.write(w.mappings())
+        w.run_step(s)
+        w.write_kv(kv)
         last = s
         w.append_sampled()
     return w, kv, last
@@ -82,7 +77,7 @@ def test_device_kv_bits_equal_the_host_path(backend):
     _, host, _ = _cache_after("numpy", path)
     _, dev, _ = _cache_after(backend, path)
     for a, b in zip(host.bits, dev.bits):
-        assert bool((a == b).all())
+        assert np.array_equal(a, b.cpu().numpy())
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -94,7 +89,8 @@ def test_device_read_back_finds_a_corrupted_slot(backend):
     row = w.state.req_id_to_index["a"]
     blk = int(w.state.block_tables[0][row, 0])
     kv.bits[0][1, blk * 16 + 5, 0] += 1  # one V lane of position 5
-    res = kv.verify(w, last.step, w.mappings().req_ids, into=KVCheckResult())
+    res = KVCheckResult()
+    w.verify_kv(kv, res)
     assert res.mismatches == 1
     e = res.examples[0]
     assert (e.req_id, e.position, e.slot) == ("a", 5, blk * 16 + 5)

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from kvmap.run.replay import replay  # noqa: E402
 from kvmap.trace import Trace  # noqa: E402
-from kvmap.workers.host import make_worker, run_step  # noqa: E402
+from kvmap.workers.registry import make_worker  # noqa: E402
 
 from .conftest import TRACES, bundled_traces  # noqa: E402
 
@@ -39,7 +39,7 @@ def test_buffers_keep_their_addresses(backend):
              "d_token_ids"]
     before = {n: getattr(w, n).data_ptr() for n in names}
     for s in t.steps():
-        run_step(w, s)
+        w.run_step(s)
         w.append_sampled()
     torch.cuda.synchronize()
     assert {n: getattr(w, n).data_ptr() for n in names} == before

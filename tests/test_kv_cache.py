@@ -5,32 +5,45 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvmap.kv.cache import KV_DTYPES, KVGeometry, PagedKVCache, canary
+from kvmap.kv.cache import KV_DTYPES, KVCheckResult, KVGeometry, PagedKVCache
+from kvmap.kv.canary import canary, canary_value
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
-from kvmap.workers.host import make_worker, run_step
+from kvmap.workers.registry import make_worker
 
 from .conftest import TRACES
 
 
-def test_numba_canary_equals_numpy_canary():
-    kc = pytest.importorskip("kvmap.workers.kernels_cpu")
+def _canary_cases():
     rng = np.random.default_rng(0)
-    toks = rng.integers(0, 2**31 - 1, 50)
-    pos = rng.integers(0, 2**20, 50)
-    want = canary(toks, pos, 12)
-    got = np.array([[kc._canary(int(t), int(p), lane) for lane in range(12)] for t, p in zip(toks, pos)],
+    return rng.integers(0, 2**31 - 1, 50), rng.integers(0, 2**20, 50)
+
+
+def test_numpy_canary_equals_the_spec():
+    toks, pos = _canary_cases()
+    want = np.array([[canary_value(int(t), int(p), lane) for lane in range(12)] for t, p in zip(toks, pos)],
+                    dtype=np.uint64)
+    assert np.array_equal(canary(toks, pos, 12).astype(np.uint64), want)
+    assert canary_value(0, 0, 0) == 0 and canary_value(7, 3, 1) != canary_value(7, 3, 2)
+
+
+def test_numba_canary_equals_the_spec():
+    kk = pytest.importorskip("kvmap.kv.kernels")
+    toks, pos = _canary_cases()
+    got = np.array([[kk.canary(int(t), int(p), lane) for lane in range(12)] for t, p in zip(toks, pos)],
                    dtype=np.uint64)
-    assert np.array_equal(got, want.astype(np.uint64))
+    want = np.array([[canary_value(int(t), int(p), lane) for lane in range(12)] for t, p in zip(toks, pos)],
+                    dtype=np.uint64)
+    assert np.array_equal(got, want)
 
 
 def _replayed_cache(path, use_kernels, dtype, steps=None):
     t = Trace(path)
-    w = make_worker("numpy", t.header)
+    w = make_worker("numba" if use_kernels else "numpy", t.header)  # numba reads back with the kernel
     kv = PagedKVCache(t.header, KVGeometry(2, 4, dtype), use_kernels=use_kernels)
     for s in t.steps(0, steps):
-        run_step(w, s)
-        kv.write(w.mappings())
+        w.run_step(s)
+        w.write_kv(kv)
         w.append_sampled()
     return t, w, kv
 
@@ -42,7 +55,7 @@ def test_kernel_and_torch_writes_are_bit_identical(dtype):
     _, _, a = _replayed_cache(path, True, dtype)
     _, _, b = _replayed_cache(path, False, dtype)
     for x, y in zip(a.bits, b.bits):
-        assert x.numel() and bool((x == y).all())
+        assert x.size and np.array_equal(x, y)
 
 
 def test_pad_slots_are_skipped():
@@ -50,10 +63,10 @@ def test_pad_slots_are_skipped():
     for use_kernels in (True, False):
         w = make_worker("numpy", t.header)
         kv = PagedKVCache(t.header, KVGeometry(), use_kernels=use_kernels)
-        run_step(w, next(t.steps()))
+        w.run_step(next(t.steps()))
         m = w.mappings()
         m.slot_mapping[0, :5] = -1  # pretend the first 5 tokens are padding
-        kv.write(m)
+        kv.write(m.input_ids, m.positions, m.slot_mapping)
         last = t.header.num_gpu_blocks * 16 - 1  # where -1 would land if used as an index
         assert not bool(kv.bits[0][:, last].any())
         assert int(kv.written[0].sum()) == m.num_tokens - 5
@@ -71,9 +84,10 @@ def test_verify_finds_a_corrupted_slot(use_kernels):
     kv.bits[0][:, slot] += 1
     r = replay(Trace(path), stop=None, verify_kv=True, nvtx=False)  # a clean replay finds nothing
     assert r.kv_mismatches == 0
-    run_step(w, next(t.steps(6, 7)))
-    kv.write(w.mappings())
-    res = kv.verify(w, 6, w.mappings().req_ids)
+    w.run_step(next(t.steps(6, 7)))
+    w.write_kv(kv)
+    res = KVCheckResult()
+    w.verify_kv(kv, res)
     assert res.mismatches == 1
     e = res.examples[0]
     assert (e.req_id, e.position, e.slot, e.step) == ("a", 3, blk * 16 + 3, 6)

@@ -1,4 +1,5 @@
-"""Start-up stays light: `kvmap --help` and `kvmap validate` import neither torch (~2 s) nor numba."""
+"""Start-up stays light: `kvmap --help` and `kvmap validate` import neither torch (~2 s) nor numba, and a host
+replay (KV cache in numpy memory) never imports torch."""
 
 from __future__ import annotations
 
@@ -31,5 +32,11 @@ def test_validate_imports_nothing_heavy():
     assert heavy_modules("validate", str(TRACES / "worked_example.jsonl")) == "[]"
 
 
-def test_replay_does_import_torch_for_the_kv_cache():  # the probe can see an import
-    assert "torch" in heavy_modules("replay", str(TRACES / "worked_example.jsonl"), "--no-progress")
+def test_host_replay_imports_no_torch():
+    assert heavy_modules("replay", str(TRACES / "worked_example.jsonl"), "--no-progress", "--verify-kv") == \
+        "['numba']"
+    assert heavy_modules("replay", str(TRACES / "worked_example.jsonl"), "--no-progress", "-b", "numpy") == "[]"
+
+
+def test_torch_backend_does_import_torch():  # the probe can see an import
+    assert "torch" in heavy_modules("replay", str(TRACES / "worked_example.jsonl"), "--no-progress", "-b", "torch")

@@ -124,7 +124,7 @@ def replay(
     from kvmap.run.replay import replay as run_replay
     from kvmap.run.report import render_summary, summary_dict, to_chrome_trace, to_csv
     from kvmap.trace import Trace
-    from kvmap.workers.host import default_backend
+    from kvmap.workers.registry import default_backend
 
     if device != "cpu" and backend is None:
         backend = "triton"

@@ -13,9 +13,9 @@ import numpy as np
 
 from kvmap.errors import KvmapError
 from kvmap.kv.cache import KVGeometry
-from kvmap.workers.reference import readable_start
+from kvmap.layout import GroupLayout
 from kvmap.trace import Trace
-from kvmap.workers.host import NumpyWorker, run_step
+from kvmap.workers.host import NumpyWorker
 
 
 def _list(items: list[str], limit: int = 12) -> str:
@@ -36,7 +36,7 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
     last = -1
     for s in trace.steps(0, step + 1):
         last = s.step
-        run_step(worker, s)
+        worker.run_step(s)
         if s.step == step:
             target = s
             break
@@ -117,7 +117,7 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
         bs = grp.block_size
         nb = int(st.num_blocks[g, row])
         ids = st.block_tables[g][row, :nb].tolist()
-        lo = readable_start(grp.kind, grp.sliding_window, grp.attention_chunk_size, nc) // bs
+        lo = GroupLayout.of(grp).readable_start(nc) // bs
         touched = list(range(nc // bs, (nc + n - 1) // bs + 1))
         entries = []
         for j, blk in enumerate(ids):
@@ -154,10 +154,11 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
     for g in groups:
         grp = h.kv_cache_groups[g]
         bs = grp.block_size
-        lb, off = p // bs, p % bs
+        layout = GroupLayout.of(grp)
+        lb, off = layout.block_of(p)
         blk = int(st.block_tables[g][row, lb])
         slot = int(m.slot_mapping[g, t])
-        assert slot == blk * bs + off
+        assert slot == layout.slot(st.block_tables[g][row], p)
         plane = h.num_gpu_blocks * bs * H * D * elem  # bytes of the K half of one layer's tensor
         k0 = slot * H * D * elem
         chain["groups"].append({

@@ -1,17 +1,20 @@
-"""The paged KV cache: one torch tensor per KV cache group, written every step through `slot_mapping`.
+"""The paged KV cache: one page table per KV cache group, written every step through `slot_mapping`.
 
 Layout (FlashAttention's): `[2, num_gpu_blocks, block_size, num_kv_heads, head_size]`, K then V; a slot
 `s` is `[:, s // block_size, s % block_size]`. All groups draw block ids from the one pool of
-`num_gpu_blocks`, as in vLLM, but each group has its own tensor (a block id means one page per group).
+`num_gpu_blocks`, as in vLLM, but each group has its own memory (a block id means one page per group).
 
 Rules:
-- The values written are a canary: a 32-bit hash of (token id, position, lane) truncated to the element
-  width and stored bit for bit through an integer view of the tensor. So a read-back can tell exactly which
-  token and position a slot holds, whatever the dtype (float NaN patterns included).
+- Storage only: the cache takes arrays (token ids, positions, slots, block rows), never a worker, and knows
+  nothing of backends. Which write and read-back path runs is the caller's choice (`use_kernels`).
+- The values written are the canary (kv/canary.py), stored bit for bit through an integer view, so a
+  read-back can tell exactly which token and position a slot holds, whatever the dtype.
+- Host memory is plain numpy (no torch import on the host path): `bits[g]` is `[2, num_slots, H*D]` of the
+  dtype's integer width. On a torch device (`device != "cpu"` or `torch_storage=True`) the same views are
+  torch tensors; `tensor(g)` gives the typed `[2, blocks, block_size, H, D]` tensor either way.
 - Padding slots (`PAD_SLOT_ID = -1`) are skipped, never written (indexing with -1 would hit the last slot).
-- `verify` reads back every scheduled request's readable context (all positions for full attention, the
-  window for sliding-window groups, the current chunk for chunked-local ones) through its block table and
-  compares bits. Positions past `num_computed_tokens` after a speculative rollback are never read.
+- Read-backs cover each scheduled request's readable context (layout.readable_lo) and record at most
+  `max_examples` located mismatches.
 """
 
 from __future__ import annotations
@@ -20,11 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvmap._torch import torch
-from kvmap.workers.buffers import BatchMappings
+from kvmap.defaults import KV_DTYPE, KV_HEAD_SIZE, KV_HEADS
 from kvmap.errors import KvmapError
-from kvmap.workers.reference import readable_lo
-from kvmap.trace import TraceHeader
+from kvmap.kv.canary import canary, canary_torch
 
 # dtype name -> (torch dtype attribute, integer view dtype in numpy, in torch)
 KV_DTYPES = {
@@ -38,9 +39,9 @@ KV_DTYPES = {
 
 @dataclass(frozen=True, slots=True)
 class KVGeometry:
-    num_kv_heads: int = 1
-    head_size: int = 8
-    dtype: str = "bfloat16"
+    num_kv_heads: int = KV_HEADS
+    head_size: int = KV_HEAD_SIZE
+    dtype: str = KV_DTYPE
 
     @property
     def lanes(self) -> int:  # elements per token: K and V, every head
@@ -59,35 +60,6 @@ class KVGeometry:
         return self
 
 
-_M = np.uint32
-
-
-def canary(token_ids: np.ndarray, positions: np.ndarray, lanes: int) -> np.ndarray:
-    """[n] token ids, [n] positions -> [n, lanes] uint32 hashes (lowbias32 of a mix of the three)."""
-    x = token_ids.astype(_M) * _M(0x9E3779B1) ^ positions.astype(_M) * _M(0x85EBCA77)
-    x = x[:, None] + np.arange(lanes, dtype=_M)[None, :] * _M(0xC2B2AE3D)
-    x ^= x >> _M(16)
-    x *= _M(0x7FEB352D)
-    x ^= x >> _M(15)
-    x *= _M(0x846CA68B)
-    x ^= x >> _M(16)
-    return x
-
-
-def canary_torch(token_ids, positions, lanes: int):
-    """`canary` in torch int64 arithmetic (any device): [n] token ids, [n] positions -> [n, lanes]."""
-    t = torch()
-    m = 0xFFFFFFFF
-    x = ((token_ids.to(t.int64) * 0x9E3779B1) & m) ^ ((positions.to(t.int64) * 0x85EBCA77) & m)
-    x = (x[:, None] + t.arange(lanes, dtype=t.int64, device=x.device)[None, :] * 0xC2B2AE3D) & m
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & m
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & m
-    x ^= x >> 16
-    return x
-
-
 @dataclass(slots=True)
 class KVMismatch:
     step: int
@@ -96,7 +68,7 @@ class KVMismatch:
     position: int
     slot: int
     expected_token: int  # token id the request has at this position
-    found: str  # what the slot holds: "token T at position P", or "never written"/"unknown bits"
+    found: str  # what the slot holds: "bits of another token or position", or "never written"
 
 
 @dataclass(slots=True)
@@ -104,54 +76,64 @@ class KVCheckResult:
     checked: int = 0  # (position, group) pairs read back
     mismatches: int = 0
     examples: list[KVMismatch] = field(default_factory=list)
+    max_examples: int = 20
+
+    def room(self) -> int:
+        return max(self.max_examples - len(self.examples), 0)
 
 
 class PagedKVCache:
-    def __init__(self, header: TraceHeader, geometry: KVGeometry, device: str = "cpu", use_kernels: bool = True,
-                 max_examples: int = 20) -> None:
-        """`use_kernels`: write and verify with the compiled CPU kernels when numba is installed (same bits as
-        the torch path, which is used otherwise and tested against them)."""
-        t = torch()
+    def __init__(self, header, geometry: KVGeometry, device: str = "cpu", use_kernels: bool = False,
+                 torch_storage: bool = False) -> None:
+        """`use_kernels`: write and read back with the compiled CPU kernels (kv/kernels.py; same bits as the
+        vectorized path). `torch_storage`: hold host memory in torch tensors (device workers on CPU)."""
         geometry.check()
         self.header = header
         self.geometry = geometry
-        tdtype, self.np_bits, tbits = KV_DTYPES[geometry.dtype]
-        self.caches = []  # [num_groups] x [2, num_blocks, block_size, H, D]
-        self.bits = []  # [num_groups] x [2, num_blocks * block_size, H * D] integer views of the same memory
+        self.device = device
+        tdtype, self.np_bits, self._tbits = KV_DTYPES[geometry.dtype]
+        self._tdtype = tdtype
         H, D = geometry.num_kv_heads, geometry.head_size
-        for g in header.kv_cache_groups:
-            cache = t.zeros((2, header.num_gpu_blocks, g.block_size, H, D), dtype=getattr(t, tdtype),
-                            device=device)
-            self.caches.append(cache)
-            self.bits.append(cache.view(getattr(t, tbits)).view(2, header.num_gpu_blocks * g.block_size, H * D))
-        self.written = [np.zeros(header.num_gpu_blocks * g.block_size, dtype=bool) for g in header.kv_cache_groups]
-        self.bytes = sum(c.numel() * c.element_size() for c in self.caches)
+        self.block_sizes = [g.block_size for g in header.kv_cache_groups]
+        shapes = [(2, header.num_gpu_blocks * bs, H * D) for bs in self.block_sizes]
+        self.on_torch = device != "cpu" or torch_storage
+        if self.on_torch:
+            from kvmap._torch import torch
+
+            t = torch()
+            self.bits = [t.zeros(s, dtype=getattr(t, self._tbits), device=device) for s in shapes]
+        else:
+            self.bits = [np.zeros(s, dtype=self.np_bits) for s in shapes]  # [G] x [2, num_slots, H*D]
+        self.written = [np.zeros(s[1], dtype=bool) for s in shapes]  # [G] x [num_slots] host bookkeeping
+        self.bytes = sum(int(np.prod(s)) * np.dtype(self.np_bits).itemsize for s in shapes)
         self.kernels = None
-        if device == "cpu" and use_kernels:
-            try:
-                from kvmap.workers import kernels_cpu
-            except ImportError:
-                pass
-            else:
-                self.kernels = kernels_cpu
-                udt = np.dtype(f"u{np.dtype(self.np_bits).itemsize}")
-                self.ubits = [b.numpy().view(udt) for b in self.bits]  # same memory, unsigned view
-                self.mask = np.uint64((1 << (8 * udt.itemsize)) - 1)
-                self._bad = np.zeros((max_examples, 3), dtype=np.int64)
+        if use_kernels and not self.on_torch:
+            from kvmap.kv import kernels
 
-    def _values(self, token_ids: np.ndarray, positions: np.ndarray):
+            self.kernels = kernels
+            udt = np.dtype(f"u{np.dtype(self.np_bits).itemsize}")
+            self._ubits = [b.view(udt) for b in self.bits]  # same memory, unsigned view
+            self._mask = np.uint64((1 << (8 * udt.itemsize)) - 1)
+            self._bad = np.zeros((20, 3), dtype=np.int64)
+
+    def tensor(self, g: int):
+        """Group g's cache as a typed torch tensor `[2, num_gpu_blocks, block_size, H, D]` (same memory)."""
+        from kvmap._torch import torch
+
+        t = torch()
+        b = self.bits[g] if self.on_torch else t.from_numpy(self.bits[g])
+        H, D = self.geometry.num_kv_heads, self.geometry.head_size
+        return b.view(getattr(t, self._tdtype)).view(2, self.header.num_gpu_blocks, self.block_sizes[g], H, D)
+
+    # ------------------------------------------------------------------------------------------ values
+
+    def values(self, token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """[n] tokens, [n] positions -> [2, n, H*D] canary values in the cache's integer dtype."""
         v = canary(token_ids, positions, self.geometry.lanes).astype(f"u{np.dtype(self.np_bits).itemsize}")
-        v = v.view(self.np_bits).reshape(len(token_ids), 2, self.geometry.lanes // 2)  # [n, K/V, H*D]
-        return torch().from_numpy(v).permute(1, 0, 2)  # [2, n, H*D]
+        return v.view(self.np_bits).reshape(len(token_ids), 2, self.geometry.lanes // 2).transpose(1, 0, 2)
 
-    def write_device(self, batch: dict) -> None:
-        """Write from a device worker's tensors, on the device (torch ops; no host sync)."""
-        ids, pos, slots = batch["input_ids"], batch["positions"], batch["slot_mapping"]
-        values = self._values_torch(ids, pos)  # [2, T, H*D]
-        for g, bits in enumerate(self.bits):
-            bits[:, slots[g]] = values
-
-    def _values_torch(self, token_ids, positions):
+    def values_torch(self, token_ids, positions):
+        """`values` on a torch device: [n] tokens, [n] positions -> [2, n, H*D] in the cache's integer dtype."""
         lanes = self.geometry.lanes
         width = 8 * np.dtype(self.np_bits).itemsize
         x = canary_torch(token_ids, positions, lanes)  # [n, lanes] int64 in [0, 2**32)
@@ -159,109 +141,71 @@ class PagedKVCache:
         x = ((x + half) & ((1 << width) - 1)) - half  # the low `width` bits, as a signed value
         return x.to(self.bits[0].dtype).view(len(token_ids), 2, lanes // 2).permute(1, 0, 2)
 
-    def write(self, m: BatchMappings) -> None:
-        self.write_tokens(m.input_ids, m.positions, m.slot_mapping)
+    # ------------------------------------------------------------------------------------------ writes
 
-    def write_tokens(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray) -> None:
-        """Write one step's tokens: input_ids, positions [T]; slot_mapping [G, T] (PAD_SLOT_ID skipped)."""
+    def write(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray) -> None:
+        """Write one step's tokens from host arrays: input_ids, positions [T]; slot_mapping [G, T]."""
         if self.kernels is not None:
-            for g, ub in enumerate(self.ubits):
-                self.kernels.kv_write(input_ids, positions, slot_mapping[g], ub, self.mask, self.written[g])
+            for g, ub in enumerate(self._ubits):
+                self.kernels.kv_write(input_ids, positions, slot_mapping[g], ub, self._mask, self.written[g])
             return
-        t = torch()
-        values = self._values(input_ids, positions)
+        values = self.values(input_ids, positions)
         for g, bits in enumerate(self.bits):
             slots = slot_mapping[g]
+            vals = values
             if len(slots) and slots.min() < 0:
                 keep = slots >= 0
-                slots, vals = slots[keep], values[:, t.from_numpy(keep)]
+                slots, vals = slots[keep], values[:, keep]
+            if self.on_torch:
+                from kvmap._torch import torch
+
+                bits[:, torch().from_numpy(np.ascontiguousarray(slots))] = torch().from_numpy(
+                    np.ascontiguousarray(vals)).to(bits.device)
             else:
-                vals = values
-            bits[:, t.from_numpy(slots)] = vals
+                bits[:, slots] = vals
             self.written[g][slots] = True
 
-    def verify(self, worker, step: int, req_ids: list[str], into: KVCheckResult | None = None,
-               max_examples: int = 20) -> KVCheckResult:
-        """Read back this step's readable context in every group; add the outcome to `into`."""
-        res = into if into is not None else KVCheckResult()
-        if hasattr(worker, "verify_kv"):
-            return worker.verify_kv(self, step, req_ids, res, max_examples)
-        if hasattr(worker, "d_token_ids"):
-            return self._verify_device(worker, step, req_ids, res, max_examples)
-        if self.kernels is not None and hasattr(worker, "state"):
-            return self._verify_kernels(worker, step, req_ids, res, max_examples)
-        t = torch()
+    def write_device(self, input_ids, positions, slot_mapping) -> None:
+        """Write from device tensors, on the device (torch ops; no host sync). Padding slots must not occur
+        before the step's token count, which the caller slices to."""
+        values = self.values_torch(input_ids, positions)  # [2, T, H*D]
         for g, bits in enumerate(self.bits):
-            breq, pos, slots, tokens = worker.readable_context(g)
-            if not len(pos):
-                continue
-            res.checked += len(pos)
-            got = bits[:, t.from_numpy(np.ascontiguousarray(slots))].numpy()  # [2, n, H*D]
-            want = self._values(tokens, pos).numpy()
-            bad = np.flatnonzero((got != want).any(axis=(0, 2)))
-            if not len(bad):
-                continue
-            res.mismatches += len(bad)
-            for i in bad[: max(max_examples - len(res.examples), 0)]:
-                res.examples.append(KVMismatch(step, req_ids[breq[i]], g, int(pos[i]), int(slots[i]),
-                                               int(tokens[i]), self._describe(g, int(slots[i]), got[:, i])))
-        return res
+            bits[:, slot_mapping[g]] = values
 
-    def _verify_device(self, worker, step: int, req_ids: list[str], res: KVCheckResult,
-                       max_examples: int) -> KVCheckResult:
-        """Read back on the device; one host sync per group for the mismatch count (a check, not a step)."""
-        t = torch()
-        B = worker._B
-        nc_h, end_h = worker.host_batch()
-        d = worker.device_batch()
-        idx = d["idx_mapping"]
-        for g, grp in enumerate(self.header.kv_cache_groups):
-            lo_h = readable_lo(grp, nc_h)
-            cnt_h = end_h - lo_h
-            total = int(cnt_h.sum())
-            if not total:
-                continue
-            lo = t.from_numpy(lo_h).to(idx.device)
-            cnt = t.from_numpy(cnt_h).to(idx.device)
-            breq = t.repeat_interleave(t.arange(B, device=idx.device), cnt, output_size=total)
-            start = t.cumsum(cnt, 0) - cnt
-            pos = t.arange(total, device=idx.device) - (start - lo)[breq]
-            rows = idx[breq]
-            bs = grp.block_size
-            table = worker.d_block_tables[g]
-            slots = table[rows, t.div(pos, bs, rounding_mode="floor")].to(t.int64) * bs + pos % bs
-            toks = worker.d_token_ids[rows, pos]
-            got = self.bits[g][:, slots]
-            want = self._values_torch(toks, pos)
-            bad = (got != want).any(dim=2).any(dim=0)
-            res.checked += total
-            nbad = int(bad.sum())
-            res.mismatches += nbad
-            if nbad:
-                for i in t.nonzero(bad)[: max(max_examples - len(res.examples), 0), 0].tolist():
-                    b = int(breq[i])
-                    res.examples.append(KVMismatch(step, req_ids[b], g, int(pos[i]), int(slots[i]), int(toks[i]),
-                                                   "bits of another token or position (or never written)"))
-        return res
+    # ---------------------------------------------------------------------------------------- read-back
 
-    def _verify_kernels(self, worker, step: int, req_ids: list[str], res: KVCheckResult,
-                        max_examples: int) -> KVCheckResult:
-        m = worker.mappings()
-        st = worker.state
-        nc = m.num_computed_tokens.astype(np.int64)
-        for g, grp in enumerate(self.header.kv_cache_groups):
-            lo = readable_lo(grp, nc)
-            checked, bad = self.kernels.kv_verify(m.idx_mapping, lo, m.seq_lens, st.token_ids, st.block_tables[g],
-                                                  grp.block_size, self.ubits[g], self.mask, self._bad)
-            res.checked += checked
-            res.mismatches += bad
-            for b, p, s in self._bad[: min(bad, max(max_examples - len(res.examples), 0))].tolist():
-                res.examples.append(KVMismatch(step, req_ids[b], g, p, s, int(st.token_ids[m.idx_mapping[b], p]),
-                                               self._describe(g, s, None)))
-        return res
+    def verify_context(self, g: int, step: int, req_ids, breq: np.ndarray, pos: np.ndarray, slots: np.ndarray,
+                       tokens: np.ndarray, into: KVCheckResult) -> None:
+        """Compare group g's slots with the canary of (token, position): [n] arrays of batch index, position,
+        slot and token id over the readable context."""
+        if not len(pos):
+            return
+        into.checked += len(pos)
+        bits = self.bits[g]
+        if self.on_torch:
+            got = bits[:, np.ascontiguousarray(slots)].cpu().numpy()
+        else:
+            got = bits[:, slots]  # [2, n, H*D]
+        bad = np.flatnonzero((got != self.values(tokens, pos)).any(axis=(0, 2)))
+        into.mismatches += len(bad)
+        for i in bad[: into.room()]:
+            into.examples.append(KVMismatch(step, req_ids[breq[i]], g, int(pos[i]), int(slots[i]), int(tokens[i]),
+                                            self.describe(g, int(slots[i]))))
 
-    def _describe(self, g: int, slot: int, bits: np.ndarray | None) -> str:
+    def verify_rows(self, g: int, step: int, req_ids, idx_mapping: np.ndarray, lo: np.ndarray,
+                    seq_lens: np.ndarray, token_ids: np.ndarray, table: np.ndarray, into: KVCheckResult) -> None:
+        """The compiled read-back: positions lo[b] .. seq_lens[b] - 1 of batch request b through row
+        idx_mapping[b] of the persistent `token_ids` and block `table` (needs `use_kernels`)."""
+        assert self.kernels is not None
+        checked, bad = self.kernels.kv_verify(idx_mapping, lo, seq_lens, token_ids, table, self.block_sizes[g],
+                                              self._ubits[g], self._mask, self._bad)
+        into.checked += checked
+        into.mismatches += bad
+        for b, p, s in self._bad[: min(bad, into.room(), len(self._bad))].tolist():
+            into.examples.append(KVMismatch(step, req_ids[b], g, p, s, int(token_ids[idx_mapping[b], p]),
+                                            self.describe(g, s)))
+
+    def describe(self, g: int, slot: int) -> str:
         if not self.written[g][slot]:
             return "never written"
         return "bits of another token or position"
-

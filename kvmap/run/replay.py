@@ -17,41 +17,42 @@ from dataclasses import asdict
 
 import numpy as np
 
+from kvmap import defaults
 from kvmap.errors import KvmapError
-from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache
+from kvmap.kv.cache import KVCheckResult, KVGeometry
 from kvmap.run.markers import Markers
 from kvmap.run.result import PHASES, ReplayResult
 from kvmap.trace import Trace
-from kvmap.workers.host import make_worker
+from kvmap.workers.contract import Worker
+from kvmap.workers.registry import make_worker
 
 
 def replay(
     trace: Trace,
     *,
-    backend: str = "numpy",
+    backend: str | None = None,
     device: str = "cpu",
     start: int = 0,
     stop: int | None = None,
-    warmup: int = 2,
+    warmup: int = defaults.WARMUP,
     verify_kv: bool = False,
     write_kv: bool = True,
     kv_geometry: KVGeometry | None = None,
     nvtx: bool = True,
     on_mappings: Callable[[object], None] | None = None,
     on_step: Callable[[int], None] | None = None,
-    worker=None,
+    worker: Worker | None = None,
     capture: bool = False,
 ) -> ReplayResult:
-    """Replay `trace`; `worker` (an instance) overrides `backend`, for benchmarks of other mapping code.
-    `capture`: wrap the measured steps (window minus warm-up) in the NVTX capture range for nsys."""
+    """Replay `trace` (backend None: the default); `worker` (an instance) overrides `backend`, for benchmarks
+    of other mapping code. `capture`: wrap the measured steps (window minus warm-up) in the NVTX capture
+    range for nsys."""
     header = trace.header
     worker = worker if worker is not None else make_worker(backend, header, device)
     geometry = (kv_geometry or KVGeometry()).check()
-    device = getattr(worker, "device", None)
-    kv = PagedKVCache(header, geometry, device=str(device) if device is not None else "cpu") \
-        if (write_kv or verify_kv) else None
+    kv = worker.make_kv_cache(geometry) if (write_kv or verify_kv) else None
     phases = [p for p in PHASES if (p != "kv_verify" or verify_kv) and (not p.startswith("kv_") or kv)
-              and (p != "h2d" or hasattr(worker, "copy_to_device"))]
+              and (p != "h2d" or worker.has_h2d)]
     markers = Markers(phases, enabled=nvtx)
     result = ReplayResult(
         trace=trace.name, backend=worker.name, protocol=header.model_runner_protocol,
@@ -60,36 +61,23 @@ def replay(
         phases=phases, warmup=warmup, step_window=[start, stop],
         kv_bytes=kv.bytes if kv else 0, kv_geometry=asdict(geometry) if kv else {}, kv_verified=verify_kv,
     )
-    check = KVCheckResult()
-
-    def kv_write() -> None:
-        if hasattr(worker, "write_kv"):
-            worker.write_kv(kv)
-        elif device is not None:
-            kv.write_device(worker.device_batch())
-        elif hasattr(worker, "token_arrays"):
-            kv.write_tokens(*worker.token_arrays())
-        else:
-            kv.write(worker.mappings())
-
-    def kv_verify() -> None:
-        kv.verify(worker, worker.current_step, worker.mappings().req_ids, into=check)
+    check = KVCheckResult(max_examples=defaults.MAX_KV_EXAMPLES)
 
     # every phase after update_states is a call with no arguments: the worker holds the current step
     stages = [(name, fn) for name, fn in (
         ("batch_order", worker.prepare_batch),
-        ("h2d", getattr(worker, "copy_to_device", None)),
+        ("h2d", worker.copy_to_device),
         ("prepare_inputs", worker.prepare_inputs),
         ("block_tables", worker.gather_block_tables),
         ("slot_mappings", worker.compute_slot_mappings),
-        ("kv_write", kv_write),
-        ("kv_verify", kv_verify),
+        ("kv_write", lambda: worker.write_kv(kv)),
+        ("kv_verify", lambda: worker.verify_kv(kv, check)),
         ("post_update", worker.append_sampled),
     ) if name in phases]
     clock = time.perf_counter_ns
     push, pop = markers.push, markers.pop
     events = None  # device time per phase from CUDA events (device workers on a GPU)
-    if device is not None and device.type == "cuda":
+    if worker.device.startswith("cuda"):
         import torch as _t
 
         from kvmap.run.timing import EventTimer
@@ -173,9 +161,8 @@ def replay(
         -1, len(phases))
     if events:
         result.device_phase_ns = events.finish()
-    result.device = str(device) if device is not None else "cpu"
-    staging = getattr(worker, "staging", None)
-    result.h2d_bytes = staging.bytes_sent if staging is not None else 0
+    result.device = worker.device
+    result.h2d_bytes = worker.h2d_bytes
     result.wall_s = time.perf_counter() - wall0
     result.requests_seen = len(seen)
     result.standin_tokens = worker.num_standin_tokens

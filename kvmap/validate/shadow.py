@@ -475,7 +475,7 @@ def validate(trace: Trace, max_problems: int | None = None, deep: bool = False) 
 def deep_check(trace: Trace) -> dict:
     """Replay through every available worker; compare each step with the reference; KV canary every step."""
     from kvmap.run.replay import replay
-    from kvmap.workers.host import BACKENDS, make_worker
+    from kvmap.workers.registry import BACKENDS, make_worker
 
     problems: list[dict] = []
     ref: list[dict] = []

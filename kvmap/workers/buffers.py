@@ -16,82 +16,12 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import numpy as np
 
+from kvmap.layout import PAD_SLOT_ID
+from kvmap.workers.mappings import BatchMappings, BatchReqIds
 from kvmap.workers.state import WorkerState
 
-PAD_SLOT_ID = -1
-
-
-class BatchReqIds(Sequence):
-    """Request ids in batch order, looked up through the batch order only when read (most steps never read
-    them: the KV write needs only the arrays)."""
-
-    __slots__ = ("_ids", "_order")
-
-    def __init__(self, scheduler_ids: list[str], order: np.ndarray) -> None:
-        self._ids, self._order = scheduler_ids, order  # order: [num_reqs] batch_idx -> scheduler entry
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __getitem__(self, b):
-        if isinstance(b, slice):
-            return [self._ids[i] for i in self._order[b].tolist()]
-        return self._ids[int(self._order[b])]
-
-    def __iter__(self):
-        ids = self._ids
-        return (ids[i] for i in self._order.tolist())
-
-    def __eq__(self, other) -> bool:
-        return list(self) == list(other)
-
-    def __repr__(self) -> str:
-        return repr(list(self))
-
-
-@dataclass(slots=True)
-class BatchMappings:
-    """One step's worker inputs, in batch order. Arrays are views into preallocated buffers: copy to keep."""
-
-    req_ids: Sequence[str]  # [num_reqs] batch_idx -> req_id
-    idx_mapping: np.ndarray  # [num_reqs] int32, batch_idx -> req_state_idx
-    num_scheduled_tokens: np.ndarray  # [num_reqs] int32, batch_idx -> tokens this step (drafts included)
-    num_computed_tokens: np.ndarray  # [num_reqs] int32, batch_idx -> position of its first token
-    query_start_loc: np.ndarray  # [num_reqs + 1] int32, batch_idx -> first flat token index
-    seq_lens: np.ndarray  # [num_reqs] int32, num_computed_tokens + num_scheduled_tokens
-    positions: np.ndarray  # [num_tokens] int64, flat token -> position in its request
-    input_ids: np.ndarray  # [num_tokens] int32, flat token -> token id
-    block_tables: list[np.ndarray]  # [num_groups] x [num_reqs, width_g] int32, batch_idx -> block ids
-    num_blocks: np.ndarray  # [num_groups, num_reqs] int32, valid entries of each block-table row
-    slot_mapping: np.ndarray  # [num_groups, num_tokens] int64, flat token -> KV slot (PAD_SLOT_ID pads)
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.idx_mapping)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.positions)
-
-    def to_dict(self, step: int) -> dict:
-        """The `--dump-mappings` record (trace-format.md): plain lists, block rows without padding."""
-        return {
-            "step": step,
-            "req_ids": list(self.req_ids),
-            "idx_mapping": self.idx_mapping.tolist(),
-            "query_start_loc": self.query_start_loc.tolist(),
-            "seq_lens": self.seq_lens.tolist(),
-            "positions": self.positions.tolist(),
-            "input_ids": self.input_ids.tolist(),
-            "block_tables": [[t[b, : nb[b]].tolist() for b in range(len(nb))]
-                             for t, nb in zip(self.block_tables, self.num_blocks)],
-            "slot_mapping": self.slot_mapping.tolist(),
-        }
 
 
 def batch_order(counts: np.ndarray, num_drafts: np.ndarray, num_speculative_tokens: int) -> np.ndarray:
@@ -211,7 +141,8 @@ def compute_slot_mappings(state: WorkerState, buf: InputBuffers, B: int, T: int)
             out += off
 
 
-def view(buf: InputBuffers, req_ids: Sequence[str], B: int, T: int) -> BatchMappings:
+def view(buf: InputBuffers, req_ids: BatchReqIds | list[str], B: int, T: int) -> BatchMappings:
+    """This step's slices of the buffers as a `BatchMappings` (views, no copies)."""
     return BatchMappings(
         req_ids=req_ids,
         idx_mapping=buf.idx_mapping[:B],

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvmap.workers.buffers import PAD_SLOT_ID
 from kvmap.errors import TraceError
-from kvmap.workers.state import STANDIN_TOKEN_ID
+from kvmap.kv.cache import KVCheckResult, PagedKVCache
+from kvmap.layout import PAD_SLOT_ID, group_layouts
 from kvmap.trace import Step, TraceHeader
+from kvmap.workers.contract import Worker
+from kvmap.workers.mappings import DUMP_KEYS, BatchMappings, mappings_from_dict
+from kvmap.workers.state import STANDIN_TOKEN_ID
 
 
 class ReferenceRequest:
@@ -25,15 +28,16 @@ class ReferenceRequest:
         self.preempted = False
 
 
-class ReferenceWorker:
+class ReferenceWorker(Worker):
     name = "reference"
 
-    def __init__(self, header: TraceHeader) -> None:
-        self.header = header
+    def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
+        super().__init__(header, device)
+        self.layouts = group_layouts(header)
         self.free_rows = list(range(header.max_num_seqs))
         self.requests: dict[str, ReferenceRequest] = {}
         self.missing_samples = False
-        self.num_standin_tokens = 0
+        self._standins = 0
         self._out: dict | None = None
         self._step: Step | None = None
         self._step_ids: dict[str, tuple[int, list[int]]] = {}  # req_id -> (first position, this step's ids)
@@ -42,6 +46,10 @@ class ReferenceWorker:
     def current_step(self) -> int:
         assert self._step is not None
         return self._step.step
+
+    @property
+    def num_standin_tokens(self) -> int:
+        return self._standins
 
     # The phases the replay loop times; the reference does all its work in update_states and
     # compute_mappings, the others exist so that every worker has the same phases.
@@ -129,7 +137,7 @@ class ReferenceWorker:
                     raise TraceError("positions past the request's known tokens", step=step.step,
                                      line=step.line, req_id=req_id, field="num_scheduled_tokens")
                 req.tokens.append(STANDIN_TOKEN_ID)
-                self.num_standin_tokens += 1
+                self._standins += 1
             for i in range(n):
                 position = start + i
                 out["positions"].append(position)
@@ -138,25 +146,30 @@ class ReferenceWorker:
                 else:
                     d = drafts[i - real]
                     out["input_ids"].append(d if d >= 0 else STANDIN_TOKEN_ID)
-                for g, group in enumerate(self.header.kv_cache_groups):
-                    bs = group.block_size
-                    logical_block = position // bs
-                    offset = position % bs
+                for g, layout in enumerate(self.layouts):
+                    logical_block, _ = layout.block_of(position)
                     if logical_block >= len(req.block_ids[g]):
                         out["slot_mapping"][g].append(PAD_SLOT_ID)  # the vectorized worker rejects this first
                         continue
-                    physical_block = req.block_ids[g][logical_block]
-                    out["slot_mapping"][g].append(physical_block * bs + offset)
+                    out["slot_mapping"][g].append(layout.slot(req.block_ids[g], position))
             self._step_ids[req_id] = (start, out["input_ids"][first_input:])
         out["step"] = step.step
-        self._out = out
+        self._out = {k: out[k] for k in DUMP_KEYS}
 
     def mappings_dict(self) -> dict:
         assert self._out is not None
         return self._out
 
-    def mappings(self):
+    def mappings(self) -> BatchMappings:
         return mappings_from_dict(self.mappings_dict(), len(self.header.kv_cache_groups))
+
+    def write_kv(self, kv: PagedKVCache) -> None:
+        m = self.mappings()
+        kv.write(m.input_ids, m.positions, m.slot_mapping)
+
+    def verify_kv(self, kv: PagedKVCache, into: KVCheckResult) -> None:
+        for g in range(self.header.num_groups):
+            kv.verify_context(g, self.current_step, self._out["req_ids"], *self.readable_context(g), into=into)
 
     def append_sampled(self) -> None:
         step = self._step
@@ -170,16 +183,14 @@ class ReferenceWorker:
     def readable_context(self, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(batch_idx, position, slot, token id) of every position the scheduled requests may read."""
         out: list[tuple[int, int, int, int]] = []
-        g = self.header.kv_cache_groups[group]
+        layout = self.layouts[group]
         assert self._out is not None
         for b, (req_id, seq_len) in enumerate(zip(self._out["req_ids"], self._out["seq_lens"])):
             req = self.requests[req_id]
-            lo = readable_start(g.kind, g.sliding_window, g.attention_chunk_size, req.num_computed_tokens)
             start, step_ids = self._step_ids[req_id]
-            for p in range(lo, seq_len):
-                blk = req.block_ids[group][p // g.block_size]
+            for p in range(layout.readable_start(req.num_computed_tokens), seq_len):
                 token = step_ids[p - start] if p >= start else req.tokens[p]
-                out.append((b, p, blk * g.block_size + p % g.block_size, token))
+                out.append((b, p, layout.slot(req.block_ids[group], p), token))
         cols = np.array(out, dtype=np.int64).reshape(-1, 4)
         return cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3]
 
@@ -187,54 +198,3 @@ class ReferenceWorker:
         req = self.requests.pop(req_id, None)
         if req is not None:
             self.free_rows.append(req.row)
-
-
-def readable_lo(group, num_computed_tokens: np.ndarray) -> np.ndarray:
-    """`readable_start` for a batch: [num_reqs] first readable position in a KV cache group."""
-    if group.kind == "sliding_window":
-        return np.maximum(num_computed_tokens - group.sliding_window + 1, 0)
-    if group.kind == "chunked_local":
-        return num_computed_tokens // group.attention_chunk_size * group.attention_chunk_size
-    return np.zeros_like(num_computed_tokens)
-
-
-def readable_start(kind: str, sliding_window: int | None, chunk: int | None, num_computed_tokens: int) -> int:
-    """First position a step starting at `num_computed_tokens` may read (vLLM's skipped-token rule)."""
-    if kind == "sliding_window":
-        assert sliding_window is not None
-        return max(0, num_computed_tokens - sliding_window + 1)
-    if kind == "chunked_local":
-        assert chunk is not None
-        return num_computed_tokens // chunk * chunk
-    return 0
-
-
-def mappings_from_dict(d: dict, num_groups: int):
-    """A plain-list mappings record -> `BatchMappings` (block rows right-padded with 0)."""
-    from kvmap.workers.buffers import BatchMappings
-
-    B = len(d["req_ids"])
-    tables, nbs = [], []
-    for rows in d["block_tables"]:
-        w = max((len(r) for r in rows), default=0)
-        t = np.zeros((B, w), dtype=np.int32)
-        for b, r in enumerate(rows):
-            t[b, : len(r)] = r
-        tables.append(t)
-        nbs.append([len(r) for r in rows])
-    qsl = np.array(d["query_start_loc"], dtype=np.int32)
-    seq = np.array(d["seq_lens"], dtype=np.int32)
-    n = np.diff(qsl).astype(np.int32)
-    return BatchMappings(
-        req_ids=d["req_ids"],
-        idx_mapping=np.array(d["idx_mapping"], dtype=np.int32),
-        num_scheduled_tokens=n,
-        num_computed_tokens=seq - n,
-        query_start_loc=qsl,
-        seq_lens=seq,
-        positions=np.array(d["positions"], dtype=np.int64),
-        input_ids=np.array(d["input_ids"], dtype=np.int32),
-        block_tables=tables,
-        num_blocks=np.array(nbs, dtype=np.int32).reshape(num_groups, B),
-        slot_mapping=np.array(d["slot_mapping"], dtype=np.int64).reshape(num_groups, -1),
-    )

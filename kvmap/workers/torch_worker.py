@@ -19,11 +19,13 @@ from __future__ import annotations
 import numpy as np
 
 from kvmap._torch import torch
-from kvmap.workers.buffers import BatchMappings, PAD_SLOT_ID
 from kvmap.errors import KvmapError
-from kvmap.workers.state import ragged_columns
+from kvmap.kv.cache import KVCheckResult, KVGeometry, KVMismatch, PagedKVCache
+from kvmap.layout import PAD_SLOT_ID
 from kvmap.trace import TraceHeader
 from kvmap.workers.host import NumpyWorker
+from kvmap.workers.mappings import BatchMappings
+from kvmap.workers.state import ragged_columns
 
 
 def resolve_device(name: str):
@@ -87,12 +89,12 @@ class TorchWorker(NumpyWorker):
     """State and mappings on a torch device, plain tensor operations."""
 
     name = "torch"
+    has_h2d = True
 
     def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
-        super().__init__(header)
+        super().__init__(header, device)
         t = torch()
-        self.device = resolve_device(device)
-        dev = self.device
+        self.torch_device = dev = resolve_device(device)
         st = self.state
         st.journal = []
         R, G = st.max_num_reqs, len(st.block_sizes)
@@ -120,20 +122,30 @@ class TorchWorker(NumpyWorker):
         self.t_req = t.zeros(R, dtype=t.int64, device=dev)
         self.staging = Staging(dev)
         self._prev_T = 0
-        self._host_B = 0
+
+    def upload_state(self) -> None:
+        """Send the whole host state at once (benchmarks that wrote the host arrays directly)."""
+        t = torch()
+        self.d_token_ids.copy_(t.from_numpy(self.state.token_ids))
+        for d, h in zip(self.d_block_tables, self.state.block_tables):
+            d.copy_(t.from_numpy(h))
+        self.state.journal.clear()
+
+    @property
+    def h2d_bytes(self) -> int:
+        return self.staging.bytes_sent
+
+    def synchronize(self) -> None:
+        if self.torch_device.type == "cuda":
+            torch().cuda.synchronize()
 
     # ------------------------------------------------------------------ phases
 
-    def prepare_batch(self) -> None:
-        super().prepare_batch()  # host: MRV2 order
-
     def copy_to_device(self) -> None:
         """One staged non-blocking copy: the batch, per-row counters, and the journal's writes."""
-        _, rows, counts, _ = self._sched
-        st = self.state
-        idx = rows[self._order].astype(np.int64)
-        n = counts[self._order].astype(np.int64)
-        self._host_B, self._host_T = len(idx), int(n.sum())
+        b, st = self.batch, self.state
+        idx = b.rows[b.order].astype(np.int64)
+        n = b.num_scheduled_tokens[b.order].astype(np.int64)
         parts = [idx, n, st.num_computed_tokens.astype(np.int64), st.num_blocks.reshape(-1).astype(np.int64)]
         writes: dict[tuple[str, int], list] = {}
         for table, g, r, s0, c, v in st.journal:
@@ -150,7 +162,7 @@ class TorchWorker(NumpyWorker):
             parts.append(np.concatenate([x[1] for x in writes[key]]))
         views = self.staging.send(parts)
         d_idx, d_n, d_nc, d_nb = views[:4]
-        B = self._host_B
+        B = b.num_reqs
         self.o_idx_mapping[:B].copy_(d_idx)
         self.o_num_scheduled[:B].copy_(d_n)
         self.d_num_computed.copy_(d_nc)
@@ -162,7 +174,7 @@ class TorchWorker(NumpyWorker):
 
     def prepare_inputs(self) -> None:
         t = torch()
-        B, T = self._host_B, self._host_T
+        B, T = self.batch.num_reqs, self.batch.num_tokens
         idx, n = self.o_idx_mapping[:B], self.o_num_scheduled[:B]
         nc = self.o_num_computed[:B]
         t.index_select(self.d_num_computed, 0, idx, out=nc)
@@ -182,11 +194,10 @@ class TorchWorker(NumpyWorker):
         t.mul(row, self.state.token_width, out=flat)
         flat += pos
         t.index_select(self.d_token_ids.view(-1), 0, flat, out=self.o_input_ids[:T])
-        self._B, self._T = B, T
 
     def gather_block_tables(self) -> None:
         t = torch()
-        B = self._B
+        B = self.batch.num_reqs
         idx = self.o_idx_mapping[:B]
         for g, table in enumerate(self.d_block_tables):
             t.index_select(table, 0, idx, out=self.o_block_tables[g][:B])
@@ -194,7 +205,7 @@ class TorchWorker(NumpyWorker):
 
     def compute_slot_mappings(self) -> None:
         t = torch()
-        T = self._T
+        T = self.batch.num_tokens
         pos, row = self.o_positions[:T], self.t_row[:T]
         for g, table in enumerate(self.d_block_tables):
             bs = self.state.block_sizes[g]
@@ -207,29 +218,59 @@ class TorchWorker(NumpyWorker):
             self.o_slot_mapping[:, T : self._prev_T] = PAD_SLOT_ID
         self._prev_T = T
 
+    # ------------------------------------------------------------------ KV cache
+
+    def make_kv_cache(self, geometry: KVGeometry) -> PagedKVCache:
+        return PagedKVCache(self.header, geometry, device=str(self.torch_device), torch_storage=True)
+
+    def write_kv(self, kv: PagedKVCache) -> None:
+        T = self.batch.num_tokens
+        kv.write_device(self.o_input_ids[:T], self.o_positions[:T], self.o_slot_mapping[:, :T])
+
+    def verify_kv(self, kv: PagedKVCache, into: KVCheckResult) -> None:
+        """Read back on the device; one host sync per group for the mismatch count (a check, not a step)."""
+        t = torch()
+        B = self.batch.num_reqs
+        nc_h, end_h = self.host_batch()
+        idx = self.o_idx_mapping[:B]
+        req_ids = self.batch.batch_req_ids()
+        for g, lay in enumerate(self.layouts):
+            lo_h = lay.readable_lo(nc_h)
+            cnt_h = end_h - lo_h
+            total = int(cnt_h.sum())
+            if not total:
+                continue
+            lo = t.from_numpy(lo_h).to(idx.device)
+            cnt = t.from_numpy(cnt_h).to(idx.device)
+            breq = t.repeat_interleave(t.arange(B, device=idx.device), cnt, output_size=total)
+            start = t.cumsum(cnt, 0) - cnt
+            pos = t.arange(total, device=idx.device) - (start - lo)[breq]
+            rows = idx[breq]
+            bs = lay.block_size
+            slots = self.d_block_tables[g][rows, t.div(pos, bs, rounding_mode="floor")].to(t.int64) * bs + pos % bs
+            toks = self.d_token_ids[rows, pos]
+            bad = (kv.bits[g][:, slots] != kv.values_torch(toks, pos)).any(dim=2).any(dim=0)
+            into.checked += total
+            nbad = int(bad.sum())
+            into.mismatches += nbad
+            for i in (t.nonzero(bad)[: into.room(), 0].tolist() if nbad else ()):
+                into.examples.append(KVMismatch(self.current_step, req_ids[int(breq[i])], g, int(pos[i]),
+                                                int(slots[i]), int(toks[i]), kv.describe(g, int(slots[i]))))
+
     # ------------------------------------------------------------------ results
 
     def host_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """(num_computed_tokens, seq_lens) of the batch, int64, from the host mirror: no device sync."""
-        _, rows, counts, _ = self._sched
-        nc = self.state.num_computed_tokens[rows[self._order]].astype(np.int64)
-        return nc, nc + counts[self._order]
-
-    def device_batch(self) -> dict:
-        B, T = self._B, self._T
-        return {"input_ids": self.o_input_ids[:T], "positions": self.o_positions[:T],
-                "slot_mapping": self.o_slot_mapping[:, :T], "idx_mapping": self.o_idx_mapping[:B],
-                "num_computed_tokens": self.o_num_computed[:B], "seq_lens": self.o_seq_lens[:B],
-                "num_scheduled_tokens": self.o_num_scheduled[:B]}
+        b = self.batch
+        nc = self.state.num_computed_tokens[b.rows[b.order]].astype(np.int64)
+        return nc, nc + b.num_scheduled_tokens[b.order]
 
     def mappings(self) -> BatchMappings:
         """A host copy of this step's device mappings (synchronizes: for dumps and checks only)."""
         if self._mappings is None:
-            B, T = self._B, self._T
-            req_ids = self._sched[0]
-            ordered = [req_ids[i] for i in self._order.tolist()]
+            B, T = self.batch.num_reqs, self.batch.num_tokens
             self._mappings = BatchMappings(
-                req_ids=ordered,
+                req_ids=list(self.batch.batch_req_ids()),
                 idx_mapping=self.o_idx_mapping[:B].cpu().numpy().astype(np.int32),
                 num_scheduled_tokens=self.o_num_scheduled[:B].cpu().numpy(),
                 num_computed_tokens=self.o_num_computed[:B].cpu().numpy(),

@@ -13,11 +13,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+import numpy as np
+
 from kvmap._torch import torch
-from kvmap.workers.buffers import PAD_SLOT_ID
+from kvmap.kv.cache import KVCheckResult, KVMismatch, PagedKVCache
+from kvmap.layout import PAD_SLOT_ID
 from kvmap.workers.torch_worker import TorchWorker
-from kvmap.kv.cache import KVCheckResult, KVMismatch
-from kvmap.workers.reference import readable_lo
 
 BLOCK = 128  # tokens per loop iteration of a program
 
@@ -161,17 +162,16 @@ class TritonWorker(TorchWorker):
 
     def prepare_inputs(self) -> None:
         t = torch()
-        B, T = self._host_B, self._host_T
+        B = self.batch.num_reqs
         qsl = self.o_query_start_loc
         t.cumsum(self.o_num_scheduled[:B], 0, out=qsl[1 : B + 1])
         if B:
             _prepare_inputs_kernel[(B,)](self.o_idx_mapping, self.o_num_scheduled, qsl, self.d_num_computed,
                                          self.d_token_ids, self.d_token_ids.stride(0), self.o_num_computed,
                                          self.o_seq_lens, self.o_positions, self.o_input_ids, BLOCK=BLOCK)
-        self._B, self._T = B, T
 
     def gather_block_tables(self) -> None:
-        B = self._B
+        B = self.batch.num_reqs
         if not B:
             return
         for g, table in enumerate(self.d_block_tables):
@@ -180,7 +180,7 @@ class TritonWorker(TorchWorker):
                                              out.stride(0), self.o_num_blocks[g], BLOCK=BLOCK)
 
     def compute_slot_mappings(self) -> None:
-        B, T = self._B, self._T
+        B, T = self.batch.num_reqs, self.batch.num_tokens
         pad_end = max(self._prev_T, T)
         for g, table in enumerate(self.d_block_tables):
             _slot_mapping_kernel[(B + 1,)](self.o_idx_mapping, self.o_num_scheduled, self.o_query_start_loc,
@@ -190,8 +190,8 @@ class TritonWorker(TorchWorker):
 
     # ------------------------------------------------------------------ KV canary
 
-    def write_kv(self, kv) -> None:
-        B = self._B
+    def write_kv(self, kv: PagedKVCache) -> None:
+        B = self.batch.num_reqs
         if not B:
             return
         half = kv.geometry.lanes // 2
@@ -200,23 +200,22 @@ class TritonWorker(TorchWorker):
                                    bits, bits.stride(0), HALF=half, LANES=triton.next_power_of_2(half),
                                    WIDTH=8 * bits.element_size(), BLOCK=32)
 
-    def verify_kv(self, kv, step: int, req_ids: list[str], res: KVCheckResult, max_examples: int) -> KVCheckResult:
+    def verify_kv(self, kv: PagedKVCache, into: KVCheckResult) -> None:
         t = torch()
-        import numpy as np
-
-        B = self._B
+        B = self.batch.num_reqs
         if not B:
-            return res
+            return
+        step, req_ids, res = self.current_step, self.batch.batch_req_ids(), into
         half = kv.geometry.lanes // 2
         nc_h, seq_h = self.host_batch()
-        bad = t.zeros(B, dtype=t.int32, device=self.device)
-        first = t.zeros(B, dtype=t.int64, device=self.device)
-        for g, grp in enumerate(self.header.kv_cache_groups):
-            lo_h = readable_lo(grp, nc_h)
-            lo = t.from_numpy(lo_h).to(self.device)
+        bad = t.zeros(B, dtype=t.int32, device=self.torch_device)
+        first = t.zeros(B, dtype=t.int64, device=self.torch_device)
+        for g, lay in enumerate(self.layouts):
+            lo_h = lay.readable_lo(nc_h)
+            lo = t.from_numpy(lo_h).to(self.torch_device)
             table, bits = self.d_block_tables[g], kv.bits[g]
             _kv_verify_kernel[(B,)](self.o_idx_mapping, lo, self.o_seq_lens, self.d_token_ids,
-                                    self.d_token_ids.stride(0), table, table.stride(0), grp.block_size, bits,
+                                    self.d_token_ids.stride(0), table, table.stride(0), lay.block_size, bits,
                                     bits.stride(0), bad, first, HALF=half, LANES=triton.next_power_of_2(half),
                                     WIDTH=8 * bits.element_size(), BLOCK=32)
             res.checked += int((seq_h - lo_h).sum())
@@ -224,14 +223,12 @@ class TritonWorker(TorchWorker):
             res.mismatches += int(bad_h.sum())
             if bad_h.any():
                 first_h = first.cpu().numpy()
-                bs = grp.block_size
-                for b in np.flatnonzero(bad_h)[: max(max_examples - len(res.examples), 0)]:
+                for b in np.flatnonzero(bad_h)[: res.room()]:
                     row = int(self.state.req_id_to_index[req_ids[b]])
                     p = int(first_h[b])
-                    slot = int(self.state.block_tables[g][row, p // bs]) * bs + p % bs
+                    slot = lay.slot(self.state.block_tables[g][row], p)
                     res.examples.append(KVMismatch(step, req_ids[b], g, p, slot, int(self.state.token_ids[row, p]),
-                                                   "bits of another token or position (or never written)"))
-        return res
+                                                   kv.describe(g, slot)))
 
 
 __all__ = ["TritonWorker", "PAD_SLOT_ID"]

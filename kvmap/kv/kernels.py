@@ -1,0 +1,72 @@
+"""Compiled CPU kernels (numba) for the KV canary: write one step's tokens through `slot_mapping`, read a
+batch's readable context back through its block-table rows.
+
+Rules: the canary is `kv.canary.canary_value` (its constants, tested bit for bit); `PAD_SLOT_ID` slots are
+skipped; the read-back's slot is the layout rule for cp = 1 (tests/test_layout.py holds it to
+`GroupLayout.slot`). Importing this module imports numba: import it lazily.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from kvmap.kv.canary import MASK_32 as _M32
+from kvmap.kv.canary import MIX_1, MIX_2, MUL_LANE, MUL_POSITION, MUL_TOKEN
+
+_jit = nb.njit(cache=True, nogil=True, boundscheck=False)
+
+
+@_jit
+def canary(token, position, lane):
+    """`canary.canary_value` in uint64 arithmetic (products masked to 32 bits, as the spec)."""
+    x = ((np.uint64(token) * np.uint64(MUL_TOKEN)) & _M32) ^ ((np.uint64(position) * np.uint64(MUL_POSITION)) & _M32)
+    x = (x + np.uint64(lane) * np.uint64(MUL_LANE)) & _M32
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(MIX_1)) & _M32
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(MIX_2)) & _M32
+    x ^= x >> np.uint64(16)
+    return x
+
+
+@_jit
+def kv_write(input_ids, positions, slots, bits, mask, written):
+    """bits: [2, num_slots, H*D] unsigned view of the cache; lane l of K is l, of V is H*D + l.
+    written: [num_slots] bool, set for every slot written."""
+    half = bits.shape[2]
+    for t in range(slots.shape[0]):
+        s = slots[t]
+        if s < 0:  # PAD_SLOT_ID
+            continue
+        written[s] = True
+        tok = input_ids[t]
+        p = positions[t]
+        for l in range(half):
+            bits[0, s, l] = canary(tok, p, l) & mask
+            bits[1, s, l] = canary(tok, p, half + l) & mask
+
+
+@_jit
+def kv_verify(idx_mapping, lo, seq_lens, token_ids, table, block_size, bits, mask, bad):
+    """Read back positions lo[b] .. seq_lens[b] - 1 of every batch request through its block-table row.
+    Writes up to len(bad) mismatches as (batch_idx, position, slot) rows; returns (checked, mismatches)."""
+    half = bits.shape[2]
+    checked = 0
+    mismatches = 0
+    for b in range(idx_mapping.shape[0]):
+        row = idx_mapping[b]
+        for p in range(lo[b], seq_lens[b]):
+            s = np.int64(table[row, p // block_size]) * block_size + p % block_size
+            tok = token_ids[row, p]
+            checked += 1
+            for l in range(2 * half):
+                kv = 0 if l < half else 1
+                if bits[kv, s, l - kv * half] != (canary(tok, p, l) & mask):
+                    if mismatches < bad.shape[0]:
+                        bad[mismatches, 0] = b
+                        bad[mismatches, 1] = p
+                        bad[mismatches, 2] = s
+                    mismatches += 1
+                    break
+    return checked, mismatches

@@ -1,0 +1,140 @@
+"""The worker contract: the phases a GPU worker runs per step, the public per-step batch, and the results.
+
+Rules:
+- A backend is a subclass of `Worker`. The replay loop, `explain`, `validate --deep`, the benchmark and user
+  backends see only what is declared here: no `hasattr` dispatch, no private attributes from outside.
+- Phases run in this order, each once per step: `update_states(step)` (finish, preempt, add, update cached
+  requests; sets `self.batch`), `prepare_batch` (batch order), `copy_to_device` (only when `has_h2d`),
+  `prepare_inputs` (`idx_mapping`, `query_start_loc`, `seq_lens`, `positions`, `input_ids`),
+  `gather_block_tables`, `compute_slot_mappings`, then `write_kv`/`verify_kv`, and after the model
+  `append_sampled`. All but `update_states` take no arguments: the worker holds the current step.
+- `mappings()` gives host arrays in batch order; `mappings_dict()` the plain-list dump record that every
+  backend must produce bit for bit (and byte for byte once serialized).
+- Long-lived state belongs to the worker; `StepBatch` is per step and valid until the next `update_states`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache
+from kvmap.trace import Step, TraceHeader
+from kvmap.workers.mappings import BatchMappings, BatchReqIds
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step's scheduled requests, in the scheduler's order, plus the batch order once it is known."""
+
+    step: Step | None  # None for synthetic batches (benchmarks)
+    req_ids: list[str]  # [num_reqs] scheduler entry -> req_id
+    rows: np.ndarray  # [num_reqs] int32, scheduler entry -> req_state_idx
+    num_scheduled_tokens: np.ndarray  # [num_reqs] int32, scheduler entry -> tokens this step (drafts included)
+    num_draft_tokens: np.ndarray  # [num_reqs] int32, scheduler entry -> drafts among them
+    order: np.ndarray | None = None  # [num_reqs] batch_idx -> scheduler entry (set by prepare_batch)
+    num_tokens: int = 0  # T, known on the host from the trace
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.rows)
+
+    def batch_req_ids(self) -> BatchReqIds:
+        """Request ids in batch order (looked up lazily)."""
+        assert self.order is not None
+        return BatchReqIds(self.req_ids, self.order)
+
+
+class Worker(ABC):
+    """One implementation of vLLM's input preparation. Subclass it (or `HostWorker`) for a new backend."""
+
+    name: ClassVar[str] = "worker"
+    has_h2d: ClassVar[bool] = False  # has a timed host-to-device phase (`copy_to_device`)
+
+    def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
+        self.header = header
+        self.device = device
+        self.batch: StepBatch | None = None
+
+    @property
+    def num_standin_tokens(self) -> int:
+        """Input ids made up because the trace did not record them (0 unless a backend counts them)."""
+        return 0
+
+    @property
+    def current_step(self) -> int:
+        assert self.batch is not None and self.batch.step is not None
+        return self.batch.step.step
+
+    # ------------------------------------------------------------------------------------------ phases
+
+    @abstractmethod
+    def update_states(self, step: Step) -> None: ...
+
+    @abstractmethod
+    def prepare_batch(self) -> None: ...
+
+    def copy_to_device(self) -> None:
+        """Send what changed to the device (workers with `has_h2d`); nothing for host workers."""
+        return None
+
+    @abstractmethod
+    def prepare_inputs(self) -> None: ...
+
+    @abstractmethod
+    def gather_block_tables(self) -> None: ...
+
+    @abstractmethod
+    def compute_slot_mappings(self) -> None: ...
+
+    @abstractmethod
+    def append_sampled(self) -> None: ...
+
+    def mapping_phases(self) -> None:
+        """Every phase after `update_states` up to the slot mappings, untimed."""
+        self.prepare_batch()
+        if self.has_h2d:
+            self.copy_to_device()
+        self.prepare_inputs()
+        self.gather_block_tables()
+        self.compute_slot_mappings()
+
+    def run_step(self, step: Step) -> None:
+        """Every phase up to the mappings, untimed (explain, tests, scripts); the replay loop times them."""
+        self.update_states(step)
+        self.mapping_phases()
+
+    @property
+    def h2d_bytes(self) -> int:
+        """Bytes sent host-to-device so far (workers with `has_h2d`)."""
+        return 0
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (benchmarks time device workers to completion); host work is done."""
+        return None
+
+    # ---------------------------------------------------------------------------------------- KV cache
+
+    def make_kv_cache(self, geometry: KVGeometry) -> PagedKVCache:
+        """The KV cache this worker writes: host memory, vectorized writes."""
+        return PagedKVCache(self.header, geometry)
+
+    @abstractmethod
+    def write_kv(self, kv: PagedKVCache) -> None: ...
+
+    @abstractmethod
+    def verify_kv(self, kv: PagedKVCache, into: KVCheckResult) -> None:
+        """Read back this step's readable context in every group; add the outcome to `into`."""
+
+    # ----------------------------------------------------------------------------------------- results
+
+    @abstractmethod
+    def mappings(self) -> BatchMappings:
+        """This step's mappings as host arrays in batch order (views valid until the next step)."""
+
+    def mappings_dict(self) -> dict:
+        """The `--dump-mappings` record."""
+        return self.mappings().to_dict(self.current_step)

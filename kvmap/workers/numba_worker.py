@@ -1,0 +1,61 @@
+"""The compiled host worker (`numba`, the default): the numpy worker's state and buffers, with the batch
+order, the mapping phases, the hot state updates and the KV canary paths as numba kernels.
+
+Rules: one kernel call per phase and group (workers/kernels_cpu.py, kv/kernels.py); the KV cache it makes
+writes and reads back through the compiled kernels, so `--backend numpy` times no compiled code.
+Importing this module imports numba: the registry imports it lazily.
+"""
+
+from __future__ import annotations
+
+from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache
+from kvmap.trace import TraceHeader
+from kvmap.workers import kernels_cpu
+from kvmap.workers.host import HostWorker
+
+
+class NumbaWorker(HostWorker):
+    name = "numba"
+
+    def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
+        super().__init__(header, device)
+        self.k = kernels_cpu
+        self.state.kernels = kernels_cpu
+
+    def prepare_batch(self) -> None:
+        b, buf = self.batch, self.buffers
+        n = self.k.batch_order(b.num_scheduled_tokens, b.num_draft_tokens, self.header.num_speculative_tokens,
+                               buf.order, buf.sort_keys, buf.sort_tmp)
+        b.order = buf.order[:n]
+
+    def prepare_inputs(self) -> None:
+        b, buf, st = self.batch, self.buffers, self.state
+        b.num_tokens = self.k.prepare_inputs(b.rows, b.num_scheduled_tokens, b.order, st.num_computed_tokens,
+                                             st.token_ids, buf.idx_mapping, buf.num_scheduled_tokens,
+                                             buf.num_computed_tokens, buf.query_start_loc, buf.seq_lens,
+                                             buf.positions, buf.input_ids)
+
+    def gather_block_tables(self) -> None:
+        buf, st = self.buffers, self.state
+        idx = buf.idx_mapping[: self.batch.num_reqs]
+        for g, table in enumerate(st.block_tables):
+            self.k.gather_block_table(idx, st.num_blocks[g], table, buf.block_tables[g], buf.num_blocks[g])
+
+    def compute_slot_mappings(self) -> None:
+        buf, st = self.buffers, self.state
+        n = self.batch.num_reqs
+        idx, ns, nc = buf.idx_mapping[:n], buf.num_scheduled_tokens[:n], buf.num_computed_tokens[:n]
+        for g, table in enumerate(st.block_tables):
+            self.k.slot_mapping(idx, ns, nc, table, self.layouts[g].block_size, buf.slot_mapping[g])
+
+    def make_kv_cache(self, geometry: KVGeometry) -> PagedKVCache:
+        return PagedKVCache(self.header, geometry, use_kernels=True)
+
+    def verify_kv(self, kv: PagedKVCache, into: KVCheckResult) -> None:
+        if kv.kernels is None:  # a cache made elsewhere without kernels
+            return super().verify_kv(kv, into)
+        m, st = self.mappings(), self.state
+        nc = m.num_computed_tokens.astype("int64")
+        for g, lay in enumerate(self.layouts):
+            kv.verify_rows(g, self.current_step, m.req_ids, m.idx_mapping, lay.readable_lo(nc), m.seq_lens,
+                           st.token_ids, st.block_tables[g], into)
