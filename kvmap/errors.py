@@ -43,9 +43,11 @@ class KvmapError(Exception):
         req_id: str | None = None,
         group: int | None = None,
         field: str | None = None,
+        kind: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
+        self.kind = kind  # a problem code (validate/problems.py KINDS), set where the error is raised
         self.path = path
         self.line = line
         self.step = step
@@ -66,4 +68,8 @@ class KvmapError(Exception):
 
 
 class TraceError(KvmapError):
-    """The trace file is malformed or inconsistent."""
+    """The trace file is malformed or inconsistent; `kind` defaults to "schema" (a wrong type or shape)."""
+
+    def __init__(self, message: str, **where) -> None:
+        where.setdefault("kind", "schema")
+        super().__init__(message, **where)

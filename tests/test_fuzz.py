@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvmap.errors import KvmapError
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
-from kvmap.validate.shadow import validate
+from kvmap.validate import validate
 
 from .conftest import TRACES
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvmap.cli.app import app
 from kvmap.trace import Trace
-from kvmap.validate.shadow import validate
+from kvmap.validate import validate
 
 from .conftest import TRACES, bundled_traces, write_lines
 

@@ -27,9 +27,9 @@ class Where:
         self.path, self.line, self.step = path, line, step
 
     def error(self, message: str, *, req_id: str | None = None, group: int | None = None,
-              field: str | None = None) -> TraceError:
+              field: str | None = None, kind: str = "schema") -> TraceError:
         return TraceError(message, path=self.path, line=self.line, step=self.step, req_id=req_id,
-                          group=group, field=field)
+                          group=group, field=field, kind=kind)
 
 
 def type_name(value: object) -> str:
@@ -97,5 +97,5 @@ def int_lists(items: list[tuple[str | None, str, int | None, object]], where: Wh
             if v < minimum or (maximum is not None and v >= maximum):
                 bound = f"[{minimum}, {maximum})" if maximum is not None else f">= {minimum}"
                 raise where.error(f"{what} {v} at entry {i} is outside {bound}", req_id=req_id, field=name,
-                                  group=group)
+                                  group=group, kind="block_range" if what == "block id" else "schema")
     raise where.error("a value is not a list of integers in range")  # pragma: no cover

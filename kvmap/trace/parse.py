@@ -37,7 +37,7 @@ def parse_step(obj: object, header: TraceHeader, where: Where) -> Step:
     step_idx = int_field(obj.get("step"), where, "step", minimum=0)
     if step_idx != where.step:
         raise where.error(f"steps must be consecutive from 0: expected step {where.step}, got {step_idx}",
-                          field="step")
+                          field="step", kind="step_order")
     so = dict_field(obj.get("scheduler_output"), where, "scheduler_output")
     G = header.num_groups
     id_lists: list[tuple[str | None, str, int | None, object]] = []  # token ids
@@ -126,7 +126,7 @@ def parse_step(obj: object, header: TraceHeader, where: Where) -> Step:
     total = int_field(so.get("total_num_scheduled_tokens"), where, "total_num_scheduled_tokens", minimum=0)
     if sum(vals) != total:
         raise where.error(f"is {total} but num_scheduled_tokens adds up to {sum(vals)}",
-                          field="total_num_scheduled_tokens")
+                          field="total_num_scheduled_tokens", kind="total_mismatch")
     if len(nst) != len(new_reqs) + n:
         scheduled = {r.req_id for r in new_reqs}.union(req_ids)
         extra = [r for r in nst if r not in scheduled]

@@ -61,7 +61,7 @@ class Trace:
             return loads(raw)
         except json.JSONDecodeError as e:  # orjson's error is a subclass
             what = "truncated line" if e.pos >= len(raw.rstrip()) else "not valid JSON"
-            raise TraceError(f"{what} ({e.msg} at column {e.colno})", path=self.name, line=line,
+            raise TraceError(f"{what} ({e.msg} at column {e.colno})", kind="json", path=self.name, line=line,
                              step=step) from None
 
     def steps(self, start: int = 0, stop: int | None = None) -> Iterator[Step]:
@@ -77,7 +77,7 @@ class Trace:
                 line = i + 2
                 where = Where(self.name, line, i)
                 if not raw.strip():
-                    raise where.error("blank line (a trace has one JSON object on every line)")
+                    raise where.error("blank line (a trace has one JSON object on every line)", kind="json")
                 obj = self._json(raw, line, i)
                 yield fast_step(obj, self.header, where) or parse_step(obj, self.header, where)
 
@@ -93,7 +93,7 @@ def _read_lines(f: io.TextIOBase, name: str) -> Iterator[str]:
     try:
         yield from f
     except (UnicodeDecodeError, EOFError, gzip.BadGzipFile, OSError) as e:
-        raise TraceError(f"cannot decode the file ({type(e).__name__}: {e})", path=name) from None
+        raise TraceError(f"cannot decode the file ({type(e).__name__}: {e})", kind="json", path=name) from None
 
 
 def open_trace(path: str | Path) -> Trace:

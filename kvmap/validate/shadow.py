@@ -14,76 +14,11 @@ Rules:
 
 from __future__ import annotations
 
-import json
-from collections import Counter
-from dataclasses import asdict, dataclass, field
-
-from kvmap.errors import KvmapError, TraceError, format_location
-from kvmap.trace import Step, Trace, TraceHeader, Where, loads, parse_step
-
-KINDS = {
-    "json": "line is not JSON or is truncated",
-    "schema": "a field has the wrong type or shape",
-    "step_order": "step numbers are not consecutive from 0",
-    "total_mismatch": "total_num_scheduled_tokens differs from the sum of num_scheduled_tokens",
-    "block_range": "a block id is outside the pool",
-    "budget_tokens": "more tokens than the header's token budget",
-    "budget_seqs": "more requests than max_num_seqs",
-    "max_model_len": "a position beyond max_model_len",
-    "unknown_request": "a cached request the worker does not know",
-    "scheduled_after_finish": "a request scheduled after it finished",
-    "new_id_not_new": "a new request whose id is still live",
-    "preempted_scheduled": "a preempted request scheduled without being resumed",
-    "preempted_in_step": "a request preempted and scheduled in the same step",
-    "computed_ahead": "num_computed_tokens runs ahead of what was computed",
-    "computed_back": "num_computed_tokens goes back without a rollback or preemption to explain it",
-    "tokens_unknown": "scheduled positions past the request's known tokens",
-    "no_block": "a scheduled position has no block",
-    "null_block": "a scheduled position maps to the null block",
-    "double_allocation": "one block held by two live requests for different tokens or positions",
-    "window_conflict": "a sliding-window block read inside the window by two requests for different tokens",
-    "partial_sampled": "a partial prefill chunk sampled tokens",
-    "too_many_sampled": "more sampled tokens than 1 + drafts",
-    "drafts_mismatch": "scheduled drafts are not (a prefix of) the drafts proposed the step before",
-    "header": "header values contradict each other",
-}
+from kvmap.trace import Step, TraceHeader
+from kvmap.validate.problems import KINDS, Problem
 
 
-@dataclass(slots=True)
-class Problem:
-    kind: str
-    message: str
-    line: int | None = None
-    step: int | None = None
-    req_id: str | None = None
-    group: int | None = None
-    field: str | None = None
-
-    def where(self) -> str:
-        return format_location(None, self.line, self.step, self.req_id, self.group, self.field)
-
-
-@dataclass
-class ValidationReport:
-    trace: str
-    steps: int = 0
-    requests: int = 0
-    problems: list[Problem] = field(default_factory=list)
-    truncated: bool = False  # stopped at --max-problems
-    info: list[str] = field(default_factory=list)
-    deep: dict | None = None
-
-    @property
-    def valid(self) -> bool:
-        return not self.problems
-
-    def to_json(self) -> dict:
-        return {"trace": self.trace, "valid": self.valid, "steps": self.steps, "requests": self.requests,
-                "problems": [asdict(p) for p in self.problems], "by_kind": dict(Counter(p.kind for p in self.problems)),
-                "truncated": self.truncated, "info": self.info, "deep": self.deep}
-
-
-class _StopValidation(Exception):
+class StopValidation(Exception):
     pass
 
 
@@ -126,7 +61,7 @@ class Validator:
         self.problems.append(Problem(kind, message, line if step is None else step.line,
                                      step_idx if step is None else step.step, req_id, group, field))
         if self.max_problems is not None and len(self.problems) >= self.max_problems:
-            raise _StopValidation
+            raise StopValidation
 
     def _check_header(self) -> None:
         h = self.h
@@ -391,120 +326,3 @@ class Validator:
                 req.expected_nc = nc + n
                 req.nc_slack = 0
             req.last_drafts_proposed = list(proposals[r]) if r in proposals else None
-
-
-def _raw_req_ids(obj: object) -> set[str]:
-    """Request ids a (possibly malformed) step line mentions, so that its failure does not cascade."""
-    out: set[str] = set()
-    if not isinstance(obj, dict):
-        return out
-    so = obj.get("scheduler_output")
-    if not isinstance(so, dict):
-        return out
-    nst = so.get("num_scheduled_tokens")
-    if isinstance(nst, dict):
-        out.update(k for k in nst if isinstance(k, str))
-    new = so.get("scheduled_new_reqs")
-    for nr in new if isinstance(new, list) else []:
-        if isinstance(nr, dict) and isinstance(nr.get("req_id"), str):
-            out.add(nr["req_id"])
-    c = so.get("scheduled_cached_reqs")
-    if isinstance(c, dict) and isinstance(c.get("req_ids"), list):
-        out.update(r for r in c["req_ids"] if isinstance(r, str))
-    return out
-
-
-def _kind_of(e: TraceError) -> str:
-    if e.field == "total_num_scheduled_tokens":
-        return "total_mismatch"
-    if e.field == "step":
-        return "step_order"
-    if "block id" in e.message and "outside" in e.message:
-        return "block_range"
-    if "JSON" in e.message or "truncated" in e.message or "blank line" in e.message:
-        return "json"
-    return "schema"
-
-
-def validate(trace: Trace, max_problems: int | None = None, deep: bool = False) -> ValidationReport:
-    report = ValidationReport(trace=trace.name)
-    v = Validator(trace.header, trace.name, max_problems)
-    unknown_keys: Counter[str] = Counter()
-    i = 0
-    try:
-        for line, raw in trace.raw_steps():
-            where = Where(trace.name, line, i)
-            i += 1
-            if not raw.strip():
-                v.add("json", "blank line", line=line, step_idx=i - 1)
-                continue
-            try:
-                obj = loads(raw)
-            except json.JSONDecodeError as e:
-                v.add("json", f"not JSON ({e.msg} at column {e.colno})", line=line, step_idx=i - 1)
-                continue
-            try:
-                step = parse_step(obj, trace.header, where)
-            except TraceError as e:
-                v.add(_kind_of(e), e.message, line=line, step_idx=i - 1, req_id=e.req_id, group=e.group,
-                      field=e.field)
-                v.salvage(obj, _raw_req_ids(obj))
-                continue
-            if isinstance(obj, dict):
-                unknown_keys.update(k for k in obj if k not in ("step", "scheduler_output", "sampled_token_ids",
-                                                                  "draft_token_ids"))
-            v.step(step)
-    except _StopValidation:
-        report.truncated = True
-    except TraceError as e:  # the file itself became unreadable (e.g. gzip cut short)
-        v.problems.append(Problem("json", e.message, e.line, None))
-    report.steps = i
-    report.requests = len(v.seen)
-    report.problems = v.problems
-    if unknown_keys:
-        report.info.append("unknown step keys (ignored): " + ", ".join(f"{k} x{n}" for k, n in unknown_keys.items()))
-    if trace.header.extra:
-        report.info.append("informational header keys: " + ", ".join(sorted(trace.header.extra)))
-    if deep and report.valid:
-        report.deep = deep_check(trace)
-        if report.deep["problems"]:
-            report.problems.extend(Problem(**p) for p in report.deep["problems"])
-    return report
-
-
-def deep_check(trace: Trace) -> dict:
-    """Replay through every available worker; compare each step with the reference; KV canary every step."""
-    from kvmap.run.replay import replay
-    from kvmap.workers.registry import BACKENDS, make_worker
-
-    problems: list[dict] = []
-    ref: list[dict] = []
-    try:
-        r = replay(trace, backend="reference", on_mappings=ref.append, write_kv=False, nvtx=False, warmup=0)
-    except KvmapError as e:
-        return {"backends": [], "problems": [asdict(Problem("schema", f"replay failed: {e.message}", e.line, e.step,
-                                                            e.req_id, e.group, e.field))]}
-    compared: dict = {}
-    skipped: dict = {}
-    for backend in [b for b in BACKENDS if b != "reference"]:
-        got: list[dict] = []
-        try:
-            worker = make_worker(backend, trace.header)
-        except KvmapError as e:  # not installed, or needs an environment (triton on CPU: TRITON_INTERPRET=1)
-            skipped[backend] = e.message
-            continue
-        kv = replay(trace, worker=worker, on_mappings=got.append, verify_kv=True, nvtx=False, warmup=0)
-        diffs = 0
-        for g, w in zip(got, ref):
-            if g != w:
-                diffs += 1
-                if diffs <= 5:
-                    key = next(k for k in w if g.get(k) != w[k])
-                    problems.append(asdict(Problem("schema", f"{backend} differs from the reference in {key}",
-                                                   None, w["step"], field=key)))
-        compared[backend] = {"steps": len(got), "differing_steps": diffs, "kv_checked": kv.kv_checked,
-                             "kv_mismatches": kv.kv_mismatches}
-        for e in kv.kv_examples[:5]:
-            problems.append(asdict(Problem("schema", f"KV mismatch at position {e['position']} slot {e['slot']}: "
-                                           f"found {e['found']}", None, e["step"], e["req_id"], e["group"])))
-    return {"reference_steps": r.steps_replayed, "backends": compared, "skipped": skipped, "problems": problems}

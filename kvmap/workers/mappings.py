@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import json
+
 import numpy as np
 
 DUMP_KEYS = ("step", "req_ids", "idx_mapping", "query_start_loc", "seq_lens", "positions", "input_ids",
@@ -42,6 +44,11 @@ class BatchReqIds(Sequence):
 
     def __repr__(self) -> str:
         return repr(list(self))
+
+
+def dump_line(record: dict) -> str:
+    """One `--dump-mappings` line: compact JSON, keys in `DUMP_KEYS` order, newline-terminated."""
+    return json.dumps({k: record[k] for k in DUMP_KEYS if k in record}, separators=(",", ":")) + "\n"
 
 
 @dataclass(slots=True)

@@ -1,0 +1,110 @@
+"""`kvmap validate`, `explain`, `record`: check a trace, explain a step, record one from vLLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvmap.cli.app import TraceArg, app, out, spinner, user_errors
+from kvmap import defaults
+from kvmap.errors import KvmapError
+
+
+@app.command()
+@user_errors
+def validate(
+    trace: Annotated[Path, typer.Argument(help="Trace file (.jsonl or .jsonl.gz).")],
+    deep: Annotated[bool, typer.Option("--deep", help="Also replay through every worker, compare each step "
+                                       "bit for bit with the reference, and check the KV cache every step.")] = False,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON ('-' for "
+                                                     "stdout).")] = None,
+    max_problems: Annotated[Optional[int], typer.Option(help="Stop after N problems.", min=1)] = None,
+    backend: Annotated[Optional[list[str]], typer.Option("--backend", "-b", help="With --deep: check only these "
+                                                         "backends (repeatable; a built-in name, module:Class or "
+                                                         "file.py:Class): a conformance check against the "
+                                                         "reference.", show_default=False)] = None,
+) -> None:
+    """Check a trace for every inconsistency; exit 0 if valid, 1 if problems were found, 2 if unusable."""
+    from kvmap.files import write_json
+    from kvmap.trace import Trace
+    from kvmap.validate import validate as run_validate
+
+    if backend and not deep:
+        raise KvmapError("--backend needs --deep (it names the backends to replay against the reference)",
+                         field="--backend")
+    report = run_validate(Trace(trace), max_problems=max_problems, deep=deep, backends=backend)
+    if json_out and str(json_out) == "-":
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        from kvmap.cli.render_validate import render_validation
+
+        render_validation(report, out)
+        if json_out:
+            write_json(json_out, report.to_json())
+    if not report.valid:
+        raise typer.Exit(1)
+
+
+@app.command()
+@user_errors
+def explain(
+    trace: TraceArg = None,
+    step: Annotated[int, typer.Option("--step", help="The step to explain.")] = 1,
+    req: Annotated[Optional[str], typer.Option("--req", help="A request scheduled in that step.")] = None,
+    token: Annotated[Optional[int], typer.Option("--token", help="A token: its index within --req's scheduled "
+                                                 "tokens, or without --req the flat token index.")] = None,
+    group: Annotated[Optional[int], typer.Option("--group", help="Only this KV cache group.")] = None,
+    kv_heads: Annotated[int, typer.Option(help="KV heads, for the bytes a slot occupies.", min=1)] = defaults.KV_HEADS,
+    head_size: Annotated[int, typer.Option(help="Head size, for the bytes a slot occupies.",
+                                           min=1)] = defaults.KV_HEAD_SIZE,
+    kv_dtype: Annotated[str, typer.Option(help="KV dtype, for the bytes a slot occupies.")] = defaults.KV_DTYPE,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the explanation as JSON.")] = False,
+) -> None:
+    """Show how one step's scheduler decisions become rows, flat tokens, positions, blocks and KV slots."""
+    from kvmap.explain.build import explain as run_explain
+    from kvmap.kv.cache import KVGeometry
+    from kvmap.files import default_trace
+    from kvmap.explain.render import render_explain
+    from kvmap.trace import Trace
+
+    d = run_explain(Trace(trace or default_trace()), step, req, token, group, KVGeometry(kv_heads, head_size, kv_dtype))
+    if json_out:
+        print(json.dumps(d, indent=1))
+    else:
+        render_explain(d, out)
+
+
+@app.command()
+@user_errors
+def record(
+    workload: Annotated[Path, typer.Argument(help="Workload file (YAML): scheduler settings and requests.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Trace to write (.jsonl or .jsonl.gz).")],
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
+) -> None:
+    """Record a trace from vLLM's real scheduler (no model, no GPU) driven by a workload file."""
+    from kvmap.record.engine import record as run_record
+    from kvmap.record.engine import require_vllm
+    from kvmap.record.workload import load_workload
+
+    w = load_workload(workload)
+    require_vllm()
+    tmp = output.with_name(f".{output.name}.partial")
+    if not output.parent.is_dir():
+        raise KvmapError(f"folder {output.parent} does not exist", path=str(output))
+    with spinner(progress, f"recording {w.name}") as tick:
+        try:
+            s = run_record(w, str(tmp) + (".gz" if output.name.endswith(".gz") else ""), on_step=tick)
+        except BaseException:
+            for p in (tmp, Path(str(tmp) + ".gz")):
+                p.unlink(missing_ok=True)
+            raise
+    written = Path(s.path)
+    written.replace(output)
+    out.print(f"recorded {output}: {s.steps} steps, {s.requests} requests, {s.tokens} tokens, "
+              f"{s.preemptions} preemptions, {s.prefix_hit_tokens} prefix-hit tokens, "
+              f"{output.stat().st_size / 1024:.1f} KiB")
+
+

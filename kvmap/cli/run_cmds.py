@@ -1,0 +1,192 @@
+"""`kvmap replay`, `profile`, `report`, `compare`: run the replay loop and render its data."""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvmap.cli.app import BackendOpt, StepsOpt, TraceArg, app, out, parse_steps, progress_bar, spinner, user_errors
+from kvmap import defaults
+from kvmap.errors import KvmapError
+
+
+@app.command()
+@user_errors
+def replay(
+    trace: TraceArg = None,
+    backend: BackendOpt = None,
+    device: Annotated[str, typer.Option("--device", help="cpu, or cuda[:N] (state, mappings and KV cache on "
+                                        "the GPU; needs --backend torch or triton).")] = "cpu",
+    steps: StepsOpt = None,
+    warmup: Annotated[int, typer.Option(help="Measured steps to exclude from statistics.", min=0)] = defaults.WARMUP,
+    verify_kv: Annotated[bool, typer.Option("--verify-kv", help="Read back every scheduled request's "
+                                            "readable context from the KV cache each step and check it bit "
+                                            "for bit.")] = False,
+    no_kv: Annotated[bool, typer.Option("--no-kv", help="Do not write the KV cache (mappings only).")] = False,
+    kv_heads: Annotated[int, typer.Option(help="KV heads per token in the KV cache.", min=1)] = defaults.KV_HEADS,
+    head_size: Annotated[int, typer.Option(help="Head size of the KV cache.", min=1)] = defaults.KV_HEAD_SIZE,
+    kv_dtype: Annotated[str, typer.Option(help="KV cache dtype: bfloat16, float16, float32, fp8.")] = defaults.KV_DTYPE,
+    dump_mappings: Annotated[Optional[Path], typer.Option(help="Write every step's mappings as JSON "
+                                                          "Lines (trace-format.md).")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the run (summary, per-phase "
+                                                     "statistics, per-step timings) as JSON.")] = None,
+    csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write one CSV row per step and phase.")] = None,
+    trace_out: Annotated[Optional[Path], typer.Option("--trace-out", help="Write a Chrome trace-event file "
+                                                      "(Perfetto), one track per phase.")] = None,
+    nvtx: Annotated[bool, typer.Option("--nvtx/--no-nvtx", help="Emit NVTX ranges (domain kvmap).")] = True,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
+    nvtx_capture: Annotated[bool, typer.Option("--nvtx-capture", hidden=True,
+                                               help="Wrap the measured steps in the kvmap_capture range.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no summary.")] = False,
+) -> None:
+    """Replay a trace step by step: every index mapping, a real paged KV cache, a timing summary."""
+    from kvmap.kv.cache import KVGeometry
+    from kvmap.files import atomic_open, default_trace, write_json, write_text
+    from kvmap.run.replay import replay as run_replay
+    from kvmap.run.report import render_summary, summary_dict, to_chrome_trace, to_csv
+    from kvmap.trace import Trace
+    from kvmap.workers.mappings import dump_line
+    from kvmap.workers.registry import default_backend
+
+    if device != "cpu" and backend is None:
+        backend = "triton"
+    backend = backend or default_backend()
+    start, stop = parse_steps(steps)
+    t = Trace(trace or default_trace())
+    geometry = KVGeometry(kv_heads, head_size, kv_dtype).check()
+    with ExitStack() as stack:  # the dump is renamed into place only if the whole replay succeeds
+        dump_file = stack.enter_context(atomic_open(dump_mappings)) if dump_mappings else None
+
+        def on_mappings(d: dict) -> None:
+            if d["step"] >= start:
+                dump_file.write(dump_line(d))
+
+        with progress_bar(progress, t) as advance:
+            result = run_replay(t, backend=backend, device=device, start=start, stop=stop, warmup=warmup,
+                                verify_kv=verify_kv, write_kv=not no_kv, kv_geometry=geometry, nvtx=nvtx,
+                                on_mappings=on_mappings if dump_file else None, on_step=advance,
+                                capture=nvtx_capture)
+    if not quiet:
+        render_summary(result, out)
+    if json_out:
+        write_json(json_out, {"summary": summary_dict(result), "result": result.to_json()})
+    if csv_out:
+        write_text(csv_out, to_csv(result))
+    if trace_out:
+        write_json(trace_out, to_chrome_trace(result))
+    if result.kv_mismatches:
+        raise typer.Exit(1)
+
+
+@app.command()
+@user_errors
+def profile(
+    trace: TraceArg = None,
+    steps: StepsOpt = None,
+    warmup: Annotated[int, typer.Option(help="Steps replayed before the capture starts.", min=0)] = defaults.WARMUP,
+    backend: BackendOpt = None,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Report name (.nsys-rep is added).")] = Path(
+        "kvmap-profile"),
+    nsys: Annotated[Optional[str], typer.Option(help="The nsys to use (default: $KVMAP_NSYS, PATH, "
+                                                ".tools/nsys).")] = None,
+    builtin: Annotated[bool, typer.Option("--builtin", help="No nsys: replay and write a Chrome trace "
+                                          "(OUTPUT.trace.json, opens in Perfetto) instead.")] = False,
+) -> None:
+    """Replay under Nsight Systems (NVTX + OS runtime, CUDA on a GPU) and show its NVTX ranges per phase beside
+    kvmap's own timings."""
+    import tempfile
+
+    from kvmap.run import profile as P
+    from kvmap.files import default_trace
+    from kvmap.run.report import render_profile
+    from kvmap.run.result import ReplayResult
+
+    from kvmap.trace import Trace
+
+    start, stop = parse_steps(steps)
+    trace_path = Path(trace or default_trace())
+    if stop is None:  # an explicit end, so that the capture closes right after the last step
+        stop = sum(1 for _ in Trace(trace_path).raw_steps())
+    if start + warmup >= stop:
+        raise KvmapError(f"nothing to capture: steps {start}:{stop} minus {warmup} warm-up steps", field="--steps")
+    args = [str(trace_path), "--warmup", str(warmup), "--no-progress", "--quiet", "--steps", f"{start}:{stop}"]
+    if backend:
+        args += ["--backend", backend]
+    if builtin:
+        replay(trace_path, backend=backend, steps=steps, warmup=warmup,
+               trace_out=output.with_name(output.name + ".trace.json"), progress=False)
+        out.print(f"wrote {output.name}.trace.json (open it in https://ui.perfetto.dev)")
+        return
+    exe = P.find_nsys(nsys)
+    if exe is None:
+        raise KvmapError(f"nsys not found. Get it with {P.GET_NSYS}, or pass --nsys PATH; or run "
+                         "`kvmap profile --builtin` for a Perfetto trace without nsys", field="nsys")
+    with tempfile.TemporaryDirectory() as tmp:
+        res_path = Path(tmp) / "result.json"
+        with spinner(True, f"profiling under {exe}"):
+            P.run_nsys(exe, output, args + ["--json", str(res_path)])
+        data = json.loads(res_path.read_text())
+    rep = output if output.suffix == ".nsys-rep" else output.with_name(output.name + ".nsys-rep")
+    ranges = P.nvtx_ranges(exe, rep)
+    result = ReplayResult.from_json(data["result"])
+    render_profile(result, ranges, out, rep)
+
+
+@app.command()
+@user_errors
+def report(
+    result: Annotated[Path, typer.Argument(help="A run saved with `kvmap replay --json`.")],
+    csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per step and phase.")] = None,
+    trace_out: Annotated[Optional[Path], typer.Option("--trace-out", help="Also write a Chrome trace.")] = None,
+) -> None:
+    """Re-render a saved run: the same summary `kvmap replay` printed."""
+    from kvmap.files import write_json, write_text
+    from kvmap.run.report import render_summary, to_chrome_trace, to_csv
+
+    r = _load_result(result)
+    render_summary(r, out)
+    if csv_out:
+        write_text(csv_out, to_csv(r))
+    if trace_out:
+        write_json(trace_out, to_chrome_trace(r))
+
+
+@app.command()
+@user_errors
+def compare(
+    a: Annotated[Path, typer.Argument(help="Run A (`kvmap replay --json`).")],
+    b: Annotated[Path, typer.Argument(help="Run B.")],
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the ratios as JSON.")] = None,
+) -> None:
+    """Per-phase ratios B / A of two saved runs (two backends, two machines, two versions)."""
+    from kvmap.files import write_json
+    from kvmap.run.report import compare_dict, render_compare
+
+    ra, rb = _load_result(a), _load_result(b)
+    render_compare(ra, rb, out, (str(a), str(b)))
+    if json_out:
+        write_json(json_out, compare_dict(ra, rb))
+
+
+def _load_result(path: Path):
+    from kvmap.run.result import ReplayResult
+
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise KvmapError("no such file", path=str(path)) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KvmapError(f"not JSON ({e})", path=str(path)) from None
+    d = d.get("result", d) if isinstance(d, dict) else d
+    if not isinstance(d, dict) or d.get("kind") != "kvmap-replay-result/1":
+        raise KvmapError("not a kvmap run (write one with `kvmap replay --json FILE`)", path=str(path))
+    try:
+        return ReplayResult.from_json(d)
+    except (TypeError, ValueError) as e:
+        raise KvmapError(f"a damaged kvmap run ({e})", path=str(path)) from None
+
+

@@ -1,0 +1,120 @@
+"""`kvmap validate --deep`: replay through the backends against the reference, with the KV canary read back.
+
+Rules: the reference replays first; any other backend that loads is compared step by step on the dump record
+and its KV cache is read back every step. Problems name the step, request, token and group of the first
+difference, with the chain `kvmap explain` prints for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from kvmap.errors import KvmapError
+from kvmap.trace import Trace
+from kvmap.validate.problems import Problem
+
+
+def first_difference(got: dict, want: dict) -> dict:
+    """Locate the first difference of two dump records: field, and where known batch request, token, group."""
+    key = next(k for k in want if got.get(k) != want[k])
+    where: dict = {"field": key}
+    g_val, w_val = got.get(key), want[key]
+    qsl = want["query_start_loc"]
+    if key in ("slot_mapping", "block_tables") and isinstance(g_val, list) and len(g_val) == len(w_val):
+        where["group"] = next(g for g in range(len(w_val)) if g_val[g] != w_val[g])
+        g_val, w_val = g_val[where["group"]], w_val[where["group"]]
+    if isinstance(g_val, list) and isinstance(w_val, list):
+        n = min(len(g_val), len(w_val))
+        i = next((j for j in range(n) if g_val[j] != w_val[j]), n)
+        if key in ("positions", "input_ids", "slot_mapping") and i < want["query_start_loc"][-1]:
+            b = max(j for j in range(len(qsl) - 1) if qsl[j] <= i)
+            where.update(batch_idx=b, req_id=want["req_ids"][b], token=i - qsl[b])
+        elif key in ("req_ids", "idx_mapping", "seq_lens", "block_tables") and i < len(want["req_ids"]):
+            where.update(batch_idx=i, req_id=want["req_ids"][i])
+        where["got"] = g_val[i] if i < len(g_val) else None
+        where["want"] = w_val[i] if i < len(w_val) else None
+    return where
+
+
+def _chain(trace: Trace, step: int, where: dict) -> list[str]:
+    """The reference chain `kvmap explain` prints for the token (or request) that differs."""
+    from kvmap.explain import explain
+
+    if "req_id" not in where:
+        return []
+    try:
+        d = explain(trace, step, where["req_id"], where.get("token"), where.get("group"))
+    except KvmapError:
+        return []
+    tok = d.get("token")
+    if tok is None:
+        return []
+    return tok["links"] + [link for g in tok["groups"] for link in g["links"]]
+
+
+def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: int = 5) -> tuple[dict, list[dict]]:
+    """Replay `backend` against the reference dumps `ref` with the KV canary read back every step."""
+    from kvmap.run.replay import replay
+    from kvmap.workers.registry import make_worker
+
+    worker = make_worker(backend, trace.header)
+    got: list[dict] = []
+    problems: list[dict] = []
+    try:
+        kv = replay(trace, worker=worker, on_mappings=got.append, verify_kv=True, nvtx=False, warmup=0)
+    except KvmapError as e:
+        problems.append(asdict(Problem("conformance", f"{backend} failed: {e.message}", e.line, e.step, e.req_id,
+                                       e.group, e.field)))
+        return {"steps": len(got), "differing_steps": None, "error": e.message}, problems
+    diffs = 0
+    for g, w in zip(got, ref):
+        if g == w:
+            continue
+        diffs += 1
+        if diffs > max_problems:
+            continue
+        where = first_difference(g, w)
+        what = f"{backend} differs from the reference in {where['field']}"
+        if "got" in where:
+            what += f": {where['got']!r} where the reference has {where['want']!r}"
+        if "token" in where:
+            what += f" (token {where['token']} of the request)"
+        chain = _chain(trace, w["step"], where) if diffs == 1 else []
+        if chain:
+            what += "; the reference chain: " + "; ".join(chain)
+        problems.append(asdict(Problem("conformance", what, None, w["step"], where.get("req_id"), where.get("group"),
+                                       where["field"])))
+    for e in kv.kv_examples[:max_problems]:
+        problems.append(asdict(Problem("kv_mismatch", f"{backend}: KV read-back at position {e['position']} "
+                                       f"slot {e['slot']} found {e['found']}", None, e["step"], e["req_id"],
+                                       e["group"])))
+    return {"steps": len(got), "differing_steps": diffs, "kv_checked": kv.kv_checked,
+            "kv_mismatches": kv.kv_mismatches}, problems
+
+
+def deep_check(trace: Trace, backends: list[str] | None = None) -> dict:
+    """Replay through `backends` (default: every built-in one that loads here) and compare each step with the
+    reference; KV canary read back every step. A named backend that cannot load is a problem, not a skip."""
+    from kvmap.run.replay import replay
+    from kvmap.workers.registry import BACKENDS
+
+    ref: list[dict] = []
+    try:
+        r = replay(trace, backend="reference", on_mappings=ref.append, write_kv=False, nvtx=False, warmup=0)
+    except KvmapError as e:
+        return {"backends": {}, "skipped": {}, "problems": [asdict(Problem(
+            "schema", f"replay failed: {e.message}", e.line, e.step, e.req_id, e.group, e.field))]}
+    compared: dict = {}
+    skipped: dict = {}
+    problems: list[dict] = []
+    for backend in backends or [b for b in BACKENDS if b != "reference"]:
+        try:
+            summary, found = compare_backend(trace, backend, ref)
+        except KvmapError as e:  # not installed, or needs an environment (triton on CPU: TRITON_INTERPRET=1)
+            if backends:
+                raise
+            skipped[backend] = e.message
+            continue
+        compared[backend] = summary
+        problems.extend(found)
+    return {"reference_steps": r.steps_replayed, "backends": compared, "skipped": skipped, "problems": problems}

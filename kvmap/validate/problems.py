@@ -1,0 +1,75 @@
+"""Validation problems: the kinds (codes), one located problem, and the report `kvmap validate` returns.
+
+Rules: every problem has a kind from `KINDS`, set where it is raised (a parse error carries its code on the
+`TraceError`); renderers and `--json` read only these records.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+from kvmap.errors import format_location
+
+KINDS = {
+    "json": "line is not JSON or is truncated",
+    "schema": "a field has the wrong type or shape",
+    "step_order": "step numbers are not consecutive from 0",
+    "total_mismatch": "total_num_scheduled_tokens differs from the sum of num_scheduled_tokens",
+    "block_range": "a block id is outside the pool",
+    "budget_tokens": "more tokens than the header's token budget",
+    "budget_seqs": "more requests than max_num_seqs",
+    "max_model_len": "a position beyond max_model_len",
+    "unknown_request": "a cached request the worker does not know",
+    "scheduled_after_finish": "a request scheduled after it finished",
+    "new_id_not_new": "a new request whose id is still live",
+    "preempted_scheduled": "a preempted request scheduled without being resumed",
+    "preempted_in_step": "a request preempted and scheduled in the same step",
+    "computed_ahead": "num_computed_tokens runs ahead of what was computed",
+    "computed_back": "num_computed_tokens goes back without a rollback or preemption to explain it",
+    "tokens_unknown": "scheduled positions past the request's known tokens",
+    "no_block": "a scheduled position has no block",
+    "null_block": "a scheduled position maps to the null block",
+    "double_allocation": "one block held by two live requests for different tokens or positions",
+    "window_conflict": "a sliding-window block read inside the window by two requests for different tokens",
+    "partial_sampled": "a partial prefill chunk sampled tokens",
+    "too_many_sampled": "more sampled tokens than 1 + drafts",
+    "drafts_mismatch": "scheduled drafts are not (a prefix of) the drafts proposed the step before",
+    "header": "header values contradict each other",
+    "conformance": "a backend's mappings differ from the reference (validate --deep)",
+    "kv_mismatch": "a backend's KV read-back found another token's bits (validate --deep)",
+}
+
+
+@dataclass(slots=True)
+class Problem:
+    kind: str
+    message: str
+    line: int | None = None
+    step: int | None = None
+    req_id: str | None = None
+    group: int | None = None
+    field: str | None = None
+
+    def where(self) -> str:
+        return format_location(None, self.line, self.step, self.req_id, self.group, self.field)
+
+
+@dataclass
+class ValidationReport:
+    trace: str
+    steps: int = 0
+    requests: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    truncated: bool = False  # stopped at --max-problems
+    info: list[str] = field(default_factory=list)
+    deep: dict | None = None
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        return {"trace": self.trace, "valid": self.valid, "steps": self.steps, "requests": self.requests,
+                "problems": [asdict(p) for p in self.problems], "by_kind": dict(Counter(p.kind for p in self.problems)),
+                "truncated": self.truncated, "info": self.info, "deep": self.deep}
