@@ -147,9 +147,20 @@ class Validator:
                 self.uncertain.add(r)
 
     def step(self, step: Step) -> None:
+        """Follow one parsed step through the shadow model, adding every problem it shows."""
+        self._finish_and_preempt(step)
+        self._budgets(step)
+        self._new_requests(step)
+        self._cached_requests(step)
+        self._scheduled_positions(step)
+        self._model_output(step)
+
+    def _finish_and_preempt(self, step: Step) -> None:
+        """Free finished requests; drop (v2) or park (v1) preempted ones."""
         so = step.scheduler_output
         h = self.h
         v2 = h.model_runner_protocol == "v2"
+        scheduled = so.num_scheduled_tokens
         for r in so.finished_req_ids:
             req = self.reqs.pop(r, None)
             if req is not None:
@@ -170,7 +181,11 @@ class Validator:
             else:
                 req.live = False
 
-        # budgets
+    def _budgets(self, step: Step) -> None:
+        """The step's token and request budgets."""
+        so = step.scheduler_output
+        h = self.h
+        scheduled = so.num_scheduled_tokens
         if so.total_num_scheduled_tokens > h.token_budget:
             self.add("budget_tokens", f"{so.total_num_scheduled_tokens} tokens exceed the budget {h.token_budget}",
                      step, field="total_num_scheduled_tokens")
@@ -178,6 +193,10 @@ class Validator:
             self.add("budget_seqs", f"{len(scheduled)} requests exceed max_num_seqs {h.max_num_seqs}", step,
                      field="num_scheduled_tokens")
 
+    def _new_requests(self, step: Step) -> None:
+        """Requests added this step: rows, tokens, blocks claimed."""
+        so = step.scheduler_output
+        h = self.h
         for nr in so.scheduled_new_reqs:
             r = nr.req_id
             if r in self.reqs and self.reqs[r].live:
@@ -197,6 +216,10 @@ class Validator:
             for g in range(h.num_groups):
                 self._claim(step, r, req, g, 0, "block_ids")
 
+    def _cached_requests(self, step: Step) -> None:
+        """Running and resumed requests: num_computed_tokens, block appends or replacements."""
+        so = step.scheduler_output
+        h = self.h
         c = so.scheduled_cached_reqs
         for i, r in enumerate(c.req_ids):
             if r in self.uncertain:
@@ -244,7 +267,11 @@ class Validator:
                         self._claim(step, r, req, g, start, "new_block_ids")
             req.expected_nc = nc
 
-        # every scheduled request: positions, blocks, drafts
+    def _scheduled_positions(self, step: Step) -> None:
+        """Every scheduled request: positions inside max_model_len, known tokens, blocks, windows, drafts."""
+        so = step.scheduler_output
+        h = self.h
+        scheduled = so.num_scheduled_tokens
         window_owner: list[dict[int, tuple[str, int]]] = [{} for _ in h.kv_cache_groups]
         for r, n in scheduled.items():
             req = self.reqs.get(r)
@@ -295,7 +322,11 @@ class Validator:
                              f"proposed {req.last_drafts_proposed[:4]}", step, req_id=r,
                              field="scheduled_spec_decode_tokens")
 
-        # model output
+    def _model_output(self, step: Step) -> None:
+        """What the model returned: sampled tokens appended, the num_computed_tokens the next step must send."""
+        so = step.scheduler_output
+        h = self.h
+        scheduled = so.num_scheduled_tokens
         sampled = step.sampled_token_ids
         proposals = step.draft_token_ids or {}
         for r, n in scheduled.items():

@@ -1,0 +1,121 @@
+"""The address arithmetic has one spec (`GroupLayout.slot`, plain integers); every vectorized, compiled and
+Triton form of the slot rule, and the read-back window, is held to it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvmap.layout import PAD_SLOT_ID, GroupLayout
+
+BS = 16
+
+
+def test_the_spec_on_the_worked_example():
+    lay = GroupLayout(BS)
+    assert lay.slot([37, 12], 31) == 12 * 16 + 15  # block 31 // 16 = 1 -> 12, offset 31 % 16 = 15
+    assert [lay.slot([81, 44], p) for p in (16, 23)] == [44 * 16 + 0, 44 * 16 + 7]
+    assert GroupLayout(BS, kind="mamba").slot([5], 3) == PAD_SLOT_ID
+
+
+def test_the_spec_per_rank_with_context_parallelism():
+    """trace-format.md's per-rank rule: cp 2, interleave 4, block 16: a block id spans 32 positions."""
+    lays = [GroupLayout(BS, cp_size=2, cp_rank=r, interleave=4) for r in range(2)]
+    row = [7, 9]
+    # position 37: virtual block 37 // 32 = 1, offset 5; (5 // 4) % 2 = 1 -> rank 1, local 5 // 8 * 4 + 5 % 4 = 1
+    assert [lay.slot(row, 37) for lay in lays] == [PAD_SLOT_ID, 9 * 16 + 1]
+    for p in range(64):  # every token is local on exactly one rank
+        assert sum(lay.slot(row, p) != PAD_SLOT_ID for lay in lays) == 1
+
+
+def test_window_rule():
+    assert GroupLayout(BS, "sliding_window", sliding_window=8).readable_start(20) == 20 - 8 + 1
+    assert GroupLayout(BS, "chunked_local", attention_chunk_size=32).readable_start(70) == 64
+    assert GroupLayout(BS).readable_start(70) == 0
+    nc = np.array([0, 5, 20, 70])
+    for lay in (GroupLayout(BS, "sliding_window", sliding_window=8),
+                GroupLayout(BS, "chunked_local", attention_chunk_size=32), GroupLayout(BS)):
+        assert lay.readable_lo(nc).tolist() == [lay.readable_start(int(x)) for x in nc]
+
+
+def _case(seed=0, rows=6, width=12, nreq=4):
+    rng = np.random.default_rng(seed)
+    table = rng.permutation(rows * width * 3)[: rows * width].astype(np.int32).reshape(rows, width)
+    idx = rng.choice(rows, nreq, replace=False).astype(np.int32)
+    n = rng.integers(1, 40, nreq).astype(np.int32)
+    nc = rng.integers(0, width * BS - 40, nreq).astype(np.int32)
+    qsl = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+    pos = np.concatenate([np.arange(a, a + m) for a, m in zip(nc, n)]).astype(np.int64)
+    lay = GroupLayout(BS)
+    want = [lay.slot(table[idx[b]].tolist(), int(p)) for b in range(nreq) for p in range(nc[b], nc[b] + n[b])]
+    return table, idx, n, nc, qsl, pos, want
+
+
+def test_vectorized_form_equals_the_spec():
+    table, idx, n, nc, qsl, pos, want = _case()
+    rows = np.repeat(idx, n)
+    assert GroupLayout(BS).slots(table[rows, pos // BS], pos).tolist() == want
+
+
+def test_numpy_worker_form_equals_the_spec():
+    from types import SimpleNamespace
+
+    from kvmap.workers import buffers
+
+    for seed in range(5):
+        table, idx, n, nc, qsl, pos, want = _case(seed)
+        T, B = len(pos), len(idx)
+        state = SimpleNamespace(block_tables=[table], block_sizes=[BS])
+        buf = SimpleNamespace(idx_mapping=idx, num_scheduled_tokens=n, positions=pos,
+                              tmp_tok=np.zeros(T, np.int64), tmp_tok2=np.zeros(T, np.int64),
+                              tmp_blk=np.zeros(T, np.int32), tmp_req=np.zeros(B, np.int64),
+                              slot_mapping=np.full((1, T), -7, np.int64))
+        buffers.compute_slot_mappings(state, buf, B, T)
+        assert buf.slot_mapping[0].tolist() == want
+
+
+def test_numba_form_equals_the_spec():
+    kc = pytest.importorskip("kvmap.workers.kernels_cpu")
+    for seed in range(5):
+        table, idx, n, nc, qsl, pos, want = _case(seed)
+        out = np.full(len(pos), -7, np.int64)
+        kc.slot_mapping(idx, n, nc, table, BS, out)
+        assert out.tolist() == want
+
+
+def test_triton_form_equals_the_spec():
+    pytest.importorskip("triton")
+    torch = pytest.importorskip("torch")
+    import os
+
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET")):
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    from kvmap.workers.triton_worker import BLOCK, _slot_mapping_kernel
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    table, idx, n, nc, qsl, pos, want = _case(1)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
+    T = len(pos)
+    out = torch.full((T + 5,), 99, dtype=torch.int64, device=dev)
+    tab = t(table)
+    _slot_mapping_kernel[(len(idx) + 1,)](t(idx.astype(np.int64)), t(n), t(qsl), t(nc), tab, tab.stride(0), BS, out,
+                                          len(idx), T, T + 5, BLOCK=BLOCK)
+    got = out.cpu().numpy().tolist()
+    assert got[:T] == want and got[T:] == [PAD_SLOT_ID] * 5  # padding from the actual count
+
+
+def test_kv_read_back_slot_equals_the_spec():
+    """The numba read-back locates a corrupted slot at the spec's address."""
+    kk = pytest.importorskip("kvmap.kv.kernels")
+    table, idx, n, nc, qsl, pos, want = _case(2)
+    tokens = np.zeros((table.shape[0], table.shape[1] * BS), np.int32)
+    bits = np.zeros((2, int(table.max() + 1) * BS, 4), np.uint16)
+    written = np.zeros(bits.shape[1], bool)
+    mask = np.uint64(0xFFFF)
+    ids = tokens[np.repeat(idx, n), pos]
+    kk.kv_write(ids, pos, np.array(want, np.int64), bits, mask, written)
+    bits[0, want[3], 0] ^= 1  # corrupt the 4th token's slot
+    bad = np.zeros((4, 3), np.int64)
+    seq = (nc + n).astype(np.int32)
+    checked, mismatches = kk.kv_verify(idx, nc.astype(np.int64), seq, tokens, table, BS, bits, mask, bad)
+    assert (checked, mismatches) == (len(pos), 1) and bad[0, 2] == want[3]
