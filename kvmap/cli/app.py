@@ -43,6 +43,27 @@ def _root(
         raise typer.Exit(0)
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: unwinds like Ctrl-C, so every temporary output is removed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum, frame) -> None:
+    raise Terminated(signum)
+
+
+def _silence_stdout() -> None:
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def user_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -51,11 +72,15 @@ def user_errors(fn):
         except KvmapError as e:
             err.print(f"[bold red]kvmap: error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
-        except BrokenPipeError:
-            raise typer.Exit(0) from None
+        except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a shell tool does
+            _silence_stdout()
+            raise typer.Exit(128 + 13) from None
         except KeyboardInterrupt:
             err.print("kvmap: interrupted")
             raise typer.Exit(130) from None
+        except Terminated as t:  # SIGTERM / SIGHUP: outputs were cleaned up on the way out
+            err.print(f"kvmap: terminated by signal {t.signum}")
+            raise typer.Exit(128 + t.signum) from None
 
     return wrapper
 
@@ -131,4 +156,8 @@ class progress_bar:
 
 
 def main() -> None:
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
     app()

@@ -35,6 +35,10 @@ def validate(
     if backend and not deep:
         raise KvmapError("--backend needs --deep (it names the backends to replay against the reference)",
                          field="--backend")
+    from kvmap.files import check_outputs, resolve_trace
+
+    trace = resolve_trace(trace)
+    check_outputs({"--json": json_out}, [trace])
     report = run_validate(Trace(trace), max_problems=max_problems, deep=deep, backends=backend)
     if json_out and str(json_out) == "-":
         print(json.dumps(report.to_json(), indent=1))
@@ -66,11 +70,11 @@ def explain(
     """Show how one step's scheduler decisions become rows, flat tokens, positions, blocks and KV slots."""
     from kvmap.explain.build import explain as run_explain
     from kvmap.kv.cache import KVGeometry
-    from kvmap.files import default_trace
+    from kvmap.files import resolve_trace
     from kvmap.explain.render import render_explain
     from kvmap.trace import Trace
 
-    d = run_explain(Trace(trace or default_trace()), step, req, token, group, KVGeometry(kv_heads, head_size, kv_dtype))
+    d = run_explain(Trace(resolve_trace(trace)), step, req, token, group, KVGeometry(kv_heads, head_size, kv_dtype))
     if json_out:
         print(json.dumps(d, indent=1))
     else:

@@ -45,7 +45,7 @@ def replay(
 ) -> None:
     """Replay a trace step by step: every index mapping, a real paged KV cache, a timing summary."""
     from kvmap.kv.cache import KVGeometry
-    from kvmap.files import atomic_open, default_trace, write_json, write_text
+    from kvmap.files import atomic_open, check_outputs, resolve_trace, write_json, write_text
     from kvmap.run.replay import replay as run_replay
     from kvmap.run.report import render_summary, summary_dict, to_chrome_trace, to_csv
     from kvmap.trace import Trace
@@ -56,7 +56,10 @@ def replay(
         backend = "triton"
     backend = backend or default_backend()
     start, stop = parse_steps(steps)
-    t = Trace(trace or default_trace())
+    trace = resolve_trace(trace)
+    check_outputs({"--dump-mappings": dump_mappings, "--json": json_out, "--csv": csv_out, "--trace-out": trace_out},
+                  [trace])
+    t = Trace(trace)
     geometry = KVGeometry(kv_heads, head_size, kv_dtype).check()
     with ExitStack() as stack:  # the dump is renamed into place only if the whole replay succeeds
         dump_file = stack.enter_context(atomic_open(dump_mappings)) if dump_mappings else None
@@ -101,14 +104,14 @@ def profile(
     import tempfile
 
     from kvmap.run import profile as P
-    from kvmap.files import default_trace
+    from kvmap.files import resolve_trace
     from kvmap.run.report import render_profile
     from kvmap.run.result import ReplayResult
 
     from kvmap.trace import Trace
 
     start, stop = parse_steps(steps)
-    trace_path = Path(trace or default_trace())
+    trace_path = resolve_trace(trace)
     if stop is None:  # an explicit end, so that the capture closes right after the last step
         stop = sum(1 for _ in Trace(trace_path).raw_steps())
     if start + warmup >= stop:
