@@ -8,9 +8,10 @@ from kvmap.trace.fast import fast_step
 from kvmap.trace.header import parse_header
 from kvmap.trace.parse import parse_step
 from kvmap.trace.reader import Trace, open_trace
-from kvmap.trace.records import (FORMAT, GROUP_KINDS, PROTOCOLS, TOKEN_ID_LIMIT, CachedRequestData, KVCacheGroup,
-                                 KVCacheSpec, NewRequestData, SchedulerOutput, Step, TraceHeader)
+from kvmap.trace.records import (ASYNC_SPEC_KEYS, FORMAT, GROUP_KINDS, PROTOCOLS, TOKEN_ID_LIMIT, AsyncSpecDecode,
+                                 CachedRequestData, KVCacheGroup, KVCacheSpec, NewRequestData, SchedulerOutput, Step,
+                                 TraceHeader)
 
-__all__ = ["FORMAT", "GROUP_KINDS", "PROTOCOLS", "TOKEN_ID_LIMIT", "CachedRequestData", "KVCacheGroup", "KVCacheSpec",
-           "NewRequestData", "SchedulerOutput", "Step", "Trace", "TraceHeader", "Where", "fast_step", "loads",
-           "open_trace", "parse_header", "parse_step"]
+__all__ = ["ASYNC_SPEC_KEYS", "FORMAT", "GROUP_KINDS", "PROTOCOLS", "TOKEN_ID_LIMIT", "AsyncSpecDecode",
+           "CachedRequestData", "KVCacheGroup", "KVCacheSpec", "NewRequestData", "SchedulerOutput", "Step", "Trace",
+           "TraceHeader", "Where", "fast_step", "loads", "open_trace", "parse_header", "parse_step"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 from itertools import chain, compress
 
 from kvmap.trace.checks import Where
-from kvmap.trace.records import (TOKEN_ID_LIMIT, CachedRequestData, NewRequestData, SchedulerOutput, Step,
-                                 TraceHeader)
+from kvmap.trace.records import (ASYNC_SPEC_KEYS, TOKEN_ID_LIMIT, AsyncSpecDecode, CachedRequestData, NewRequestData,
+                                 SchedulerOutput, Step, TraceHeader)
 
 _INT, _STR, _LIST = {int}, {str}, {list}
 
@@ -126,6 +126,11 @@ def fast_step(obj: object, header: TraceHeader, where: Where) -> Step | None:
         if type(drafts_out) is not dict:
             return None
         token_lists += drafts_out.values()
+    async_spec = None
+    if ASYNC_SPEC_KEYS.intersection(obj):
+        async_spec = _async_spec(obj, spec, set(req_ids), token_lists)
+        if async_spec is None:
+            return None
     # every int, in one pass of type() over all of them; then each kind's range
     if (token_lists or block_lists) and set(map(type, chain(token_lists, block_lists))) != _LIST:
         return None
@@ -153,4 +158,24 @@ def fast_step(obj: object, header: TraceHeader, where: Where) -> Step | None:
         ),
         sampled_token_ids=sampled,
         draft_token_ids=drafts_out,
+        async_spec=async_spec,
     )
+
+
+def _async_spec(obj: dict, spec: dict, cached: set, token_lists: list) -> AsyncSpecDecode | None:
+    """The async spec-decode keys when they are well formed (the real drafts join `token_lists`), else None."""
+    real = obj.get("spec_draft_token_ids") or {}
+    rejected = obj.get("num_rejected_tokens") or {}
+    corr = obj.get("num_computed_tokens_correction") or {}
+    if type(real) is not dict or type(rejected) is not dict or type(corr) is not dict:
+        return None
+    for r, toks in real.items():
+        if type(toks) is not list or len(toks) != len(spec.get(r, (0,) * (len(toks) + 1))):
+            return None
+    counts = list(rejected.values()) + list(corr.values())
+    if counts and (set(map(type, counts)) != _INT or min(counts) < 0):
+        return None
+    if any(k > len(spec.get(r, ())) for r, k in rejected.items()) or not cached.issuperset(corr):
+        return None
+    token_lists += real.values()
+    return AsyncSpecDecode(real, rejected, corr)

@@ -54,7 +54,8 @@ def parse_header(obj: object, where: Where) -> TraceHeader:
     known = {"kind", "format", "model_runner_protocol", "block_size", "num_gpu_blocks", "kv_cache_groups",
              "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_speculative_tokens",
              "null_block_id", "max_num_scheduled_tokens", "vllm_version", "enable_prefix_caching",
-             "enable_chunked_prefill", "async_scheduling", "scheduling_policy", "kv_cache_spec"}
+             "enable_chunked_prefill", "async_scheduling", "scheduling_policy", "kv_cache_spec",
+             "max_concurrent_batches", "eos_token_id", "stop_token_ids"}
     null_block_id = obj.get("null_block_id")
     if null_block_id is not None:
         int_field(null_block_id, where, "null_block_id", minimum=0)
@@ -79,7 +80,21 @@ def parse_header(obj: object, where: Where) -> TraceHeader:
         enable_prefix_caching=obj.get("enable_prefix_caching"),
         enable_chunked_prefill=obj.get("enable_chunked_prefill"),
         async_scheduling=obj.get("async_scheduling"),
+        **_engine_keys(obj, where),
         scheduling_policy=obj.get("scheduling_policy"),
         kv_cache_spec=spec,
         extra={k: v for k, v in obj.items() if k not in known},
     )
+
+
+def _engine_keys(obj: dict, where: Where) -> dict:
+    """The engine-loop keys of vLLM as deployed (trace-format.md): batch-queue depth, stop tokens."""
+    out: dict = {"max_concurrent_batches": int_field(obj.get("max_concurrent_batches", 1), where,
+                                                     "max_concurrent_batches", minimum=1)}
+    if obj.get("eos_token_id") is not None:
+        out["eos_token_id"] = int_field(obj["eos_token_id"], where, "eos_token_id", minimum=0)
+    stop = obj.get("stop_token_ids") or []
+    if not isinstance(stop, list):
+        raise where.error("expected a list of token ids", field="stop_token_ids")
+    out["stop_token_ids"] = tuple(int_field(t, where, "stop_token_ids", minimum=0) for t in stop)
+    return out

@@ -13,8 +13,8 @@ Rules:
 from __future__ import annotations
 
 from kvmap.trace.checks import Where, dict_field, int_field, int_lists, str_list, type_name
-from kvmap.trace.records import (TOKEN_ID_LIMIT, CachedRequestData, NewRequestData, SchedulerOutput, Step,
-                                 TraceHeader)
+from kvmap.trace.records import (ASYNC_SPEC_KEYS, TOKEN_ID_LIMIT, AsyncSpecDecode, CachedRequestData, NewRequestData,
+                                 SchedulerOutput, Step, TraceHeader)
 
 def _group_lists(value: object, num_groups: int, where: Where, req_id: str, name: str) -> list[list[int]]:
     """`block_ids` / a `new_block_ids` entry: one list per group (or, legacy, one flat list for one group)."""
@@ -174,6 +174,8 @@ def parse_step(obj: object, header: TraceHeader, where: Where) -> Step:
         for r, toks in drafts_out.items():
             id_lists.append((r, "draft_token_ids", None, toks))
 
+    async_spec = _async_spec(obj, where, spec, set(req_ids), id_lists) if ASYNC_SPEC_KEYS.intersection(obj) else None
+
     int_lists(id_lists, where, maximum=TOKEN_ID_LIMIT, what="token id")
     int_lists(block_lists, where, maximum=header.num_gpu_blocks, what="block id")
 
@@ -191,4 +193,26 @@ def parse_step(obj: object, header: TraceHeader, where: Where) -> Step:
         ),
         sampled_token_ids=sampled,
         draft_token_ids=drafts_out,
+        async_spec=async_spec,
     )
+
+
+def _async_spec(obj: dict, where: Where, spec: dict, cached: set[str], id_lists: list) -> AsyncSpecDecode:
+    """The async speculative-decoding keys: real drafts (one per placeholder), rejections, corrections."""
+    real = dict_field(obj.get("spec_draft_token_ids") or {}, where, "spec_draft_token_ids")
+    for r, toks in real.items():
+        placeholders = spec.get(r)
+        if placeholders is None or not isinstance(toks, list) or len(toks) != len(placeholders):
+            raise where.error(f"needs one draft per scheduled placeholder ({len(placeholders or [])})",
+                              req_id=r, field="spec_draft_token_ids")
+        id_lists.append((r, "spec_draft_token_ids", None, toks))
+    rejected = dict_field(obj.get("num_rejected_tokens") or {}, where, "num_rejected_tokens")
+    for r, k in rejected.items():
+        int_field(k, where, "num_rejected_tokens", minimum=0, maximum=len(spec.get(r, ())), req_id=r)
+    corr = dict_field(obj.get("num_computed_tokens_correction") or {}, where, "num_computed_tokens_correction")
+    for r, k in corr.items():
+        int_field(k, where, "num_computed_tokens_correction", minimum=0, req_id=r)
+        if r not in cached:
+            raise where.error("a correction for a request that is not in scheduled_cached_reqs", req_id=r,
+                              field="num_computed_tokens_correction")
+    return AsyncSpecDecode(real, rejected, corr)

@@ -13,6 +13,7 @@ FORMAT = "kvmap-vllm-trace/1"
 TOKEN_ID_LIMIT = 2**31  # token rows are int32, as vLLM's
 GROUP_KINDS = ("full_attention", "sliding_window", "chunked_local", "mamba")
 PROTOCOLS = ("v1", "v2")
+ASYNC_SPEC_KEYS = frozenset({"spec_draft_token_ids", "num_rejected_tokens", "num_computed_tokens_correction"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,9 @@ class TraceHeader:
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
     async_scheduling: bool | None = None
+    max_concurrent_batches: int = 1  # engine batch-queue depth (2 under async scheduling)
+    eos_token_id: int | None = None  # informational: why a request stopped
+    stop_token_ids: tuple[int, ...] = ()
     scheduling_policy: str | None = None
     kv_cache_spec: KVCacheSpec = field(default_factory=KVCacheSpec)
     extra: dict[str, Any] = field(default_factory=dict)  # informational keys kvmap does not interpret
@@ -103,3 +107,14 @@ class Step:
     scheduler_output: SchedulerOutput
     sampled_token_ids: dict[str, list[int]] | None  # req_id -> tokens the model returned; None: not recorded
     draft_token_ids: dict[str, list[int]] | None  # req_id -> drafts proposed after this step
+    async_spec: AsyncSpecDecode | None = None  # async scheduling with speculative decoding (None: not recorded)
+
+
+@dataclass(slots=True)
+class AsyncSpecDecode:
+    """What a recorder saw of async speculative decoding in one step (trace-format.md): the scheduler sends -1
+    draft placeholders and an optimistic num_computed_tokens."""
+
+    spec_draft_token_ids: dict[str, list[int]]  # req_id -> the real drafts verified this step (placeholders' ids)
+    num_rejected_tokens: dict[str, int]  # req_id -> drafts rejected this step
+    num_computed_tokens_correction: dict[str, int]  # req_id -> how far this step's num_computed_tokens is too high

@@ -10,7 +10,7 @@ import json
 from collections import Counter
 
 from kvmap.errors import TraceError
-from kvmap.trace import Trace, Where, loads, parse_step
+from kvmap.trace import ASYNC_SPEC_KEYS, Trace, Where, loads, parse_step
 from kvmap.validate.problems import Problem, ValidationReport
 from kvmap.validate.shadow import StopValidation, Validator
 
@@ -34,6 +34,9 @@ def _raw_req_ids(obj: object) -> set[str]:
     if isinstance(c, dict) and isinstance(c.get("req_ids"), list):
         out.update(r for r in c["req_ids"] if isinstance(r, str))
     return out
+
+
+STEP_KEYS = frozenset({"step", "scheduler_output", "sampled_token_ids", "draft_token_ids"}) | ASYNC_SPEC_KEYS
 
 
 def validate(trace: Trace, max_problems: int | None = None, deep: bool = False,
@@ -63,8 +66,7 @@ def validate(trace: Trace, max_problems: int | None = None, deep: bool = False,
                 v.salvage(obj, _raw_req_ids(obj))
                 continue
             if isinstance(obj, dict):
-                unknown_keys.update(k for k in obj if k not in ("step", "scheduler_output", "sampled_token_ids",
-                                                                  "draft_token_ids"))
+                unknown_keys.update(k for k in obj if k not in STEP_KEYS)
             v.step(step)
     except StopValidation:
         report.truncated = True

@@ -34,6 +34,7 @@ KINDS = {
     "window_conflict": "a sliding-window block read inside the window by two requests for different tokens",
     "partial_sampled": "a partial prefill chunk sampled tokens",
     "too_many_sampled": "more sampled tokens than 1 + drafts",
+    "rejected_mismatch": "num_rejected_tokens disagrees with the drafts and the sampled tokens",
     "drafts_mismatch": "scheduled drafts are not (a prefix of) the drafts proposed the step before",
     "header": "header values contradict each other",
     "conformance": "a backend's mappings differ from the reference (validate --deep)",

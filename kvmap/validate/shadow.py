@@ -235,6 +235,9 @@ class Validator:
                 self.uncertain.add(r)
                 continue
             nc = c.num_computed_tokens[i]
+            corrections = step.async_spec.num_computed_tokens_correction if step.async_spec else {}
+            corr = corrections.get(r, 0)
+            nc -= corr  # async spec decode: the worker-true start
             resumed = r in c.resumed_req_ids
             if not req.live and not resumed:
                 self.add("preempted_scheduled", "scheduled after preemption without being resumed", step,
@@ -251,14 +254,20 @@ class Validator:
                         self._claim(step, r, req, g, 0, "new_block_ids")
             else:
                 exp = req.expected_nc
-                if exp is not None and not h.async_scheduling:
+                # under async spec decode the scheduler's value is optimistic: exact only with the recorded
+                # correction (or without drafts at all)
+                exact = not h.async_scheduling or step.async_spec is not None or not h.num_speculative_tokens
+                said = f"num_computed_tokens {nc + corr} - correction {corr} = {nc}" if r in corrections else \
+                    f"num_computed_tokens {nc}"
+                field = "num_computed_tokens_correction" if r in corrections else \
+                    "scheduled_cached_reqs.num_computed_tokens"
+                if exp is not None and exact:
                     if nc > exp:
-                        self.add("computed_ahead", f"num_computed_tokens {nc} but only {exp} were computed", step,
-                                 req_id=r, field="scheduled_cached_reqs.num_computed_tokens")
+                        self.add("computed_ahead", f"{said} but only {exp} were computed", step, req_id=r,
+                                 field=field)
                     elif nc < exp - req.nc_slack:
-                        self.add("computed_back", f"num_computed_tokens went back to {nc} from {exp} with no "
-                                 "rejected drafts or preemption to explain it", step, req_id=r,
-                                 field="scheduled_cached_reqs.num_computed_tokens")
+                        self.add("computed_back", f"{said} went back from {exp} with no rejected drafts or "
+                                 "preemption to explain it", step, req_id=r, field=field)
                 new = c.new_block_ids[i]
                 if new is not None:
                     for g in range(h.num_groups):
@@ -337,6 +346,11 @@ class Validator:
             drafts = len(so.scheduled_spec_decode_tokens.get(r, []))
             out = sampled.get(r) if sampled is not None else None
             partial = nc + n - drafts < len(req.tokens)
+            rejected = step.async_spec.num_rejected_tokens.get(r) if step.async_spec else None
+            if out and drafts and rejected is not None and rejected != drafts - (len(out) - 1):
+                self.add("rejected_mismatch", f"num_rejected_tokens {rejected}, but {len(out)} sampled tokens for "
+                         f"{drafts} drafts mean {drafts - (len(out) - 1)} were rejected", step, req_id=r,
+                         field="num_rejected_tokens")
             if out is not None:
                 if partial and out:
                     self.add("partial_sampled", f"sampled {len(out)} tokens from a partial prefill chunk", step,
@@ -347,7 +361,7 @@ class Validator:
                 if not partial:
                     del req.tokens[nc + n - drafts:]
                     req.tokens.extend(out)
-            if sampled is None or (not partial and not out) or h.async_scheduling:
+            if sampled is None or (not partial and not out) or (h.async_scheduling and step.async_spec is None):
                 req.expected_nc = nc + n
                 req.nc_slack = drafts
             elif out is not None and drafts:

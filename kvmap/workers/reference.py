@@ -79,6 +79,8 @@ class ReferenceWorker(Worker):
                                  field="scheduled_cached_reqs.req_ids")
             req = self.requests[r]
             req.num_computed_tokens = c.num_computed_tokens[i]
+            if step.async_spec is not None:  # async spec decode: the worker-true start
+                req.num_computed_tokens -= step.async_spec.num_computed_tokens_correction.get(r, 0)
             if r in c.all_token_ids:
                 req.tokens = list(c.all_token_ids[r])
             new = c.new_block_ids[i]
@@ -145,6 +147,10 @@ class ReferenceWorker(Worker):
                     out["input_ids"].append(req.tokens[position])
                 else:
                     d = drafts[i - real]
+                    if d < 0 and step.async_spec is not None and req_id in step.async_spec.spec_draft_token_ids:
+                        d = step.async_spec.spec_draft_token_ids[req_id][i - real]
+                    if d < 0:
+                        self._standins += 1
                     out["input_ids"].append(d if d >= 0 else STANDIN_TOKEN_ID)
                 for g, layout in enumerate(self.layouts):
                     logical_block, _ = layout.block_of(position)

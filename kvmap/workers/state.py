@@ -197,6 +197,8 @@ class WorkerState:
                     self.row_of(r, step, "scheduled_cached_reqs.req_ids")
                 raise AssertionError("unreachable") from None  # pragma: no cover
             nc = np.fromiter(c.num_computed_tokens, np.int32, len(crows))
+            if step.async_spec is not None and step.async_spec.num_computed_tokens_correction:
+                self._correct(step, c.req_ids, nc)
             if self.kernels is not None:
                 self.kernels.scatter(self.num_computed_tokens, crows, nc)
             else:
@@ -234,6 +236,18 @@ class WorkerState:
                 num_drafts[pos_of[r]] = len(d)
         self._check_and_stage_tokens(step, req_ids, rows, counts, num_drafts)
         return req_ids, rows, counts, num_drafts
+
+    def _correct(self, step: Step, req_ids: list[str], nc: np.ndarray) -> None:
+        """Async speculative decoding: the scheduler's num_computed_tokens assumes every in-flight draft was
+        accepted; the worker-true start is `num_computed_tokens - num_computed_tokens_correction`."""
+        corr = step.async_spec.num_computed_tokens_correction
+        for i, r in enumerate(req_ids):
+            k = corr.get(r)
+            if k:
+                if k > nc[i]:
+                    raise TraceError(f"correction {k} is larger than num_computed_tokens {int(nc[i])}",
+                                     line=step.line, step=step.step, req_id=r, field="num_computed_tokens_correction")
+                nc[i] -= k
 
     def _append_blocks(self, step: Step, crows: np.ndarray) -> None:
         c = step.scheduler_output.scheduled_cached_reqs
@@ -303,10 +317,15 @@ class WorkerState:
         if spec:
             sel = np.flatnonzero(num_drafts)
             drows = rows[sel]
-            flat = np.fromiter((t for j in sel for t in spec[req_ids[j]]), dtype=np.int32,
+            real = step.async_spec.spec_draft_token_ids if step.async_spec is not None else {}
+            flat = np.fromiter((t for j in sel for t in real.get(req_ids[j], spec[req_ids[j]])), dtype=np.int32,
                                count=int(num_drafts.sum()))
-            # async scheduling sends -1 placeholders: the real drafts live on the GPU
-            flat[flat < 0] = STANDIN_TOKEN_ID
+            # async scheduling sends -1 placeholders (the real drafts live on the GPU): without the recorded
+            # drafts (`spec_draft_token_ids`) their input ids are stand-ins
+            standin = flat < 0
+            if standin.any():
+                flat[standin] = STANDIN_TOKEN_ID
+                self.num_standin_tokens += int(standin.sum())
             self._write("tokens", 0, drows, real_end[sel], num_drafts[sel], flat)
 
     def _check_positions(self, step: Step, req_ids: list[str], rows: np.ndarray, end: np.ndarray,
