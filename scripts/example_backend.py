@@ -84,7 +84,7 @@ class V1StyleWorker(HostWorker):
         st = self.state
         self.base = V1Baseline(st.token_ids, st.block_tables, st.block_sizes, st.num_computed_tokens, self.buffers)
 
-    def prepare_batch(self) -> None:
+    def sort_batch(self) -> None:
         b = self.batch  # Model Runner V2's order (a stable sort by scheduled tokens), which kvmap dumps
         if self.header.num_speculative_tokens:
             k = self.header.num_speculative_tokens

@@ -22,6 +22,13 @@ def replay(
     device: Annotated[str, typer.Option("--device", help="cpu, or cuda[:N] (state, mappings and KV cache on "
                                         "the GPU; needs --backend torch or triton).")] = "cpu",
     steps: StepsOpt = None,
+    batch_order: Annotated[str, typer.Option("--batch-order", help="mrv2 (Model Runner V2: sorted by scheduled "
+                                             "tokens) or v1 (V1's persistent batch: lowest hole, condense), to "
+                                             "diff dumps against either runner.")] = "mrv2",
+    reorder_threshold: Annotated[Optional[int], typer.Option("--reorder-threshold", help="With --batch-order v1: "
+                                                             "the attention backend's reorder_batch_threshold "
+                                                             "(decode-first regions; FlashAttention sets none).",
+                                                             min=1)] = None,
     warmup: Annotated[int, typer.Option(help="Measured steps to exclude from statistics.", min=0)] = defaults.WARMUP,
     verify_kv: Annotated[bool, typer.Option("--verify-kv", help="Read back every scheduled request's "
                                             "readable context from the KV cache each step and check it bit "
@@ -72,7 +79,8 @@ def replay(
             result = run_replay(t, backend=backend, device=device, start=start, stop=stop, warmup=warmup,
                                 verify_kv=verify_kv, write_kv=not no_kv, kv_geometry=geometry, nvtx=nvtx,
                                 on_mappings=on_mappings if dump_file else None, on_step=advance,
-                                capture=nvtx_capture)
+                                capture=nvtx_capture, batch_order=batch_order,
+                                reorder_batch_threshold=reorder_threshold)
     if not quiet:
         render_summary(result, out)
     if json_out:

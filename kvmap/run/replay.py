@@ -43,12 +43,15 @@ def replay(
     on_step: Callable[[int], None] | None = None,
     worker: Worker | None = None,
     capture: bool = False,
+    batch_order: str = "mrv2",
+    reorder_batch_threshold: int | None = None,
 ) -> ReplayResult:
     """Replay `trace` (backend None: the default); `worker` (an instance) overrides `backend`, for benchmarks
     of other mapping code. `capture`: wrap the measured steps (window minus warm-up) in the NVTX capture
     range for nsys."""
     header = trace.header
-    worker = worker if worker is not None else make_worker(backend, header, device)
+    worker = worker if worker is not None else make_worker(backend, header, device, batch_order,
+                                                           reorder_batch_threshold)
     geometry = (kv_geometry or KVGeometry()).check()
     kv = worker.make_kv_cache(geometry) if (write_kv or verify_kv) else None
     phases = [p for p in PHASES if (p != "kv_verify" or verify_kv) and (not p.startswith("kv_") or kv)

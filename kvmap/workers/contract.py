@@ -21,9 +21,11 @@ from typing import ClassVar
 
 import numpy as np
 
+from kvmap.errors import KvmapError
 from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers.mappings import BatchMappings, BatchReqIds
+from kvmap.workers.order import BATCH_ORDERS, V1PersistentBatch
 
 
 @dataclass(slots=True)
@@ -58,6 +60,23 @@ class Worker(ABC):
         self.header = header
         self.device = device
         self.batch: StepBatch | None = None
+        self.v1_batch: V1PersistentBatch | None = None  # None: Model Runner V2's batch order
+
+    def use_batch_order(self, name: str, reorder_batch_threshold: int | None = None) -> None:
+        """`mrv2` (the default) or `v1`: V1's persistent batch, with the 4-region reorder when the attention
+        backend sets `reorder_batch_threshold` (workers/order.py)."""
+        if name not in BATCH_ORDERS:
+            raise KvmapError(f"unknown batch order {name!r}; choose one of {', '.join(BATCH_ORDERS)}",
+                             field="--batch-order")
+        self.v1_batch = V1PersistentBatch(reorder_batch_threshold) if name == "v1" else None
+
+    def v1_order(self, step: Step) -> list[str]:
+        """This step's batch order (req ids) under V1's persistent batch."""
+        assert self.v1_batch is not None
+        so = step.scheduler_output
+        nc = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
+        nc.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+        return self.v1_batch.update(step, nc)
 
     @property
     def num_standin_tokens(self) -> int:

@@ -61,6 +61,20 @@ class HostWorker(Worker):
         self.set_batch(batch)
         return batch
 
+    def prepare_batch(self) -> None:
+        """The batch order: V1's persistent batch when asked for, else this backend's MRV2 sort."""
+        if self.v1_batch is None:
+            return self.sort_batch()
+        b = self.batch
+        entry = {r: i for i, r in enumerate(b.req_ids)}
+        order = self.v1_order(b.step)
+        b.order = np.fromiter(map(entry.__getitem__, order), np.int32, len(order))
+
+    def sort_batch(self) -> None:
+        """Model Runner V2's order into `self.batch.order` (numpy; compiled backends override)."""
+        b = self.batch
+        b.order = B.batch_order(b.num_scheduled_tokens, b.num_draft_tokens, self.header.num_speculative_tokens)
+
     def append_sampled(self) -> None:
         b = self.batch
         assert b is not None and b.step is not None
@@ -106,10 +120,6 @@ class NumpyWorker(HostWorker):
     """The vectorized CPU worker: numpy on preallocated buffers, no per-token Python."""
 
     name = "numpy"
-
-    def prepare_batch(self) -> None:
-        b = self.batch
-        b.order = B.batch_order(b.num_scheduled_tokens, b.num_draft_tokens, self.header.num_speculative_tokens)
 
     def prepare_inputs(self) -> None:
         b = self.batch

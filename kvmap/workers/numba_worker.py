@@ -22,7 +22,7 @@ class NumbaWorker(HostWorker):
         self.k = kernels_cpu
         self.state.kernels = kernels_cpu
 
-    def prepare_batch(self) -> None:
+    def sort_batch(self) -> None:
         b, buf = self.batch, self.buffers
         n = self.k.batch_order(b.num_scheduled_tokens, b.num_draft_tokens, self.header.num_speculative_tokens,
                                buf.order, buf.sort_keys, buf.sort_tmp)

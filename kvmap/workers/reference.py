@@ -16,6 +16,7 @@ from kvmap.layout import PAD_SLOT_ID, group_layouts
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers.contract import Worker
 from kvmap.workers.mappings import DUMP_KEYS, BatchMappings, mappings_from_dict
+from kvmap.workers.order import mrv2_key
 from kvmap.workers.state import STANDIN_TOKEN_ID
 
 
@@ -109,16 +110,11 @@ class ReferenceWorker(Worker):
         so = step.scheduler_output
         k = self.header.num_speculative_tokens
         sched = list(so.num_scheduled_tokens.items())  # scheduler order
-
-        def key(item: tuple[str, int]) -> tuple[bool, bool, int]:
-            req_id, n = item
-            if k == 0:
-                return (False, False, n)
-            has_drafts = len(so.scheduled_spec_decode_tokens.get(req_id, [])) > 0
-            return (not has_drafts, n != 1 + k, n)
-
         self._step_ids = {}
-        batch = sorted(sched, key=key)  # Python's sort is stable
+        if self.v1_batch is not None:
+            batch = [(r, so.num_scheduled_tokens[r]) for r in self.v1_order(step)]
+        else:  # Python's sort is stable
+            batch = sorted(sched, key=lambda e: mrv2_key(e[1], len(so.scheduled_spec_decode_tokens.get(e[0], [])), k))
         out: dict = {"req_ids": [], "idx_mapping": [], "query_start_loc": [0], "seq_lens": [], "positions": [],
                      "input_ids": [], "block_tables": [[] for _ in self.header.kv_cache_groups],
                      "slot_mapping": [[] for _ in self.header.kv_cache_groups]}

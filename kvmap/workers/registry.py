@@ -107,8 +107,10 @@ def resolve(backend: str) -> tuple[Backend | None, type]:
     return None, cls
 
 
-def make_worker(backend: str | None, header: TraceHeader, device: str = "cpu"):
-    """Create the named backend's worker for `header` on `device` (None: the default backend)."""
+def make_worker(backend: str | None, header: TraceHeader, device: str = "cpu", batch_order: str = "mrv2",
+                reorder_batch_threshold: int | None = None):
+    """Create the named backend's worker for `header` on `device` (None: the default backend), with the batch
+    order of Model Runner V2 (`mrv2`) or V1's persistent batch (`v1`)."""
     backend = backend or default_backend()
     entry = BUILTIN.get(backend)
     if device != "cpu" and entry is not None and not entry.device_backend:
@@ -118,7 +120,12 @@ def make_worker(backend: str | None, header: TraceHeader, device: str = "cpu"):
         raise KvmapError("the triton backend on CPU tensors needs TRITON_INTERPRET=1 in the environment "
                          "(set before kvmap starts; about 2 ms a kernel program)", field="--backend")
     _, cls = resolve(backend)
-    return cls(header, device)
+    worker = cls(header, device)
+    if batch_order != "mrv2" or reorder_batch_threshold is not None:
+        if batch_order != "v1":
+            raise KvmapError("--reorder-threshold applies to --batch-order v1", field="--reorder-threshold")
+        worker.use_batch_order(batch_order, reorder_batch_threshold)
+    return worker
 
 
 def describe() -> list[tuple[str, str]]:

@@ -1,0 +1,81 @@
+"""Batch order for both runners: Model Runner V2's sort (the default) and V1's persistent batch (lowest hole,
+condense, the optional 4-region reorder), the same in every backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmap.run.replay import replay
+from kvmap.trace import CachedRequestData, NewRequestData, SchedulerOutput, Step, Trace
+from kvmap.workers.mappings import dump_line
+from kvmap.workers.order import V1PersistentBatch, mrv2_key
+
+from .conftest import TRACES
+
+
+def _step(i, new=(), cached=(), n=None, finished=(), resumed=(), nc=None):
+    """A step with `new` requests (prompt of 10 tokens) and `cached` ones; n: req -> scheduled tokens."""
+    new_reqs = [NewRequestData(r, list(range(10)), [[]], 0, None) for r in new]
+    cached = list(cached)
+    nc = nc or {}
+    c = CachedRequestData(cached, set(resumed), [None] * len(cached), [nc.get(r, 10) for r in cached], {}, None)
+    n = n or {r: 1 for r in [*new, *cached]}
+    return Step(i, i + 2, SchedulerOutput(new_reqs, c, n, sum(n.values()), {}, list(finished), []), None, None)
+
+
+def _nc(step):
+    so = step.scheduler_output
+    out = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
+    out.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+    return out
+
+
+def test_v1_fills_the_hole_with_the_last_row():
+    b = V1PersistentBatch()
+    s = _step(0, new="ABCD")
+    assert b.update(s, _nc(s)) == list("ABCD")
+    s = _step(1, cached="ABD", finished="C")  # C finished: D (the last row) moves into row 2
+    assert b.update(s, _nc(s)) == list("ABD")
+    s = _step(2, new="E", cached="ABD", finished="")  # a new request is appended after the condensed rows
+    assert b.update(s, _nc(s)) == list("ABDE")
+
+
+def test_v1_unscheduled_rows_leave_and_come_back_into_the_lowest_hole():
+    b = V1PersistentBatch()
+    s = _step(0, new="ABCD")
+    b.update(s, _nc(s))
+    s = _step(1, cached="ACD")  # B not scheduled: its row 1 is refilled by D (condense)
+    assert b.update(s, _nc(s)) == list("ADC")
+    s = _step(2, new="E", cached="ABCD")  # new first (lowest hole: none, append), then re-added B
+    assert b.update(s, _nc(s)) == list("ADCEB")
+
+
+def test_v1_reorder_puts_decodes_first_by_swaps():
+    b = V1PersistentBatch(reorder_batch_threshold=1)
+    s = _step(0, new="ABC", n={"A": 10, "B": 10, "C": 10})
+    assert b.update(s, _nc(s)) == list("ABC")  # all pure prefills
+    # A: long extend (4 tokens, nc 6 < 10), B: decode (1 token, done), C: short extend (1 token, nc 5 < 10)
+    s = _step(1, cached="ABC", n={"A": 4, "B": 1, "C": 1}, nc={"A": 6, "B": 10, "C": 5})
+    assert b.update(s, _nc(s)) == list("BCA")
+
+
+def test_mrv2_key_orders_drafts_first():
+    k = 2
+    reqs = [("p", 8, 0), ("d", 1, 0), ("s", 3, 2), ("e", 3, 0)]
+    order = [r for r, n, d in sorted(reqs, key=lambda x: mrv2_key(x[1], x[2], k))]
+    assert order == ["s", "e", "d", "p"]
+
+
+SMALL = [p for p in sorted(TRACES.glob("*.jsonl"))]
+
+
+@pytest.mark.parametrize("threshold", [None, 1, 16])
+@pytest.mark.parametrize("path", SMALL, ids=lambda p: p.name)
+def test_every_backend_has_the_same_v1_order(path, threshold):
+    dumps = {}
+    for backend in ("reference", "numpy", "numba", "torch"):
+        lines: list[str] = []
+        replay(Trace(path), backend=backend, batch_order="v1", reorder_batch_threshold=threshold, verify_kv=True,
+               nvtx=False, on_mappings=lambda d: lines.append(dump_line(d)))
+        dumps[backend] = lines
+    assert dumps["numpy"] == dumps["reference"] == dumps["numba"] == dumps["torch"]
