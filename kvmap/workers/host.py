@@ -20,7 +20,8 @@ from kvmap.trace import Step, TraceHeader
 from kvmap.workers import buffers as B
 from kvmap.workers.contract import StepBatch, Worker
 from kvmap.workers.mappings import BatchMappings
-from kvmap.workers.state import WorkerState, ragged_columns
+from kvmap.workers.state import WorkerState
+from kvmap.workers.writes import ragged_columns
 
 
 class HostWorker(Worker):

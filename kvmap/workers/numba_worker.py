@@ -12,6 +12,7 @@ from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache
 from kvmap.trace import TraceHeader
 from kvmap.workers import kernels_cpu
 from kvmap.workers.host import HostWorker
+from kvmap.workers.state_ops import CompiledOps
 
 
 class NumbaWorker(HostWorker):
@@ -20,7 +21,7 @@ class NumbaWorker(HostWorker):
     def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
         super().__init__(header, device)
         self.k = kernels_cpu
-        self.state.kernels = kernels_cpu
+        self.state.ops = CompiledOps(self.state.writes)
 
     def sort_batch(self) -> None:
         b, buf = self.batch, self.buffers

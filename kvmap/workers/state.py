@@ -9,8 +9,9 @@ Rules:
 - Everything is preallocated at maximum size. Updates are vectorized ragged writes (`ragged_write`), never a
   loop per token; the only Python loops are per request, for requests that carry new data (a step where a
   few rows cross into a new block writes those rows' slices directly: cheaper than setting up a scatter).
-- A compiled worker sets `kernels` (kvmap.workers.kernels_cpu): the whole-batch position check and the sampled-token
-  append are then one kernel call each. Device workers keep the numpy path, which journals every write.
+- One mode: every write into token rows and block tables goes through `self.writes` (workers/writes.py), which
+  device workers set to record; the whole-batch operations (position check, sampled-token append, scatter of
+  `num_computed_tokens`) go through `self.ops`, vectorized or compiled (workers/state_ops.py).
 - `num_computed_tokens` is always taken from the trace. Sampled tokens are appended after the step.
 - Problems that need state to detect (unknown request, a full pool of rows, a row that overflows, a scheduled
   position without a block) raise `TraceError` naming step, request, group and field.
@@ -24,6 +25,8 @@ import numpy as np
 
 from kvmap.errors import TraceError
 from kvmap.trace import SchedulerOutput, Step, TraceHeader
+from kvmap.workers.state_ops import CompiledOps, VectorOps
+from kvmap.workers.writes import TOKENS, StagedWrites
 
 STANDIN_TOKEN_ID = 0  # input id used where the trace did not record what the model sampled
 ROW_WRITES_MAX = 16  # up to this many rows with new blocks: one slice write each; more: one vectorized scatter
@@ -31,30 +34,6 @@ ROW_WRITES_MAX = 16  # up to this many rows with new blocks: one slice write eac
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def ragged_columns(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Columns of ragged segments: segment i covers `starts[i] .. starts[i] + counts[i] - 1`, concatenated."""
-    seg_start = np.cumsum(counts) - counts  # [n] offset of each segment in the concatenation
-    return np.arange(int(counts.sum())) - np.repeat(seg_start - starts, counts)
-
-
-def ragged_write(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-                 values: np.ndarray, one_each: bool | None = None) -> None:
-    """`table[rows[i], starts[i] : starts[i] + counts[i]] = values[segment i]` for all i, in one scatter.
-
-    `values` is the concatenation of the segments (MRV2's `StagedWriteTensor` does the same on the GPU).
-    `one_each`: the caller knows whether every count is 1 (None: look).
-    """
-    total = len(values)
-    if total == 0:
-        return
-    if one_each is None:
-        one_each = total == len(rows) and int(counts.min()) == 1
-    if one_each:  # one value per row (the usual decode step)
-        table[rows, starts] = values
-        return
-    table[np.repeat(rows, counts), ragged_columns(starts, counts)] = values
 
 
 class WorkerState:
@@ -80,34 +59,13 @@ class WorkerState:
         self.num_blocks = np.zeros((header.num_groups, R), dtype=np.int32)  # [G, R] valid entries per row
         # [R] positions every group's blocks cover, capped at max_model_len: min_g num_blocks[g] * block_size_g
         self.capacity = np.zeros(R, dtype=np.int32)
-        # Device workers set this to a list: every write into token_ids / block_tables is also recorded as
-        # (table, group, rows, starts, counts, values), so that only what changed crosses to the device.
-        self.journal: list[tuple[str, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None = None
+        # every write into token_ids / block_tables; device workers turn `record` on (only changes cross)
+        self.writes = StagedWrites(self.token_ids, self.block_tables)
+        self.ops: VectorOps | CompiledOps = VectorOps()  # the compiled worker installs CompiledOps
         self.num_standin_tokens = 0  # input ids that had to be made up (trace without sampled_token_ids)
-        self.kernels = None  # kvmap.workers.kernels_cpu when the worker is compiled: appends run as one kernel call
         self._ones = np.ones(R, dtype=np.int32)  # [R] counts of a step that samples one token per request
         self._zeros = np.zeros(R, dtype=np.int32)  # [R] draft counts of a step without drafts (never written)
         self.missing_samples = False  # some step had no sampled_token_ids
-
-    # ------------------------------------------------------------------ writes
-
-    def _write(self, table: str, g: int, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-               values: np.ndarray, one_each: bool | None = None) -> None:
-        """Ragged write into token_ids (table "tokens") or block_tables[g] ("blocks"), journaled if asked."""
-        target = self.token_ids if table == "tokens" else self.block_tables[g]
-        ragged_write(target, rows, starts, counts, values, one_each)
-        if self.journal is not None:
-            self.journal.append((table, g, rows, starts, counts, values))
-
-    def _write_row(self, table: str, g: int, row: int, start: int, values) -> None:
-        target = self.token_ids if table == "tokens" else self.block_tables[g]
-        if self.journal is None:
-            target[row, start : start + len(values)] = values  # numpy converts a list in C
-            return
-        values = np.asarray(values, dtype=np.int32)
-        target[row, start : start + len(values)] = values
-        one = np.ones(1, dtype=np.int64)
-        self.journal.append((table, g, one * row, one * start, one * len(values), values))
 
     # ------------------------------------------------------------------ rows
 
@@ -135,7 +93,7 @@ class WorkerState:
         if n > self.header.max_model_len:
             raise TraceError(f"{n} tokens exceed max_model_len {self.header.max_model_len}", line=step.line,
                              step=step.step, req_id=req_id, field=field)
-        self._write_row("tokens", 0, row, 0, tokens)
+        self.writes.write_row(TOKENS, row, 0, tokens)
         self.total_len[row] = n
 
     def _set_blocks(self, row: int, block_ids: list[list[int]], step: Step, req_id: str, field: str) -> None:
@@ -144,7 +102,7 @@ class WorkerState:
             if n > self.max_num_blocks[g]:
                 raise TraceError(f"{n} blocks exceed the row width {self.max_num_blocks[g]}", line=step.line,
                                  step=step.step, req_id=req_id, group=g, field=field)
-            self._write_row("blocks", g, row, 0, ids)
+            self.writes.write_row(g, row, 0, ids)
             self.num_blocks[g, row] = n
         self._refresh_capacity(row)
 
@@ -199,10 +157,7 @@ class WorkerState:
             nc = np.fromiter(c.num_computed_tokens, np.int32, len(crows))
             if step.async_spec is not None and step.async_spec.num_computed_tokens_correction:
                 self._correct(step, c.req_ids, nc)
-            if self.kernels is not None:
-                self.kernels.scatter(self.num_computed_tokens, crows, nc)
-            else:
-                self.num_computed_tokens[crows] = nc
+            self.ops.scatter(self.num_computed_tokens, crows, nc)
             for r in c.resumed_req_ids:
                 row = self.row_of(r, step, "scheduled_cached_reqs.resumed_req_ids")
                 self.preempted.discard(r)
@@ -272,7 +227,7 @@ class WorkerState:
                             raise TraceError(f"appending {len(ids)} blocks overflows the row width "
                                              f"{self.max_num_blocks[g]}", line=step.line, step=step.step,
                                              req_id=c.req_ids[i], group=g, field="new_block_ids")
-                        self._write_row("blocks", g, row, have, ids)
+                        self.writes.write_row(g, row, have, ids)
                         have += len(ids)
                         num_blocks[g, row] = have
                     cap = min(cap, have * sizes[g])
@@ -290,7 +245,7 @@ class WorkerState:
                                  f"{self.max_num_blocks[g]}", line=step.line, step=step.step,
                                  req_id=c.req_ids[sel[j]], group=g, field="new_block_ids")
             flat = np.fromiter(chain.from_iterable(lists), dtype=np.int32, count=int(counts.sum()))
-            self._write("blocks", g, rows, starts, counts, flat)
+            self.writes.write(g, rows, starts, counts, flat)
             self.num_blocks[g, rows] = ends
         self._refresh_capacity(rows)
 
@@ -299,18 +254,10 @@ class WorkerState:
         """Check that every scheduled position fits and has a block; stage drafts after the known tokens."""
         spec = step.scheduler_output.scheduled_spec_decode_tokens
         # one look at the whole batch; `_check_positions` names the first problem (or stages stand-in tokens)
-        end = None
-        if self.kernels is not None:
-            ok = self.kernels.positions_fit(rows, counts, num_drafts, self.num_computed_tokens, self.capacity,
-                                            self.total_len)
-        else:
-            end = self.num_computed_tokens[rows] + counts
-            ok = not (bool((end > self.capacity[rows]).any())
-                      or bool((end - num_drafts > self.total_len[rows]).any()))
+        ok = self.ops.positions_fit(rows, counts, num_drafts, self.num_computed_tokens, self.capacity, self.total_len)
         if ok and not spec:
             return
-        if end is None:
-            end = self.num_computed_tokens[rows] + counts  # [n] seq_lens
+        end = self.num_computed_tokens[rows] + counts  # [n] seq_lens
         real_end = end - num_drafts  # positions past this are drafts
         if not ok:
             self._check_positions(step, req_ids, rows, end, real_end)
@@ -326,7 +273,7 @@ class WorkerState:
             if standin.any():
                 flat[standin] = STANDIN_TOKEN_ID
                 self.num_standin_tokens += int(standin.sum())
-            self._write("tokens", 0, drows, real_end[sel], num_drafts[sel], flat)
+            self.writes.write(TOKENS, drows, real_end[sel], num_drafts[sel], flat)
 
     def _check_positions(self, step: Step, req_ids: list[str], rows: np.ndarray, end: np.ndarray,
                          real_end: np.ndarray) -> None:
@@ -353,7 +300,7 @@ class WorkerState:
                                  req_id=req_ids[j], field="num_scheduled_tokens")
             for j in np.flatnonzero(gap):  # made-up ids for tokens the trace did not record
                 row = rows[j]
-                self._write_row("tokens", 0, row, int(known[j]),
+                self.writes.write_row(TOKENS, row, int(known[j]),
                                 np.full(int(real_end[j] - known[j]), STANDIN_TOKEN_ID, dtype=np.int32))
                 self.num_standin_tokens += int(real_end[j] - known[j])
                 self.total_len[row] = real_end[j]
@@ -372,28 +319,12 @@ class WorkerState:
         else:
             srows = self._rows(sampled)
         values = sampled.values()
-        if self.kernels is not None and self.journal is None:
-            flat = np.fromiter(chain.from_iterable(values), np.int32)
-            if len(flat) == len(sampled) and [] not in values:  # one token each, the usual decode step
-                counts = self._ones[: len(flat)]
-            else:
-                counts = np.fromiter(map(len, values), np.int32, len(sampled))
-            j = self.kernels.append_tokens(self.token_ids, self.total_len, srows, counts, flat,
-                                           self.header.max_model_len)
-            if j >= 0:
-                raise TraceError("sampled tokens overflow max_model_len", line=step.line, step=step.step,
-                                 req_id=list(sampled)[j], field="sampled_token_ids")
-            return
-        lens = list(map(len, values))
-        total = sum(lens)
-        one_each = total == len(lens) and max(lens) == 1  # the usual decode step
-        starts = self.total_len[srows]
-        counts = np.array(lens, dtype=np.int32)
-        ends = starts + counts
-        if len(ends) and int(ends.max()) > self.header.max_model_len:
-            j = int(np.argmax(ends > self.header.max_model_len))
+        flat = np.fromiter(chain.from_iterable(values), np.int32)
+        if len(flat) == len(sampled) and [] not in values:  # one token each, the usual decode step
+            counts = self._ones[: len(flat)]
+        else:
+            counts = np.fromiter(map(len, values), np.int32, len(sampled))
+        j = self.ops.append_tokens(self, srows, counts, flat)
+        if j >= 0:
             raise TraceError("sampled tokens overflow max_model_len", line=step.line, step=step.step,
                              req_id=list(sampled)[j], field="sampled_token_ids")
-        flat = np.fromiter(chain.from_iterable(values), dtype=np.int32, count=total)
-        self._write("tokens", 0, srows, starts, counts, flat, one_each)
-        self.total_len[srows] = ends

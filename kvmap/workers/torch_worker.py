@@ -1,15 +1,15 @@
 """Device workers: request state lives on a torch device and each step sends only what changed.
 
 Rules (Model Runner V2's design, docs: vllm-internals.md 2.2):
-- The host keeps `WorkerState` (numpy) as the source of truth for what the scheduler said; its journal lists
-  every write into token rows and block tables. Each step the host packs, into one pinned int64 staging
-  buffer, the batch (`idx_mapping`, `num_scheduled_tokens`), the `num_computed_tokens` and `num_blocks` rows,
-  and the journal's writes (flat index, value); one non-blocking copy sends it; the device applies the writes
-  with `index_copy_`. Two pinned buffers are used in turn, and a buffer is refilled only after the event
-  recorded behind its last copy has completed, so the host never rewrites memory a copy may still read.
+- The host keeps `WorkerState` (numpy) as the source of truth for what the scheduler said; its staged writes
+  (workers/writes.py, recording) list every write into token rows and block tables. Each step the host packs, into
+  one pinned int64 staging buffer, the batch (`idx_mapping`, `num_scheduled_tokens`), the `num_computed_tokens`
+  and `num_blocks` rows, and the recorded writes (flat index, value); one non-blocking copy sends it; the device
+  applies the writes with `index_copy_`. Two pinned buffers are used in turn, and a buffer is refilled only after
+  the event recorded behind its last copy has completed, so the host never rewrites memory a copy may still read.
 - Per-step mappings are computed on the device into preallocated device buffers; no `.item()`, no host sync
   inside a step (T, the step's token count, is known on the host from the trace).
-- `TorchWorker` uses plain tensor ops (runs on CPU too, for checking); `TritonWorker` (kernels_triton.py)
+- `TorchWorker` uses plain tensor ops (runs on CPU too, for checking); `TritonWorker` (triton_worker.py)
   replaces the mapping phases with Triton kernels. Both are checked bit for bit against the reference.
 - On CPU, torch runs with one intra-op thread (see _torch.py).
 """
@@ -25,7 +25,7 @@ from kvmap.layout import PAD_SLOT_ID
 from kvmap.trace import TraceHeader
 from kvmap.workers.host import NumpyWorker
 from kvmap.workers.mappings import BatchMappings
-from kvmap.workers.state import ragged_columns
+from kvmap.workers.writes import TOKENS, ragged_columns
 
 
 def resolve_device(name: str):
@@ -96,7 +96,7 @@ class TorchWorker(NumpyWorker):
         t = torch()
         self.torch_device = dev = resolve_device(device)
         st = self.state
-        st.journal = []
+        st.writes.record = True  # every write to token rows / block tables is sent, once, each step
         R, G = st.max_num_reqs, len(st.block_sizes)
         T = self.buffers.max_num_tokens
         # long-lived state on the device
@@ -129,7 +129,7 @@ class TorchWorker(NumpyWorker):
         self.d_token_ids.copy_(t.from_numpy(self.state.token_ids))
         for d, h in zip(self.d_block_tables, self.state.block_tables):
             d.copy_(t.from_numpy(h))
-        self.state.journal.clear()
+        self.state.writes.drain()
 
     @property
     def h2d_bytes(self) -> int:
@@ -142,20 +142,18 @@ class TorchWorker(NumpyWorker):
     # ------------------------------------------------------------------ phases
 
     def copy_to_device(self) -> None:
-        """One staged non-blocking copy: the batch, per-row counters, and the journal's writes."""
+        """One staged non-blocking copy: the batch, per-row counters, and the recorded writes."""
         b, st = self.batch, self.state
         idx = b.rows[b.order].astype(np.int64)
         n = b.num_scheduled_tokens[b.order].astype(np.int64)
         parts = [idx, n, st.num_computed_tokens.astype(np.int64), st.num_blocks.reshape(-1).astype(np.int64)]
-        writes: dict[tuple[str, int], list] = {}
-        for table, g, r, s0, c, v in st.journal:
+        writes: dict[int, list] = {}
+        for table, r, s0, c, v in st.writes.drain():
             if not len(v):
                 continue
             cols = ragged_columns(s0, c)
-            width = st.token_width if table == "tokens" else st.block_tables[g].shape[1]
-            writes.setdefault((table, g), []).append((np.repeat(r.astype(np.int64), c) * width + cols,
-                                                      v.astype(np.int64)))
-        st.journal.clear()
+            width = st.writes.tables[table].shape[1]
+            writes.setdefault(table, []).append((np.repeat(r.astype(np.int64), c) * width + cols, v.astype(np.int64)))
         keys = list(writes)
         for key in keys:
             parts.append(np.concatenate([x[0] for x in writes[key]]))
@@ -167,9 +165,9 @@ class TorchWorker(NumpyWorker):
         self.o_num_scheduled[:B].copy_(d_n)
         self.d_num_computed.copy_(d_nc)
         self.d_num_blocks.copy_(d_nb.view(self.d_num_blocks.shape))
-        for i, (table, g) in enumerate(keys):
+        for i, table in enumerate(keys):
             flat, vals = views[4 + 2 * i], views[5 + 2 * i]
-            target = self.d_token_ids if table == "tokens" else self.d_block_tables[g]
+            target = self.d_token_ids if table == TOKENS else self.d_block_tables[table]
             target.view(-1).index_copy_(0, flat, vals.to(torch().int32))
 
     def prepare_inputs(self) -> None:
