@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvmap.errors import KvmapError
+from kvmap.workers.registry import BUILTIN
 
 app = typer.Typer(
     name="kvmap",
@@ -102,15 +103,14 @@ def parse_steps(spec: str | None) -> tuple[int, int | None]:
     return start, stop
 
 
+BACKEND_HELP = " | ".join(f"{b.name} ({b.summary})" for b in BUILTIN.values())
 TraceArg = Annotated[Optional[Path], typer.Argument(help="Trace file (.jsonl or .jsonl.gz). Default: the "
                                                          "bundled worked example.", show_default=False)]
 StepsOpt = Annotated[Optional[str], typer.Option("--steps", help="Only time steps START:END (END exclusive); "
                                                   "earlier steps are still replayed.")]
-BackendOpt = Annotated[Optional[str], typer.Option("--backend", "-b", help="Worker implementation: numba "
-                                                   "(compiled, the default when numba imports) | numpy | reference "
-                                                   "| torch | triton (device workers; triton on CPU needs "
-                                                   "TRITON_INTERPRET=1) | your own as module:Class or "
-                                                   "file.py:Class (a kvmap.workers.contract.Worker).",
+BackendOpt = Annotated[Optional[str], typer.Option("--backend", "-b", help=f"Worker implementation: {BACKEND_HELP}; "
+                                                   "or your own as module:Class or file.py:Class (a subclass of "
+                                                   "kvmap.workers.contract.Worker), or a kvmap.backends entry point.",
                                                    show_default=False)]
 
 

@@ -19,8 +19,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from kvmap.errors import KvmapError
-from kvmap.trace import TraceHeader
+
+if TYPE_CHECKING:  # the registry is imported for --help: it imports no numpy, torch or numba
+    from kvmap.trace import TraceHeader
 
 ENTRY_POINT_GROUP = "kvmap.backends"
 

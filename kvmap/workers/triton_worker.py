@@ -16,6 +16,7 @@ import triton.language as tl
 import numpy as np
 
 from kvmap._torch import torch
+from kvmap.kv import canary as C
 from kvmap.kv.cache import KVCheckResult, KVMismatch, PagedKVCache
 from kvmap.layout import PAD_SLOT_ID
 from kvmap.workers.torch_worker import TorchWorker
@@ -77,16 +78,25 @@ def _slot_mapping_kernel(idx_ptr, n_ptr, qsl_ptr, nc_ptr, table_ptr, table_strid
             tl.store(out_ptr + start + offs, blk.to(tl.int64) * block_size + pos % block_size, mask=mask)
 
 
+# kv/canary.py's constants, as compile-time constants of the kernels
+_MUL_TOKEN = tl.constexpr(C.MUL_TOKEN)
+_MUL_POSITION = tl.constexpr(C.MUL_POSITION)
+_MUL_LANE = tl.constexpr(C.MUL_LANE)
+_MIX_1 = tl.constexpr(C.MIX_1)
+_MIX_2 = tl.constexpr(C.MIX_2)
+_MASK_32 = tl.constexpr(C.MASK_32)
+
+
 @triton.jit
 def _canary(tok, pos, lane):
-    """kv_cache.canary in int64 arithmetic: products wrap mod 2**64, which keeps the low 32 bits exact."""
-    m = 0xFFFFFFFF
-    x = ((tok.to(tl.int64) * 0x9E3779B1) & m) ^ ((pos.to(tl.int64) * 0x85EBCA77) & m)
-    x = (x + lane.to(tl.int64) * 0xC2B2AE3D) & m
+    """kv.canary.canary_value in int64 arithmetic: products wrap mod 2**64, which keeps the low 32 bits exact."""
+    m = _MASK_32
+    x = ((tok.to(tl.int64) * _MUL_TOKEN) & m) ^ ((pos.to(tl.int64) * _MUL_POSITION) & m)
+    x = (x + lane.to(tl.int64) * _MUL_LANE) & m
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & m
+    x = (x * _MIX_1) & m
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & m
+    x = (x * _MIX_2) & m
     x = x ^ (x >> 16)
     return x
 
