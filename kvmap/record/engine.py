@@ -73,7 +73,8 @@ def build_scheduler(w: Workload):
     layers = sum(g.num_layers for g in w.kv_cache_groups)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-                   "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+                   "intermediate_size": 128,
+                   "num_attention_heads": max(2, w.tensor_parallel_size), "num_key_value_heads": 1,
                    "num_hidden_layers": layers, "vocab_size": w.vocab_size,
                    "max_position_embeddings": w.max_model_len, "torch_dtype": "float16", "rms_norm_eps": 1e-5}, f)
     mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=w.max_model_len)
@@ -128,8 +129,8 @@ def build_scheduler(w: Workload):
 def record(w: Workload, out_path: str, on_step: Callable[[int], None] | None = None) -> RecordSummary:
     """Record workload `w` to `out_path` through `RecordingScheduler`."""
     vc, kvc, scheduler, hasher = build_scheduler(w)
-    kernel = [g.kernel_block_size or w.block_size for g in w.kv_cache_groups]
-    header = header_from_config(vc, kvc, kernel, workload=w.name, description=w.description)
+    header = header_from_config(vc, kvc, [g.kernel_block_size for g in w.kv_cache_groups], workload=w.name,
+                                description=w.description)
     rec = RecordingScheduler(scheduler, TraceWriter(out_path, header))
     try:
         tokens, hits = drive(w, rec, hasher, on_step)

@@ -48,12 +48,12 @@ def to_plain(value: Any, key: str | None = None) -> Any:
     return None
 
 
-def header_from_config(vllm_config: Any, kv_cache_config: Any, kernel_block_sizes: list[int] | None = None,
-                       **extra: Any) -> dict:
+def header_from_config(vllm_config: Any, kv_cache_config: Any,
+                       kernel_block_sizes: list[int | None] | None = None, **extra: Any) -> dict:
     """The trace header (trace-format.md) from a running vLLM's configs. `kernel_block_sizes` (one per group, as
-    vLLM's worker chose them: `prepare_kernel_block_sizes`) is known only on the worker side; the scheduler never
-    sees it. Multi-rank keys are written only where they differ from their defaults, so older traces keep their
-    bytes."""
+    vLLM's worker chose them: `prepare_kernel_block_sizes`; None: no split) is known only on the worker side; the
+    scheduler never sees it; attention groups only. Multi-rank keys are written only where they differ from their
+    defaults, so older traces keep their bytes."""
     import vllm
     from vllm.v1.kv_cache_interface import AttentionSpec, SlidingWindowSpec
 
@@ -72,7 +72,7 @@ def header_from_config(vllm_config: Any, kv_cache_config: Any, kernel_block_size
                "attention_chunk_size": getattr(spec, "attention_chunk_size", None),
                "num_layers": len(g.layer_names), "spec": name}
         kbs = kernel_block_sizes[i] if kernel_block_sizes and i < len(kernel_block_sizes) else None
-        if kbs is not None and kbs != spec.block_size:
+        if kbs is not None and kbs != spec.block_size and isinstance(spec, AttentionSpec):
             grp["kernel_block_size"] = kbs
         if not getattr(spec, "dcp_sharded", True):  # vLLM: Mamba state and draft groups are replicated
             grp["dcp_sharded"] = False
