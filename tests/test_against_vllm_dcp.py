@@ -411,3 +411,40 @@ def test_state_group_has_no_v1_slot_mapping(vllm_env):
         bt.compute_slot_mapping(len(b.req_ids), torch.tensor(b.query_start_loc, dtype=torch.int32),
                                 torch.tensor(b.positions, dtype=torch.int64))
         assert (bt.slot_mapping.gpu == 12345).all()  # untouched: no slot mapping for state groups
+
+
+@needs_vllm
+def test_the_vllm51031_mistake_on_vllms_kernel_is_caught(vllm_env):
+    """Planted fault: vLLM's own slot kernel handed the kernel rows and the kernel block size (so its virtual block
+    is kernel_block_size * cp = 32 tokens, not block_size * cp = 128), as Model Runner V2 did before vllm#51031.
+    The comparison names the first bad token: step 0, request 'a', position 32, which rank 0 writes into the slot
+    where the rule keeps position 16 (silent corruption) while rank 1 never stores it."""
+    torch = vllm_env.torch
+    header, _ = read_trace(TRACES / "vllm51031.jsonl")
+    grp = header["kv_cache_groups"][0]
+    bs, kbs = grp["block_size"], grp["kernel_block_size"]
+    cp, inter = rank_settings(header, grp)
+    width = _width(header, grp, cp, vllm_env.vbt) * (bs // kbs)
+    tables = [vllm_env.make(kbs, header["max_num_seqs"], width, header["max_num_batched_tokens"], cp, r, inter)
+              for r in range(cp)]
+    found, bad_steps = [], 0
+    for step, b in batches(TRACES / "vllm51031.jsonl"):
+        slots = []
+        for bt in tables:
+            for i, row in enumerate(b.rows[0]):
+                bt.add_row(kernel_row(row, bs, kbs), i)
+            bt.commit_block_table(len(b.req_ids))
+            bt.compute_slot_mapping(len(b.req_ids), torch.tensor(b.query_start_loc, dtype=torch.int32),
+                                    torch.tensor(b.positions, dtype=torch.int64))
+            slots.append(bt.slot_mapping.gpu[: len(b.positions)].tolist())
+        bad = slot_mismatches(b.rows[0], b.query_start_loc, b.positions, slots, block_size=bs, cp=cp,
+                              interleave=inter, what=f"step {step}")
+        if bad:
+            bad_steps += 1
+            found.append((step, b.req_ids, b.rows[0][0], bad))
+    step, req_ids, row, bad = found[0]
+    assert step == 0 and req_ids == ["a"]
+    assert bad[:2] == ["step 0 request 0 token 32 (position 32) rank 0: slot 80, rule says -1",
+                       "step 0 request 0 token 32 (position 32) rank 1: slot -1, rule says 64"]
+    assert row[0] == 1 and slot_for(row, 16, bs, cp, 0, inter) == 80  # where rank 0 keeps position 16
+    assert bad_steps == 16
