@@ -8,8 +8,12 @@ positions) is derived from the trace by a minimal tracker written here (not kvma
   scalar transcription of trace-format.md's per-rank rule;
 - `dcp_local_seq_lens` from vLLM's V1 helper (`get_dcp_local_seq_lens`) and Model Runner V2's Triton kernel
   (`prepare_dcp_local_seq_lens`) are compared with `dcp_local_seq_len`;
+- the same for Model Runner V2's fused slot kernel (`vllm/v1/worker/gpu/block_table.py`,
+  `_compute_slot_mappings_kernel`: all groups in one launch, rows read through idx_mapping);
 - kernel block rows from vLLM's `AttentionGroup.map_to_kernel_block_table` are compared with `kernel_row`, and
-  the slot computed over the kernel row must equal the manager-block slot.
+  the slot computed over the kernel row must equal the manager-block slot;
+- a planted vllm#51031 fault (vLLM's kernel handed kernel rows and the kernel block size) is named at its step,
+  request, position and ranks.
 
 The comparison (`slot_mismatches`) takes plain arrays (rows, query_start_loc, positions, every rank's slots), so
 it can later be pointed at kvmap's mapping dump (`slot_mapping` as `[cp][groups][tokens]`). The oracle self-tests
@@ -448,3 +452,95 @@ def test_the_vllm51031_mistake_on_vllms_kernel_is_caught(vllm_env):
                        "step 0 request 0 token 32 (position 32) rank 1: slot -1, rule says 64"]
     assert row[0] == 1 and slot_for(row, 16, bs, cp, 0, inter) == 80  # where rank 0 keeps position 16
     assert bad_steps == 16
+
+
+@pytest.fixture
+def interpreter_bool_masks(monkeypatch):
+    """Triton 3.9's interpreter rejects a load mask built as `~bool_scalar | bool_vector` (it arrives as int8 0/1:
+    "mask has unsupported dtype"), which Model Runner V2's slot kernel does for CP_SIZE > 1. Cast such masks to
+    bool: the values are unchanged, only the dtype the interpreter's C loader accepts."""
+    import numpy as np
+    import triton.runtime.interpreter as ti
+
+    orig = ti.InterpreterBuilder.create_masked_load
+
+    def load(self, ptrs, mask, other, *args, **kwargs):
+        if mask is not None and mask.data.dtype != np.bool_:
+            assert set(np.unique(mask.data).tolist()) <= {0, 1}
+            mask = ti.TensorHandle(mask.data.astype(np.bool_), mask.dtype)
+        return orig(self, ptrs, mask, other, *args, **kwargs)
+
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_masked_load", load)
+
+
+def _vllm_specs(header: dict):
+    """vLLM's own KVCacheSpec per group, as the recorder built them: their uses_slot_mapping and dcp_sharded flags
+    are what Model Runner V2 hands its slot kernel."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    out = []
+    for grp in header["kv_cache_groups"]:
+        if grp["kind"] == "mamba":
+            out.append(MambaSpec(block_size=grp["block_size"], shapes=((2, 8),), dtypes=(torch.float16,),
+                                 mamba_cache_mode="none"))
+        else:
+            out.append(FullAttentionSpec(block_size=grp["block_size"], num_kv_heads=1, head_size=8,
+                                         dtype=torch.float16))
+    return out
+
+
+@needs_vllm
+@pytest.mark.parametrize("name", ALL_TRACES)
+def test_every_rank_slot_mapping_equals_model_runner_v2_kernel(name, vllm_env, interpreter_bool_masks):
+    """Model Runner V2's fused slot kernel (`_compute_slot_mappings_kernel`, all groups in one launch, rows read
+    through idx_mapping) on every DCP rank. Sharded attention groups follow the rule. vLLM 0.33's MambaSpec says
+    uses_slot_mapping True and dcp_sharded False, so MRV2 writes a Mamba group cp = 1 slots
+    (row[p // block_size] * block_size + p % block_size) on every rank; trace-format.md's rule writes -1 there.
+    Neither is read by a Mamba kernel; the test pins what vLLM does."""
+    torch = vllm_env.torch
+    from vllm.v1.worker.gpu.block_table import _compute_slot_mappings_kernel
+
+    header, _ = read_trace(TRACES / name)
+    specs = _vllm_specs(header)
+    groups = header["kv_cache_groups"]
+    cp_all, inter = header.get("decode_context_parallel_size", 1), header.get("cp_kv_cache_interleave_size", 1)
+    R, max_tokens = header["max_num_seqs"], header["max_num_batched_tokens"]
+    tables = [torch.zeros(R, _width(header, grp, rank_settings(header, grp)[0], vllm_env.vbt), dtype=torch.int32)
+              for grp in groups]
+    ptrs = torch.tensor([t.data_ptr() for t in tables], dtype=torch.uint64)
+    strides = torch.tensor([t.stride(0) for t in tables], dtype=torch.int64)
+    sizes = torch.tensor([s.block_size for s in specs], dtype=torch.int32)
+    enabled = torch.tensor([s.uses_slot_mapping for s in specs], dtype=torch.bool)
+    sharded = torch.tensor([s.dcp_sharded for s in specs], dtype=torch.bool)
+    assert [s.dcp_sharded for s in specs] == [grp.get("dcp_sharded", grp["kind"] != "mamba") for grp in groups]
+    checked = 0
+    for step, b in batches(TRACES / name):
+        B, T = len(b.req_ids), len(b.positions)
+        idx = torch.tensor([R - 1 - i for i in range(B)], dtype=torch.int32)  # request-state rows from the end
+        for g, t in enumerate(tables):
+            t.zero_()
+            for i, row in enumerate(b.rows[g]):
+                t[R - 1 - i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        per_rank = []
+        for r in range(cp_all):
+            out = torch.full((len(groups), max_tokens), 12345, dtype=torch.int64)
+            _compute_slot_mappings_kernel[(len(groups), B + 1)](
+                max_tokens, idx, torch.tensor(b.query_start_loc, dtype=torch.int32),
+                torch.tensor(b.positions, dtype=torch.int64), ptrs, strides, sizes, enabled, sharded, out,
+                out.stride(0), r, CP_SIZE=cp_all, CP_INTERLEAVE=inter, PAD_ID=PAD_SLOT_ID, TRITON_BLOCK_SIZE=1024)
+            assert (out[:, T:] == PAD_SLOT_ID).all()
+            per_rank.append(out[:, :T].tolist())
+        for g, grp in enumerate(groups):
+            cp, _ = rank_settings(header, grp)
+            what = f"{name} step {step} group {g}"
+            if cp == cp_all:
+                bad = slot_mismatches(b.rows[g], b.query_start_loc, b.positions, [s[g] for s in per_rank],
+                                      block_size=grp["block_size"], cp=cp, interleave=inter, what=what)
+            else:  # replicated: every rank writes the cp = 1 slots
+                bad = [m for s in per_rank for m in slot_mismatches(
+                    b.rows[g], b.query_start_loc, b.positions, [s[g]], block_size=grp["block_size"], cp=1,
+                    interleave=1, what=what)]
+            assert not bad, "\n".join(bad[:10])
+            checked += T
+    assert checked > 0
