@@ -103,20 +103,21 @@ def faulty_kernel_slot_vllm51031(krow: list[int], pos: int, kernel_block_size: i
 def slot_mismatches(rows: list[list[int]], query_start_loc: list[int], positions: list[int],
                     slots: list[list[int]], *, block_size: int, cp: int, interleave: int,
                     kernel_block_size: int | None = None, kernel_rows: list[list[int]] | None = None,
-                    what: str = "") -> list[str]:
+                    what: str = "", req_ids: list[str] | None = None) -> list[str]:
     """Compare every rank's slots (`slots[rank][token]`) for one group of one step with the oracle. `rows[b]` is
     batch request b's block-table row (manager block ids), its tokens are query_start_loc[b] .. [b+1]-1.
     With `kernel_rows` (the expanded rows someone computed), they must equal `kernel_row`, and the slot over
-    them must equal the manager slot. Cross-rank: every token is local on exactly one rank. Returns one line per
-    mismatch (empty: all agree)."""
+    them must equal the manager slot. Cross-rank: every token is written (not -1) on exactly one rank. Returns
+    one line per mismatch (empty: all agree)."""
     out: list[str] = []
     if len(slots) != cp:
         return [f"{what}: {len(slots)} ranks of slots, expected cp={cp}"]
     for b, row in enumerate(rows):
+        rq = f"request {req_ids[b]!r}" if req_ids else f"request {b}"
         if kernel_rows is not None:
             want_k = kernel_row(row, block_size, kernel_block_size)
             if list(kernel_rows[b][: len(want_k)]) != want_k:
-                out.append(f"{what} request {b}: kernel row {list(kernel_rows[b])} != {want_k}")
+                out.append(f"{what} {rq}: kernel row {list(kernel_rows[b])} != {want_k}")
         for t in range(query_start_loc[b], query_start_loc[b + 1]):
             p = positions[t]
             owners = 0
@@ -124,17 +125,84 @@ def slot_mismatches(rows: list[list[int]], query_start_loc: list[int], positions
                 want = slot_for(row, p, block_size, cp, r, interleave)
                 got = int(slots[r][t])
                 if got != want:
-                    out.append(f"{what} request {b} token {t} (position {p}) rank {r}: slot {got}, rule says {want}")
-                owners += want != PAD_SLOT_ID
+                    out.append(f"{what} {rq} token {t} (position {p}) rank {r}: slot {got}, rule says {want}")
+                owners += got != PAD_SLOT_ID
                 if kernel_block_size:
                     krow = kernel_rows[b] if kernel_rows is not None else kernel_row(row, block_size,
                                                                                      kernel_block_size)
                     ks = kernel_slot_for(list(krow), p, block_size, kernel_block_size, cp, r, interleave)
                     if ks != want:
-                        out.append(f"{what} request {b} position {p} rank {r}: kernel-row slot {ks} != {want}")
-            if owners != 1:
-                out.append(f"{what} request {b} position {p}: local on {owners} ranks, not exactly one")
+                        out.append(f"{what} {rq} position {p} rank {r}: kernel-row slot {ks} != {want}")
+            if owners != 1:  # cross-rank: on what the ranks wrote, not on the rule
+                out.append(f"{what} {rq} position {p}: written on {owners} ranks, not exactly one")
     return out
+
+
+def dump_mismatches(header: dict, d: dict) -> list[str]:
+    """Check one line of a mapping dump (trace-format.md, "Mapping dump": `block_tables[g][b]`,
+    `query_start_loc`, `positions`, `seq_lens`, `slot_mapping` as `[g][t]`, or `[cp][g][t]` when cp > 1,
+    `dcp_local_seq_lens[cp][b]`, `kernel_block_tables[g][b]`) against the rule. kvmap's `--dump-mappings` output
+    can be fed here line by line once the worker implements issue 14."""
+    cp_all = header.get("decode_context_parallel_size", 1)
+    out: list[str] = []
+    what = f"step {d['step']}"
+    for g, grp in enumerate(header["kv_cache_groups"]):
+        cp, inter = rank_settings(header, grp)
+        ranks = [d["slot_mapping"][r][g] for r in range(cp_all)] if cp_all > 1 else [d["slot_mapping"][g]]
+        rows = d["block_tables"][g]
+        if not uses_slot_mapping(grp):  # kvmap's convention for state groups: no slots on any rank
+            out += [f"{what} group {g} rank {r}: state group slots {s[:8]}..., expected all -1"
+                    for r, s in enumerate(ranks) if any(x != PAD_SLOT_ID for x in s)]
+            continue
+        kbs = grp.get("kernel_block_size")
+        krows = d["kernel_block_tables"][g] if kbs and kbs != grp["block_size"] else None
+        if cp == cp_all:
+            out += slot_mismatches(rows, d["query_start_loc"], d["positions"], ranks, block_size=grp["block_size"],
+                                   cp=cp, interleave=inter, kernel_block_size=kbs if krows else None,
+                                   kernel_rows=krows, what=f"{what} group {g}", req_ids=d["req_ids"])
+        else:  # replicated group: every rank holds the cp = 1 slots
+            for r, s in enumerate(ranks):
+                out += slot_mismatches(rows, d["query_start_loc"], d["positions"], [s], block_size=grp["block_size"],
+                                       cp=1, interleave=1, kernel_block_size=kbs if krows else None,
+                                       kernel_rows=krows, what=f"{what} group {g} (rank {r})", req_ids=d["req_ids"])
+    if cp_all > 1:
+        inter = header.get("cp_kv_cache_interleave_size", 1)
+        for b, (q, sl) in enumerate(zip(d["req_ids"], d["seq_lens"])):
+            got = [d["dcp_local_seq_lens"][r][b] for r in range(cp_all)]
+            want = [dcp_local_seq_len(sl, cp_all, r, inter) for r in range(cp_all)]
+            if got != want or sum(got) != sl:
+                out.append(f"{what} request {q!r}: dcp_local_seq_lens {got}, rule says {want} (seq_len {sl})")
+    return out
+
+
+def oracle_dump(header: dict, step: int, b, slot_fn=slot_for) -> dict:
+    """The dump line the rule gives for a batch from `batches` (what kvmap's worker should write); `slot_fn`
+    replaces the slot rule, to plant a fault."""
+    cp_all = header.get("decode_context_parallel_size", 1)
+    per_rank = []
+    for r in range(cp_all):
+        groups = []
+        for g, grp in enumerate(header["kv_cache_groups"]):
+            cp, inter = rank_settings(header, grp)
+            slots = []
+            for i, row in enumerate(b.rows[g]):
+                for t in range(b.query_start_loc[i], b.query_start_loc[i + 1]):
+                    slots.append(slot_fn(row, b.positions[t], grp["block_size"], cp, r if cp > 1 else 0, inter)
+                                 if uses_slot_mapping(grp) else PAD_SLOT_ID)
+            groups.append(slots)
+        per_rank.append(groups)
+    d = {"step": step, "req_ids": b.req_ids, "query_start_loc": b.query_start_loc, "seq_lens": b.seq_lens,
+         "positions": b.positions, "block_tables": b.rows,
+         "slot_mapping": per_rank if cp_all > 1 else per_rank[0]}
+    if cp_all > 1:
+        inter = header.get("cp_kv_cache_interleave_size", 1)
+        d["dcp_local_seq_lens"] = [[dcp_local_seq_len(s, cp_all, r, inter) for s in b.seq_lens]
+                                   for r in range(cp_all)]
+    if any(g.get("kernel_block_size") for g in header["kv_cache_groups"]):
+        d["kernel_block_tables"] = [[kernel_row(row, grp["block_size"], grp.get("kernel_block_size")
+                                                or grp["block_size"]) for row in b.rows[g]]
+                                    for g, grp in enumerate(header["kv_cache_groups"])]
+    return d
 
 
 # ------------------------------------------------------------ a minimal tracker: the batch of each step, from the trace
@@ -241,6 +309,29 @@ def test_oracle_catches_the_vllm51031_mistake():
     diff = [(g, b) for g, b in zip(good, bad) if g != b]
     assert diff and diff[0] == ((32, 0, PAD_SLOT_ID), (32, 0, 5 * 64 + 16))
     assert slot_for(row, 16, 64, 2, 0, 32) == 5 * 64 + 16 and slot_for(row, 32, 64, 2, 1, 32) == 5 * 64
+
+
+@pytest.mark.parametrize("name", ALL_TRACES)
+def test_dump_check_is_silent_on_the_rule_and_names_a_planted_fault(name):
+    """The dump check, as the lead will run it on kvmap's `--dump-mappings`: silent on the rule's own dump of
+    every step; a planted vllm#51031-style fault (virtual block from the kernel block size) is named at its
+    step, request, position and rank where the trace has a kernel split with DCP."""
+    header, _ = read_trace(TRACES / name)
+    data = list(batches(TRACES / name))
+    for step, b in data:
+        assert dump_mismatches(header, oracle_dump(header, step, b)) == []
+    grp = header["kv_cache_groups"][0]
+    kbs = grp.get("kernel_block_size")
+    if not kbs or header.get("decode_context_parallel_size", 1) == 1:
+        return
+
+    def fault(row, pos, block_size, cp, rank, interleave):
+        return faulty_kernel_slot_vllm51031(kernel_row(row, block_size, kbs), pos, kbs, cp, rank, interleave)
+
+    found = [(step, m) for step, b in data for m in dump_mismatches(header, oracle_dump(header, step, b, fault))]
+    assert found[0][1] == "step 0 group 0 request 'a' token 32 (position 32) rank 0: slot 80, rule says -1"
+    assert found[1][1] == "step 0 group 0 request 'a' token 32 (position 32) rank 1: slot -1, rule says 64"
+    assert len({s for s, _ in found}) == 16
 
 
 # ------------------------------------------------------------------------------------------ against vLLM's own code
