@@ -189,8 +189,11 @@ def _check(w: Workload, path: str) -> Workload:
              f"must be > 0 and divide block_size {w.block_size}")
         need(k is None or g.kind != "mamba", f"kv_cache_groups[{i}].kernel_block_size",
              "a mamba group has no kernel blocks")
-    need(not any(g.kind == "mamba" for g in w.kv_cache_groups) or not w.enable_prefix_caching,
-         "enable_prefix_caching", "mamba groups are recorded without prefix caching (mamba_cache_mode none)")
+    if any(g.kind == "mamba" for g in w.kv_cache_groups):
+        need(not w.enable_prefix_caching, "enable_prefix_caching",
+             "mamba groups are recorded without prefix caching (mamba_cache_mode none)")
+        need(w.num_speculative_tokens == 0, "num_speculative_tokens",
+             "mamba groups are recorded without speculative decoding (no speculative state blocks)")
     reqs = w.request_list()
     need(bool(reqs), "requests", "no requests: give `requests:` or `generate:`")
     seen = set()
