@@ -32,6 +32,16 @@ WORKLOADS = TRACES / "workloads"
     ("max_model_len: 8\nrequests: [{req_id: a, prompt_len: 6, max_tokens: 4}]\n", "exceeds max_model_len"),
     ("requests: [\n", "not valid YAML"),
     ("block_size: 16\n", "no requests"),
+    ("cp_kv_cache_interleave_size: 5\ndecode_context_parallel_size: 2\ntensor_parallel_size: 2\n"
+     "requests: [{req_id: a, prompt_len: 4, max_tokens: 2}]\n",
+     "field cp_kv_cache_interleave_size: must be >= 1 and divide"),
+    ("decode_context_parallel_size: 2\nrequests: [{req_id: a, prompt_len: 4, max_tokens: 2}]\n",
+     "field tensor_parallel_size: must be >= 1 and a multiple of decode_context_parallel_size"),
+    ("block_size: 64\nkv_cache_groups: [{kind: full_attention, kernel_block_size: 24}]\n"
+     "requests: [{req_id: a, prompt_len: 4, max_tokens: 2}]\n", "field kv_cache_groups[0].kernel_block_size: must be"),
+    ("decode_context_parallel_size: 2\ntensor_parallel_size: 2\nkv_cache_groups: [{kind: sliding_window, "
+     "sliding_window: 32}]\nrequests: [{req_id: a, prompt_len: 4, max_tokens: 2}]\n",
+     "does not support sliding window"),
 ])
 def test_bad_workload_is_one_located_line(tmp_path, text, fragment):
     w = tmp_path / "w.yaml"
@@ -59,7 +69,8 @@ def test_missing_vllm_says_how_to_install(tmp_path):
 
 @needs_vllm
 @pytest.mark.parametrize("name", ["chunked_prefill", "prefix_caching", "preemption_v1", "preemption_v2",
-                                  "hybrid_sliding_window", "spec_decode"])
+                                  "hybrid_sliding_window", "spec_decode", "dcp2", "dcp4_interleave8",
+                                  "kernel_block_split", "vllm51031", "dcp2_mamba"])
 def test_recording_reproduces_the_bundled_trace(tmp_path, name):
     out = tmp_path / f"{name}.jsonl"
     res = runner.invoke(app, ["record", str(WORKLOADS / f"{name}.yaml"), "-o", str(out), "--no-progress"])

@@ -60,10 +60,11 @@ def build_scheduler(w: Workload):
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if w.protocol == "v2" else "0"
     try:
         import torch
-        from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, \
             resolve_kv_cache_block_sizes
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, \
+            SlidingWindowSpec
         from vllm.v1.structured_output import StructuredOutputManager
     except ImportError as e:
         raise KvmapError(f"{INSTALL_HINT} ({e})") from None
@@ -72,7 +73,8 @@ def build_scheduler(w: Workload):
     layers = sum(g.num_layers for g in w.kv_cache_groups)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-                   "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+                   "intermediate_size": 128,
+                   "num_attention_heads": max(2, w.tensor_parallel_size), "num_key_value_heads": 1,
                    "num_hidden_layers": layers, "vocab_size": w.vocab_size,
                    "max_position_embeddings": w.max_model_len, "torch_dtype": "float16", "rms_norm_eps": 1e-5}, f)
     mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=w.max_model_len)
@@ -86,13 +88,23 @@ def build_scheduler(w: Workload):
 
         kw["speculative_config"] = SpeculativeConfig(method="ngram", num_speculative_tokens=w.num_speculative_tokens,
                                                      prompt_lookup_max=4, prompt_lookup_min=2)
+    if w.decode_context_parallel_size > 1 or w.tensor_parallel_size > 1:
+        # DCP: each manager block id then spans block_size * dcp tokens (SingleTypeKVCacheManager.block_size)
+        kw["parallel_config"] = ParallelConfig(tensor_parallel_size=w.tensor_parallel_size,
+                                               decode_context_parallel_size=w.decode_context_parallel_size,
+                                               cp_kv_cache_interleave_size=w.cp_kv_cache_interleave_size)
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, device_config=DeviceConfig(device="cpu"),
                     **kw)
     groups, n = [], 0
     for g in w.kv_cache_groups:
         names = [f"model.layers.{n + i}.self_attn" for i in range(g.num_layers)]
         n += g.num_layers
-        if g.kind == "sliding_window":
+        if g.kind == "mamba":
+            # a state group: one state block per request (mamba_cache_mode "none", vLLM's default without prefix
+            # caching), whose block size vLLM sets to max_model_len; replicated on every DCP rank
+            spec = MambaSpec(block_size=w.max_model_len, shapes=((2, 8),), dtypes=(torch.float16,),
+                             mamba_cache_mode="none")
+        elif g.kind == "sliding_window":
             spec = SlidingWindowSpec(block_size=w.block_size, num_kv_heads=1, head_size=8, dtype=torch.float16,
                                      sliding_window=g.sliding_window)
         else:
@@ -117,7 +129,8 @@ def build_scheduler(w: Workload):
 def record(w: Workload, out_path: str, on_step: Callable[[int], None] | None = None) -> RecordSummary:
     """Record workload `w` to `out_path` through `RecordingScheduler`."""
     vc, kvc, scheduler, hasher = build_scheduler(w)
-    header = header_from_config(vc, kvc, workload=w.name, description=w.description)
+    header = header_from_config(vc, kvc, [g.kernel_block_size for g in w.kv_cache_groups], workload=w.name,
+                                description=w.description)
     rec = RecordingScheduler(scheduler, TraceWriter(out_path, header))
     try:
         tokens, hits = drive(w, rec, hasher, on_step)

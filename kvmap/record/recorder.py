@@ -48,12 +48,16 @@ def to_plain(value: Any, key: str | None = None) -> Any:
     return None
 
 
-def header_from_config(vllm_config: Any, kv_cache_config: Any, **extra: Any) -> dict:
-    """The trace header (trace-format.md) from a running vLLM's configs."""
+def header_from_config(vllm_config: Any, kv_cache_config: Any,
+                       kernel_block_sizes: list[int | None] | None = None, **extra: Any) -> dict:
+    """The trace header (trace-format.md) from a running vLLM's configs. `kernel_block_sizes` (one per group, as
+    vLLM's worker chose them: `prepare_kernel_block_sizes`; None: no split) is known only on the worker side; the
+    scheduler never sees it; attention groups only. Multi-rank keys are written only where they differ from their
+    defaults, so older traces keep their bytes."""
     import vllm
     from vllm.v1.kv_cache_interface import AttentionSpec, SlidingWindowSpec
 
-    sc, cc = vllm_config.scheduler_config, vllm_config.cache_config
+    sc, cc, pc = vllm_config.scheduler_config, vllm_config.cache_config, vllm_config.parallel_config
     groups, spec0 = [], None
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
@@ -63,13 +67,24 @@ def header_from_config(vllm_config: Any, kv_cache_config: Any, **extra: Any) -> 
             kind = "mamba"
         elif "ChunkedLocal" in name:
             kind = "chunked_local"
-        groups.append({"group_id": i, "kind": kind, "block_size": spec.block_size,
-                       "sliding_window": getattr(spec, "sliding_window", None) if kind == "sliding_window" else None,
-                       "attention_chunk_size": getattr(spec, "attention_chunk_size", None),
-                       "num_layers": len(g.layer_names), "spec": name})
+        grp = {"group_id": i, "kind": kind, "block_size": spec.block_size,
+               "sliding_window": getattr(spec, "sliding_window", None) if kind == "sliding_window" else None,
+               "attention_chunk_size": getattr(spec, "attention_chunk_size", None),
+               "num_layers": len(g.layer_names), "spec": name}
+        kbs = kernel_block_sizes[i] if kernel_block_sizes and i < len(kernel_block_sizes) else None
+        if kbs is not None and kbs != spec.block_size and isinstance(spec, AttentionSpec):
+            grp["kernel_block_size"] = kbs
+        if not getattr(spec, "dcp_sharded", True):  # vLLM: Mamba state and draft groups are replicated
+            grp["dcp_sharded"] = False
+        if kind == "mamba":  # vLLM: the V1 runner gives Mamba groups SlotMappingMode.NONE
+            grp["uses_slot_mapping"] = False
+        groups.append(grp)
         if spec0 is None and isinstance(spec, AttentionSpec):
             spec0 = spec
     spec_cfg = vllm_config.speculative_config
+    ranks = {k: v for k, v in (("decode_context_parallel_size", pc.decode_context_parallel_size),
+                               ("cp_kv_cache_interleave_size", pc.cp_kv_cache_interleave_size),
+                               ("tensor_parallel_size", pc.tensor_parallel_size)) if v != 1}
     return {
         "kind": "header",
         "format": FORMAT,
@@ -92,6 +107,7 @@ def header_from_config(vllm_config: Any, kv_cache_config: Any, **extra: Any) -> 
                           "num_kv_heads": getattr(spec0, "num_kv_heads", None),
                           "head_size": getattr(spec0, "head_size", None),
                           "dtype": str(getattr(spec0, "dtype", "")).replace("torch.", "") or None},
+        **ranks,
         **extra,
     }
 

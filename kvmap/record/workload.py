@@ -18,9 +18,12 @@ from kvmap.errors import KvmapError
 
 @dataclass(frozen=True, slots=True)
 class GroupSpec:
-    kind: str = "full_attention"  # full_attention | sliding_window
+    kind: str = "full_attention"  # full_attention | sliding_window | mamba
     sliding_window: int | None = None
     num_layers: int = 1
+    # block size the worker's attention kernel sees (header only: vLLM's scheduler never sees it); must divide
+    # block_size. None: the group's block size (no split)
+    kernel_block_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,11 @@ class Workload:
     vocab_size: int = 32000
     seed: int = 0
     max_steps: int = 100000
+    # multi-rank settings (vLLM ParallelConfig): DCP spreads every request's KV over the ranks by token, so one
+    # scheduler block id spans block_size * decode_context_parallel_size positions
+    decode_context_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = 1
+    tensor_parallel_size: int = 1
     requests: tuple[RequestSpec, ...] = ()
     generate: GenerateSpec | None = None
 
@@ -163,11 +171,29 @@ def _check(w: Workload, path: str) -> Workload:
     need(w.block_size % 16 == 0 or w.block_size in (1, 2, 4, 8), "block_size", "must be 1-8 or a multiple of 16")
     need(0 <= w.num_speculative_tokens <= 8, "num_speculative_tokens", "must be 0..8")
     need(0.0 <= w.draft_error_rate <= 1.0, "draft_error_rate", "must be within [0, 1]")
+    cp, inter, tp = w.decode_context_parallel_size, w.cp_kv_cache_interleave_size, w.tensor_parallel_size
+    need(cp >= 1, "decode_context_parallel_size", "must be >= 1")
+    need(tp >= 1 and tp % cp == 0, "tensor_parallel_size",
+         f"must be >= 1 and a multiple of decode_context_parallel_size {cp} (vLLM: DCP reuses the TP ranks)")
+    need(inter >= 1 and w.block_size % inter == 0, "cp_kv_cache_interleave_size",
+         f"must be >= 1 and divide block_size {w.block_size}")
     for i, g in enumerate(w.kv_cache_groups):
-        need(g.kind in ("full_attention", "sliding_window"), f"kv_cache_groups[{i}].kind",
-             "must be full_attention or sliding_window")
+        need(g.kind in ("full_attention", "sliding_window", "mamba"), f"kv_cache_groups[{i}].kind",
+             "must be full_attention, sliding_window or mamba")
         need(g.kind != "sliding_window" or (g.sliding_window or 0) > 0, f"kv_cache_groups[{i}].sliding_window",
              "a sliding_window group needs a window > 0 tokens")
+        need(g.kind != "sliding_window" or cp == 1, f"kv_cache_groups[{i}].kind",
+             "vLLM 0.33 does not support sliding window groups with decode_context_parallel_size > 1")
+        k = g.kernel_block_size
+        need(k is None or (k > 0 and w.block_size % k == 0), f"kv_cache_groups[{i}].kernel_block_size",
+             f"must be > 0 and divide block_size {w.block_size}")
+        need(k is None or g.kind != "mamba", f"kv_cache_groups[{i}].kernel_block_size",
+             "a mamba group has no kernel blocks")
+    if any(g.kind == "mamba" for g in w.kv_cache_groups):
+        need(not w.enable_prefix_caching, "enable_prefix_caching",
+             "mamba groups are recorded without prefix caching (mamba_cache_mode none)")
+        need(w.num_speculative_tokens == 0, "num_speculative_tokens",
+             "mamba groups are recorded without speculative decoding (no speculative state blocks)")
     reqs = w.request_list()
     need(bool(reqs), "requests", "no requests: give `requests:` or `generate:`")
     seen = set()
