@@ -9,3 +9,4 @@ KV_HEADS = 1  # tiny default KV geometry: 1 head x 8, bfloat16 (--kv-heads 8 --h
 KV_HEAD_SIZE = 8
 KV_DTYPE = "bfloat16"
 MAX_KV_EXAMPLES = 20  # located KV mismatches kept per run
+STANDIN_TOKEN_ID = 0  # input id used where the trace did not record what the model sampled (counted, reported)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvmap.defaults import STANDIN_TOKEN_ID
 from kvmap.errors import TraceError
 from kvmap.kv.cache import KVCheckResult, PagedKVCache
 from kvmap.layout import PAD_SLOT_ID, group_layouts
@@ -17,7 +18,6 @@ from kvmap.trace import Step, TraceHeader
 from kvmap.workers.contract import Worker
 from kvmap.workers.mappings import DUMP_KEYS, BatchMappings, mappings_from_dict
 from kvmap.workers.order import mrv2_key
-from kvmap.workers.state import STANDIN_TOKEN_ID
 
 
 class ReferenceRequest:

@@ -23,12 +23,12 @@ from itertools import chain, compress
 
 import numpy as np
 
+from kvmap.defaults import STANDIN_TOKEN_ID
 from kvmap.errors import TraceError
 from kvmap.trace import SchedulerOutput, Step, TraceHeader
 from kvmap.workers.state_ops import CompiledOps, VectorOps
 from kvmap.workers.writes import TOKENS, StagedWrites
 
-STANDIN_TOKEN_ID = 0  # input id used where the trace did not record what the model sampled
 ROW_WRITES_MAX = 16  # up to this many rows with new blocks: one slice write each; more: one vectorized scatter
 
 
