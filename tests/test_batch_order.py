@@ -10,7 +10,7 @@ from kvmap.trace import CachedRequestData, NewRequestData, SchedulerOutput, Step
 from kvmap.workers.mappings import dump_line
 from kvmap.workers.order import V1PersistentBatch, mrv2_key
 
-from .conftest import TRACES
+from .conftest import bundled_traces
 
 
 def _step(i, new=(), cached=(), n=None, finished=(), resumed=(), nc=None):
@@ -66,7 +66,7 @@ def test_mrv2_key_orders_drafts_first():
     assert order == ["s", "e", "d", "p"]
 
 
-SMALL = [p for p in sorted(TRACES.glob("*.jsonl"))]
+SMALL = [p for p in bundled_traces() if p.name.endswith(".jsonl")]
 
 
 @pytest.mark.parametrize("threshold", [None, 1, 16])
