@@ -3,8 +3,11 @@
 Rules:
 - Each phase runs inside one NVTX range and between two `perf_counter_ns` reads; nothing else (progress,
   dumping, rendering) happens inside a timed region.
-- Steps before `--steps START` are replayed in full (state and KV cache depend on them) but not recorded;
-  the loop stops at END. The first `warmup` recorded steps are kept but excluded from statistics.
+- Steps before `--steps START` are replayed in full (state and KV cache depend on them); the loop stops at
+  END. The measured steps are the window START:END itself; the `warmup` steps just before START are timed
+  and recorded but excluded from statistics (a window from 0 has nothing before it: its first `warmup` steps
+  are the warm-up). `result.py` `warmup_window` is that one definition; a window that holds no measured
+  step is a located error naming the option, never a table of zeros.
 - Errors from the worker are `TraceError`s; they get the trace's path here and propagate.
 """
 
@@ -21,7 +24,7 @@ from kvmap import defaults
 from kvmap.errors import KvmapError
 from kvmap.kv.cache import KVCheckResult, KVGeometry
 from kvmap.run.markers import Markers
-from kvmap.run.result import PHASES, ReplayResult
+from kvmap.run.result import PHASES, ReplayResult, empty_window_error, warmup_window
 from kvmap.trace import Trace
 from kvmap.workers.contract import Worker
 from kvmap.workers.registry import make_worker
@@ -47,6 +50,7 @@ def replay(
     """Replay `trace` (backend None: the default); `worker` (an instance) overrides `backend`, for benchmarks
     of other mapping code. `capture`: wrap the measured steps (window minus warm-up) in the NVTX capture
     range for nsys."""
+    record_from, measure_from = warmup_window(start, stop, warmup)
     header = trace.header
     worker = worker if worker is not None else make_worker(backend, header, device)
     geometry = (kv_geometry or KVGeometry()).check()
@@ -84,15 +88,19 @@ def replay(
 
         events = EventTimer(len(phases), lambda: _t.cuda.Event(enable_timing=True))
     seen: set[str] = set()
+    seen_measured: set[str] = set()
+    h2d_before = 0
     rec_steps, rec_reqs, rec_tokens, rec_ns, rec_start = (array("q") for _ in range(5))
     steps = trace.steps(0, stop)
     wall0 = time.perf_counter()
     origin = clock()
     i = 0
-    capture_from = start + warmup if capture else None
+    capture_from = measure_from if capture else None
     capturing = False
     try:
         while stop is None or i < stop:
+            if i == measure_from:
+                h2d_before = worker.h2d_bytes
             if i == capture_from:
                 markers.push_capture()
                 capturing = True
@@ -112,6 +120,7 @@ def replay(
                     pop()
                 if events:
                     events.current.clear()
+                result.steps_in_trace = i
                 break
             markers.mark_counts(len(step.scheduler_output.num_scheduled_tokens),
                                 step.scheduler_output.total_num_scheduled_tokens)
@@ -130,9 +139,11 @@ def replay(
                 pop()
             pop()  # step
             if events:
-                events.end_step(keep=step.step >= start)
+                events.end_step(keep=step.step >= record_from)
             so = step.scheduler_output
-            if step.step >= start:
+            if step.step >= measure_from:
+                seen_measured.update(so.num_scheduled_tokens)
+            if step.step >= record_from:
                 rec_steps.append(step.step)
                 rec_reqs.append(len(so.num_scheduled_tokens))
                 rec_tokens.append(so.total_num_scheduled_tokens)
@@ -163,8 +174,12 @@ def replay(
         result.device_phase_ns = events.finish()
     result.device = worker.device
     result.h2d_bytes = worker.h2d_bytes
+    result.h2d_bytes_measured = worker.h2d_bytes - h2d_before
     result.wall_s = time.perf_counter() - wall0
     result.requests_seen = len(seen)
+    result.requests_measured = len(seen_measured)
     result.standin_tokens = worker.num_standin_tokens
-    result.warmup = min(warmup, max(len(result.steps) - 1, 0))
+    result.warmup = int((result.steps < measure_from).sum())
+    if len(result.steps) == result.warmup:
+        raise empty_window_error(start, stop, warmup, i)
     return result
