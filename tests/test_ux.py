@@ -68,23 +68,34 @@ def test_every_number_is_over_the_same_measured_steps(tmp_path):
     assert again.exit_code == 0 and again.stdout == res.stdout
 
 
-def test_a_window_from_zero_says_its_warmup_comes_from_it(tmp_path):
+def test_a_window_from_zero_is_measured_whole_after_a_throwaway_warmup(tmp_path):
     res = runner.invoke(app, ["replay", "--no-progress"])
     assert res.exit_code == 0, res.output
-    assert "2 measured (2..3)" in res.stdout and "warm-up 0..1" in res.stdout
-    assert "as it starts at 0" in res.stdout
-    s = _run_json(tmp_path, "--warmup", "0")["summary"]
-    assert s["measured_steps"] == [0, 106] and s["warmup_steps"] is None
-    assert s["tokens_scheduled"] == _tokens(TRACE, range(107))
+    assert "4 measured (0..3)" in res.stdout
+    assert "warm-up 0..1 replayed first by a throwaway worker, untimed" in res.stdout
+    for args in ([], ["--warmup", "0"]):
+        s = _run_json(tmp_path, *args)["summary"]
+        assert s["measured_steps"] == [0, 106] and s["warmup_steps"] is None and s["steps_measured"] == 107
+        assert s["prewarm_steps"] == (2 if not args else 0)
+        assert s["tokens_scheduled"] == _tokens(TRACE, range(107))
+
+
+def test_a_given_worker_takes_its_warmup_from_the_window():
+    from kvmap.run.replay import replay
+    from kvmap.trace import Trace
+    from kvmap.workers.registry import make_worker
+
+    t = Trace(TRACE)
+    r = replay(t, worker=make_worker("numpy", t.header, "cpu"), warmup=3, nvtx=False)
+    assert r.prewarm_steps == 0 and list(r.warmup_steps()) == [0, 1, 2] and r.measured_steps()[0] == 3
 
 
 @pytest.mark.parametrize("args, option", [
     (["--steps", "5000:6000"], "option --steps"),
     (["--steps", "4:"], "option --steps"),
     (["--warmup", "10"], "option --warmup"),
-    (["--warmup", "4"], "option --warmup"),
+    (["--warmup", "5"], "option --warmup"),
     (["--steps", "1:3"], "option --warmup"),  # 2 warm-up steps cannot come before step 1
-    (["--steps", "0:2"], "option --warmup"),
 ])
 def test_a_window_that_measures_nothing_is_a_located_error(args, option):
     res = runner.invoke(app, ["replay", str(TRACES / "worked_example.jsonl"), "--no-progress", *args])
@@ -102,7 +113,8 @@ def test_a_window_past_the_end_is_measured_and_said(tmp_path):
 def test_profile_builtin_measures_the_same_window(tmp_path):
     from kvmap.run.result import warmup_window
 
-    assert warmup_window(4, 20, 2) == (2, 4) and warmup_window(0, 20, 2) == (0, 2)
+    assert warmup_window(4, 20, 2) == (2, 4) and warmup_window(0, 20, 2) == (0, 0)
+    assert warmup_window(0, 20, 2, prewarm=False) == (0, 2)
     res = runner.invoke(app, ["profile", str(TRACE), "--builtin", "--steps", "10:20", "-o", str(tmp_path / "p")])
     assert res.exit_code == 0, res.output
     d = json.loads((tmp_path / "p.trace.json").read_text())
@@ -110,6 +122,9 @@ def test_profile_builtin_measures_the_same_window(tmp_path):
     assert steps == list(range(8, 20))  # 2 warm-up steps just before the window, then the window
     res = runner.invoke(app, ["profile", str(TRACE), "--steps", "1:20", "-o", str(tmp_path / "q")])
     assert res.exit_code == 2 and "option --warmup" in res.stderr
+    res = runner.invoke(app, ["profile", str(TRACE), "--builtin", "--steps", "0:5", "-o", str(tmp_path / "z")])
+    d = json.loads((tmp_path / "z.trace.json").read_text())
+    assert sorted({e["args"]["step"] for e in d["traceEvents"] if e["ph"] == "X"}) == [0, 1, 2, 3, 4]
 
 
 # --------------------------------------------------------------------------- 2. compare
@@ -160,7 +175,7 @@ def test_dash_is_stdout_for_every_output(tmp_path, monkeypatch):
     ex = str(TRACES / "worked_example.jsonl")
     res = runner.invoke(app, ["replay", ex, "--no-progress", "--json", "-"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["summary"]["steps_measured"] == 2
+    assert json.loads(res.stdout)["summary"]["steps_measured"] == 4
     assert "time per measured step" in res.stderr  # the summary moves to stderr
     res = runner.invoke(app, ["replay", ex, "--no-progress", "-q", "--csv", "-"])
     assert res.stdout.startswith("step,warmup,num_reqs,num_tokens,phase,ns\n")
@@ -241,8 +256,8 @@ def test_replay_at_80_columns_keeps_phase_names_whole():
     for phase in [p for p in PHASES if p != "h2d"] + ["mappings", "step"]:
         assert any(x.split()[:1] == [phase] for x in lines), phase
     assert "…" not in res.stdout
-    warning = [x for x in lines if x.startswith("warning:")]
-    assert warning == ["warning: only 2 measured steps: statistics are rough; replay a longer trace or window"]
+    warning = [x for x in lines if x.startswith("warning: only")]  # one line, however narrow
+    assert warning == ["warning: only 4 measured steps: statistics are rough; replay a longer trace or window"]
 
 
 def test_piped_width_honours_columns():

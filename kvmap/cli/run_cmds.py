@@ -130,8 +130,10 @@ def profile(
     total = sum(1 for _ in Trace(trace_path).raw_steps())
     if stop is None:  # an explicit end, so that the capture closes right after the last step
         stop = total
-    if warmup_window(start, stop, warmup)[1] >= min(stop, total):
+    if start >= total:
         raise empty_window_error(start, stop, warmup, total)
+    if start == 0 and warmup > total:
+        raise KvmapError(f"{warmup} warm-up steps, but the trace has only {total}; lower --warmup", field="--warmup")
     args = [str(trace_path), "--warmup", str(warmup), "--no-progress", "--quiet", "--steps", f"{start}:{stop}"]
     if backend:
         args += ["--backend", backend]

@@ -5,9 +5,11 @@ Rules:
   dumping, rendering) happens inside a timed region.
 - Steps before `--steps START` are replayed in full (state and KV cache depend on them); the loop stops at
   END. The measured steps are the window START:END itself; the `warmup` steps just before START are timed
-  and recorded but excluded from statistics (a window from 0 has nothing before it: its first `warmup` steps
-  are the warm-up). `result.py` `warmup_window` is that one definition; a window that holds no measured
-  step is a located error naming the option, never a table of zeros.
+  and recorded but excluded from statistics. A window from 0 has nothing before it: its `warmup` steps are
+  replayed first by a throwaway worker and KV cache, untimed (`_prewarm`), unless the caller passed its own
+  `worker`, which cannot be warmed apart: then the window's first `warmup` steps are excluded. `result.py`
+  `warmup_window` is that one definition; a window that holds no measured step, or a warm-up longer than the
+  trace, is a located error naming the option, never a table of zeros.
 - Errors from the worker are `TraceError`s; they get the trace's path here and propagate.
 """
 
@@ -50,7 +52,11 @@ def replay(
     """Replay `trace` (backend None: the default); `worker` (an instance) overrides `backend`, for benchmarks
     of other mapping code. `capture`: wrap the measured steps (window minus warm-up) in the NVTX capture
     range for nsys."""
-    record_from, measure_from = warmup_window(start, stop, warmup)
+    prewarm = start == 0 and warmup > 0 and worker is None
+    record_from, measure_from = warmup_window(start, stop, warmup, prewarm=prewarm)
+    if prewarm:
+        _prewarm(trace, warmup, backend=backend, device=device, verify_kv=verify_kv, write_kv=write_kv,
+                 kv_geometry=kv_geometry)
     header = trace.header
     worker = worker if worker is not None else make_worker(backend, header, device)
     geometry = (kv_geometry or KVGeometry()).check()
@@ -60,6 +66,7 @@ def replay(
     markers = Markers(phases, enabled=nvtx)
     result = ReplayResult(
         trace=trace.name, backend=worker.name, protocol=header.model_runner_protocol,
+        prewarm_steps=warmup if prewarm else 0,
         groups=[{"kind": g.kind, "block_size": g.block_size, "sliding_window": g.sliding_window}
                 for g in header.kv_cache_groups],
         phases=phases, warmup=warmup, step_window=[start, stop],
@@ -183,3 +190,12 @@ def replay(
     if len(result.steps) == result.warmup:
         raise empty_window_error(start, stop, warmup, i)
     return result
+
+
+def _prewarm(trace: Trace, steps: int, **kw) -> None:
+    """Replay the first `steps` steps with a throwaway worker and KV cache, untimed and without NVTX ranges, so
+    that compiling, caches and the allocator are warm before a window that starts at 0."""
+    r = replay(trace, stop=steps, warmup=0, nvtx=False, **kw)
+    if r.steps_in_trace is not None and r.steps_in_trace < steps:
+        raise KvmapError(f"{steps} warm-up steps, but the trace has only {r.steps_in_trace}; lower --warmup",
+                         field="--warmup")

@@ -72,10 +72,13 @@ def steps_text(r: ReplayResult) -> str:
     ms, ws = r.measured_steps(), r.warmup_steps()
     text = f"{r.steps_replayed} replayed; {len(ms)} measured ({_span(ms)}"
     text += f", the window {window_text(r)})" if r.step_window[0] or r.step_window[1] is not None else ")"
+    if r.prewarm_steps:
+        return text + (f"; warm-up 0..{r.prewarm_steps - 1} replayed first by a throwaway worker, untimed (the "
+                       "window starts at 0)")
     if not len(ws):
         return text + "; no warm-up"
     where = ("just before the window" if r.warmup_before_window() else
-             "the window's first steps, as it starts at 0 (--warmup 0 counts them)")
+             "the window's first steps (a given worker cannot be warmed apart)")
     return text + f"; warm-up {_span(ws)}: timed, not counted, {where}"
 
 
@@ -133,6 +136,7 @@ def summary_dict(r: ReplayResult) -> dict:
         "warmup": r.warmup,
         "warmup_steps": _span_list(r.warmup_steps()),
         "warmup_before_window": r.warmup_before_window() and r.warmup > 0,
+        "prewarm_steps": r.prewarm_steps,
         "requests": r.requests_measured if r.requests_measured is not None else r.requests_seen,
         "tokens_scheduled": int(toks.sum()),
         "mean_reqs_per_step": float(reqs.mean()) if len(reqs) else 0.0,
@@ -209,10 +213,12 @@ def fit_box(console: Console):
     return box.HEAVY_HEAD if console.width >= WIDE else box.SIMPLE_HEAD
 
 
-def fit_table(console: Console, title: str | Text, caption: str | None = None) -> Table:
+def fit_table(console: Console, title: str | Text, caption: str | Text | None = None) -> Table:
     """A table that keeps its key columns whole at 80 columns: below WIDE no borders and one space of padding
     (about 2 columns saved per column); mark key columns `no_wrap=True` and let the others fold."""
     wide = console.width >= WIDE
+    title = Text(title) if isinstance(title, str) else title  # never markup: `[batch]` is text
+    caption = Text(caption) if isinstance(caption, str) else caption
     return Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=fit_box(console),
                  show_edge=wide, pad_edge=wide, padding=(0, 1) if wide else (0, 1, 0, 0))
 
@@ -298,8 +304,9 @@ def render_profile(r: ReplayResult, ranges: list, console: Console, report_path)
                       f"{k.mean_us:.1f}" if k else "")
     console.print(table)
     first = int(r.measured_steps()[0]) if n else 0
-    say(console, f"steps {_span(r.measured_steps())} captured; steps 0..{first - 1} replayed first, outside the "
-                 f"capture, {_span(r.warmup_steps())} of them as timed warm-up; nsys ranges include the NVTX calls "
-                 "themselves" if first else
-        f"steps {_span(r.measured_steps())} captured; nothing replayed before them (the window starts at 0 and "
-        "--warmup is 0); nsys ranges include the NVTX calls themselves")
+    before = (f"steps 0..{first - 1} replayed first, outside the capture, {_span(r.warmup_steps())} of them as "
+              "timed warm-up" if first else
+              f"warm-up 0..{r.prewarm_steps - 1} replayed first by a throwaway worker, outside the capture"
+              if r.prewarm_steps else "nothing replayed before them")
+    say(console, f"steps {_span(r.measured_steps())} captured; {before}; nsys ranges include the NVTX calls "
+                 "themselves")

@@ -5,7 +5,9 @@ into tables, JSON, CSV or Chrome traces; `to_json`/`from_json` round-trip it so 
 re-render a saved run. Times are integer nanoseconds (`*_ns`); statistics are derived, never stored twice.
 - "Measured steps" has one definition (`warmup_window`): the steps of the window START:END. The `warmup`
   steps just before START are replayed, timed and recorded, but not counted; a window from 0 has nothing
-  before it, so there its first `warmup` steps are the warm-up. Every count, mean and rate of the summary,
+  before it, so there the first `warmup` steps are replayed first by a throwaway worker, untimed
+  (`prewarm_steps`); only a caller's own worker instance takes them from the window instead (`warmup`
+  recorded steps inside it). Every count, mean and rate of the summary,
   `--json`, `--csv` and `report` is over the measured steps; only `steps_replayed` and the KV check's
   `kv_checked` count every replayed step.
 """
@@ -34,8 +36,11 @@ PHASES = (
 MAPPING_PHASES = ("batch_order", "prepare_inputs", "block_tables", "slot_mappings")
 
 
-def warmup_window(start: int, stop: int | None, warmup: int) -> tuple[int, int]:
-    """(first recorded step, first measured step) of the window START:STOP with `warmup` warm-up steps."""
+def warmup_window(start: int, stop: int | None, warmup: int, prewarm: bool = True) -> tuple[int, int]:
+    """(first recorded step, first measured step) of the window START:STOP with `warmup` warm-up steps;
+    `prewarm`: a window from 0 is warmed by a throwaway pass, so all of it is measured."""
+    if start == 0 and prewarm:
+        return 0, 0
     if start == 0:
         if stop is not None and warmup >= stop:
             raise KvmapError(f"{warmup} warm-up steps leave nothing to measure in the window 0:{stop}; "
@@ -64,8 +69,9 @@ class ReplayResult:
     protocol: str
     groups: list[dict]  # [{kind, block_size, sliding_window}]
     phases: list[str]
-    warmup: int  # recorded steps excluded from statistics: those just before the window (or its first, from 0)
-    step_window: list[int | None]  # [start, stop) as asked; measured_steps() says what was measured
+    step_window: list[int | None] = field(default_factory=lambda: [0, None])  # [start, stop) as asked
+    prewarm_steps: int = 0  # steps 0..N-1 replayed first by a throwaway worker, untimed (a window from 0)
+    warmup: int = 0  # recorded steps excluded from statistics: those just before the window (or its first, from 0)
     # per recorded step, int64 arrays (compact: 8 bytes a value, so long replays stay flat in memory)
     steps: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n] step index
     num_reqs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n]
@@ -111,7 +117,7 @@ class ReplayResult:
         return self.steps[: self.warmup]
 
     def warmup_before_window(self) -> bool:
-        """True when the warm-up steps lie before the window (it starts after 0), not inside it."""
+        """True when the recorded warm-up steps lie before the window (it starts after 0), not inside it."""
         return bool(self.step_window[0])
 
     def to_json(self) -> dict:
