@@ -38,7 +38,7 @@ def find_nsys(explicit: str | None = None) -> str | None:
     found = shutil.which("nsys")
     if found:
         return found
-    local = Path(__file__).resolve().parent.parent / ".tools" / "nsys" / "bin" / "nsys"
+    local = Path(__file__).resolve().parents[2] / ".tools" / "nsys" / "bin" / "nsys"  # the checkout's root
     return str(local) if local.exists() else None
 
 
