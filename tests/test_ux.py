@@ -368,6 +368,22 @@ def test_a_newer_nvtx_replays_without_a_traceback(tmp_path_factory):
         assert proc.stderr.count("recording-less") == 1
 
 
+def test_profile_with_a_newer_nvtx_is_one_clear_line(tmp_path_factory, tmp_path):
+    from kvmap.run import profile as P
+
+    if P.find_nsys() is None:
+        pytest.skip("nsys not found (scripts/get_nsys.sh fetches it)")
+    target = _newer_nvtx(tmp_path_factory)
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([target, str(ROOT)])}
+    env.pop("NVTX_DISABLE")
+    proc = subprocess.run([sys.executable, "-m", "kvmap", "profile", "chunked_prefill", "--steps", "4:10", "-o",
+                           str(tmp_path / "p")], capture_output=True, text=True, env=env, timeout=300)
+    if proc.returncode == 0:
+        pytest.skip("this nsys records nvtx 0.2.16's ranges")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "pip install nvtx==0.2.11" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_nsys_runs_under_a_timeout():
     from kvmap.errors import KvmapError
     from kvmap.run import profile as P

@@ -94,6 +94,11 @@ def run_nsys(nsys: str, out: Path, replay_args: list[str],
     proc = _run(nsys_command(nsys, out, replay_args), timeout, "nsys profile", env=env)
     rep = out.with_suffix(".nsys-rep") if out.suffix != ".nsys-rep" else out
     if proc.returncode != 0 or not rep.exists():
+        if "recording-less" in proc.stderr + proc.stdout:  # markers.py said so in the child
+            from kvmap.run.markers import WORKS_WITH, nvtx_version
+
+            raise KvmapError(f"nsys captured nothing: the nvtx package here ({nvtx_version()}) records no ranges "
+                             f"under this nsys; {WORKS_WITH}", field="nsys")
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise KvmapError("nsys profile failed: " + " | ".join(tail), field="nsys")
     return proc

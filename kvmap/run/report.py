@@ -4,8 +4,9 @@ Rules: renderers only read results; nothing here measures. Every number is over 
 (result.py's one definition, stated in the summary's `steps` line and in `--json`'s `scope`); rates divide by
 the sum of the measured steps' phase times, not wall time. Safe printing lives here (`safe`, `say`,
 `fit_table`) for every renderer: names and ids are never markup, control characters are escaped, messages
-are not wrapped when piped, tables keep key columns whole at 80 columns. Outliers use the MAD-based modified z-score (as hyperfine does) with threshold 14; the
-noise warning fires when the median absolute deviation of step time exceeds 25% of the median.
+are not wrapped when piped, tables keep key columns whole at 80 columns. Outliers use the MAD-based modified
+z-score (as hyperfine does) with threshold 14; the noise warning fires when the median absolute deviation of
+step time exceeds 25% of the median.
 """
 
 from __future__ import annotations
