@@ -223,9 +223,9 @@ class spinner:
     def __enter__(self):
         if not self.enabled:
             return None
-        self.status = err.status(self.what)
+        self.status = err.status(Text(safe(self.what)))
         self.status.start()
-        return lambda step: self.status.update(f"{self.what}: step {step}")
+        return lambda step: self.status.update(Text(safe(f"{self.what}: step {step}")))
 
     def __exit__(self, *exc):
         if self.enabled:

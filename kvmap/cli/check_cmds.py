@@ -107,7 +107,9 @@ def record(
             raise
     written = Path(s.path)
     written.replace(output)
-    out.print(f"recorded {output}: {s.steps} steps, {s.requests} requests, {s.tokens} tokens, "
+    from kvmap.run.report import say
+
+    say(out, f"recorded {output}: {s.steps} steps, {s.requests} requests, {s.tokens} tokens, "
               f"{s.preemptions} preemptions, {s.prefix_hit_tokens} prefix-hit tokens, "
               f"{output.stat().st_size / 1024:.1f} KiB")
 

@@ -140,7 +140,9 @@ def profile(
     if builtin:
         replay(trace_path, backend=backend, steps=steps, warmup=warmup,
                trace_out=output.with_name(output.name + ".trace.json"), progress=False)
-        out.print(f"wrote {output.name}.trace.json (open it in https://ui.perfetto.dev)")
+        from kvmap.run.report import say
+
+        say(out, f"wrote {output.name}.trace.json (open it in https://ui.perfetto.dev)")
         return
     exe = P.find_nsys(nsys)
     if exe is None:
