@@ -61,9 +61,18 @@ class KvmapGroup(TyperGroup):
         sys.exit(rc if isinstance(rc, int) else 0)
 
 
+METAVARS = {int: "N", float: "N", str: "TEXT"}  # short value names keep the help's text column wide at 80
+
+
 def _flag_shows_no_type(param) -> None:
-    if param is not None and getattr(param, "is_flag", False) and param.metavar is None:
+    if param is None or param.metavar is not None or getattr(param, "param_type_name", "") != "option":
+        return
+    if getattr(param, "is_flag", False):
         param.metavar = ""  # the help's type column shows nothing for a flag (not `<bool>`)
+        return
+    desc = getattr(param, "type_descriptor", None)  # typer >= 0.23; older typer keeps click's own names
+    if desc is not None:
+        param.metavar = "FILE" if getattr(desc, "is_path", False) else METAVARS.get(getattr(desc, "annotation", None))
 
 
 def _help_option_without_type(get_help_option):
@@ -202,16 +211,17 @@ def parse_steps(spec: str | None) -> tuple[int, int | None]:
 TraceArg = Annotated[Optional[Path], typer.Argument(help="Trace file (.jsonl or .jsonl.gz), or a bundled trace's "
                                                          "name (`kvmap traces`) from any folder. Default: the "
                                                          "bundled worked example.", show_default=False)]
-StepsOpt = Annotated[Optional[str], typer.Option("--steps", help="Measure steps START:END (END exclusive, "
-                                                  "either may be left out); earlier steps are still replayed.")]
-WarmupOpt = Annotated[int, typer.Option("--warmup", help="Steps replayed and timed but not counted: the N steps "
-                                         "just before the --steps window, or the window's first N steps when it "
-                                         "starts at 0.", min=0)]
-BackendOpt = Annotated[Optional[str], typer.Option("--backend", "-b", help="Worker implementation: numba "
-                                                   "(compiled, the default when numba imports) | numpy | reference "
-                                                   "| torch | triton (device workers; triton on CPU needs "
+StepsOpt = Annotated[Optional[str], typer.Option("--steps", metavar="START:END", help="Measure steps START:END "
+                                                  "(END exclusive, either may be left out); earlier steps are still "
+                                                  "replayed.")]
+WarmupOpt = Annotated[int, typer.Option("--warmup", help="Steps replayed first and not counted: the N steps just "
+                                         "before the --steps window (timed, excluded), or for a window from 0 its "
+                                         "first N steps, by a throwaway worker (untimed).", min=0)]
+BackendOpt = Annotated[Optional[str], typer.Option("--backend", "-b", metavar="NAME", help="Worker implementation: "
+                                                   "numba (compiled, the default when numba imports) | numpy | "
+                                                   "reference | torch | triton (device workers; triton on CPU needs "
                                                    "TRITON_INTERPRET=1) | your own as module:Class or "
-                                                   "file.py:Class (a kvmap.workers.contract.Worker).",
+                                                   "file.py:Class (a subclass of kvmap's Worker).",
                                                    show_default=False)]
 
 
