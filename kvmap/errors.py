@@ -11,7 +11,8 @@ from __future__ import annotations
 
 def format_location(path: str | None = None, line: int | None = None, step: int | None = None,
                     req_id: str | None = None, group: int | None = None, field: str | None = None) -> str:
-    """`file:line, step N, request 'r', group G, field F` with whatever parts are known."""
+    """`file:line, step N, request 'r', group G, field F` with whatever parts are known; a command-line
+    option (a field that starts with "-") is named `option --steps`."""
     where = []
     if path is not None:
         where.append(f"{path}:{line}" if line is not None else path)
@@ -24,7 +25,7 @@ def format_location(path: str | None = None, line: int | None = None, step: int 
     if group is not None:
         where.append(f"group {group}")
     if field is not None:
-        where.append(f"field {field}")
+        where.append(f"option {field}" if field.startswith("-") else f"field {field}")
     return ", ".join(where)
 
 

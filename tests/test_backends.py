@@ -90,4 +90,4 @@ def test_bad_backends_are_one_clear_line():
                        (f"{ROOT / 'tests' / 'backends' / 'faulty_backend.py'}:Missing", "has no attribute")]:
         res = runner.invoke(app, ["replay", "--backend", spec, "--no-progress"])
         assert res.exit_code == 2 and "Traceback" not in res.output, res.output
-        assert says in res.stderr and "field --backend" in res.stderr, res.stderr
+        assert says in res.stderr and "option --backend" in res.stderr, res.stderr

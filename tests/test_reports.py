@@ -94,5 +94,5 @@ def test_device_times_are_rendered_when_present():
     console = Console(record=True, width=120)
     render_summary(r, console)
     text = console.export_text()
-    assert "device time per step on cuda:0" in text
+    assert "device time per measured step" in text and "CUDA events on cuda:0" in text
     assert summary_dict(r)["device_phases_p50_us"]["prepare_inputs"] == 2.0

@@ -10,7 +10,7 @@ from .conftest import TRACES
 
 def _step(path, backend, n):
     dumps = []
-    replay(Trace(path), backend=backend, on_mappings=dumps.append, stop=n + 1, nvtx=False)
+    replay(Trace(path), backend=backend, on_mappings=dumps.append, stop=n + 1, nvtx=False, warmup=0)
     return dumps[n]
 
 

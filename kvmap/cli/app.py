@@ -1,47 +1,145 @@
 """The `kvmap` command line's root: the Typer app, the consoles, the one error handler, shared options.
 
 Rules: one Typer app, one function per command (run_cmds.py, check_cmds.py). Every `KvmapError` is caught
-once (`user_errors`) and
-printed as one line on stderr with its location; the exit code is 2 for unusable input or usage, 1 for
-"problems found" (validate) or KV mismatches. Tracebacks are for kvmap's own bugs only.
+once (`user_errors`) and printed as one line on stderr with its location; usage errors (an unknown option, a
+bad value) are one line too (`KvmapGroup.main`), never Rich's boxed panel; the exit code is 2 for unusable
+input or usage, 1 for "problems found" (validate) or KV mismatches. Tracebacks are for kvmap's own bugs only.
+Flags show as flags in the help (no `<bool>` value). Consoles honour `COLUMNS`; piped without it they are 120
+wide; file names and request ids are never read as markup, and messages are never wrapped when piped.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
+from typer.core import TyperGroup
 
 from kvmap.errors import KvmapError
 from kvmap.workers.registry import BUILTIN
 
+from typer import Abort
+
+try:  # typer >= 0.23 carries its own click
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+except ImportError:  # pragma: no cover - older typer on click
+    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+
+PIPED_WIDTH = 120  # tables when stdout is not a terminal and COLUMNS is unset
+
+
+class KvmapGroup(TyperGroup):
+    """The root group: flags without a value type in the help, and every usage error as one line."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        for cmd in (self, *self.commands.values()):
+            for param in cmd.params:
+                _flag_shows_no_type(param)
+            cmd.get_help_option = _help_option_without_type(cmd.get_help_option)
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rc = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except NoArgsIsHelpError as e:  # the help is already printed
+            rc = e.exit_code
+        except ClickException as e:
+            fit_consoles()
+            err.print(Text.assemble(("kvmap: error: ", "bold red"), usage_line(e)), soft_wrap=True,
+                      highlight=False)
+            rc = e.exit_code
+        except Abort:
+            err.print("kvmap: aborted")
+            rc = 1
+        if not standalone_mode:
+            return rc
+        sys.exit(rc if isinstance(rc, int) else 0)
+
+
+METAVARS = {int: "N", float: "N", str: "TEXT"}  # short value names keep the help's text column wide at 80
+
+
+def _flag_shows_no_type(param) -> None:
+    if param is None or param.metavar is not None or getattr(param, "param_type_name", "") != "option":
+        return
+    if getattr(param, "is_flag", False):
+        param.metavar = ""  # the help's type column shows nothing for a flag (not `<bool>`)
+        return
+    desc = getattr(param, "type_descriptor", None)  # typer >= 0.23; older typer keeps click's own names
+    if desc is not None:
+        param.metavar = "FILE" if getattr(desc, "is_path", False) else METAVARS.get(getattr(desc, "annotation", None))
+
+
+def _help_option_without_type(get_help_option):
+    def wrapped(ctx):
+        opt = get_help_option(ctx)
+        _flag_shows_no_type(opt)
+        return opt
+
+    return wrapped
+
+
+def usage_line(e: ClickException) -> str:
+    """`option --warmup: 'x' is not a valid integer (see 'kvmap replay --help')` on one line."""
+    from kvmap.errors import format_location
+
+    param = getattr(e, "param", None)
+    names = [o for o in getattr(param, "opts", []) if o.startswith("--")] or getattr(param, "opts", [])[:1]
+    message = getattr(e, "message", None) or e.format_message()
+    if param is not None and getattr(param, "param_type_name", "") == "option" and names:
+        msg = f"{format_location(field=names[0])}: {message}"
+    else:
+        msg = e.format_message()
+    ctx = getattr(e, "ctx", None)
+    hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+    return " ".join(msg.split()) + hint
+
+
 app = typer.Typer(
     name="kvmap",
+    cls=KvmapGroup,
     help="Replay, time, check and explain how vLLM scheduler decisions become paged-KV GPU input tensors.",
     no_args_is_help=True,
+    invoke_without_command=True,
     pretty_exceptions_enable=False,
     add_completion=False,
     rich_markup_mode="rich",
 )
-out = Console(width=None if sys.stdout.isatty() else 120)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+out = Console()
+err = Console(stderr=True)
+
+
+def fit_consoles() -> None:
+    """Width: the terminal's, else `COLUMNS`, else PIPED_WIDTH. Read per command, so that tests can set it."""
+    for c in (out, err):
+        c.width = None  # Rich reads the terminal, then COLUMNS
+        if not c.is_terminal and not os.environ.get("COLUMNS", "").isdigit():
+            c.width = PIPED_WIDTH
+
+
+def _version(value: bool) -> None:
+    if value:
+        from kvmap import __version__
+
+        print(f"kvmap {__version__}")
+        raise typer.Exit(0)
 
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
+    ctx: typer.Context,
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", is_eager=True,
+                                          callback=_version)] = False,
 ) -> None:
     """Replay, time, check and explain how vLLM scheduler decisions become paged-KV GPU input tensors."""
-    if version:
-        from kvmap import __version__
-
-        out.print(f"kvmap {__version__}")
-        raise typer.Exit(0)
+    if ctx.invoked_subcommand is None:
+        raise UsageError("missing command", ctx=ctx)
 
 
 class Terminated(BaseException):
@@ -68,10 +166,11 @@ def _silence_stdout() -> None:
 def user_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        fit_consoles()
         try:
             return fn(*args, **kwargs)
         except KvmapError as e:
-            err.print(f"[bold red]kvmap: error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            err.print(Text.assemble(("kvmap: error: ", "bold red"), safe(str(e))), highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a shell tool does
             _silence_stdout()
@@ -84,6 +183,13 @@ def user_errors(fn):
             raise typer.Exit(128 + t.signum) from None
 
     return wrapper
+
+
+def safe(text: str) -> str:
+    """Control characters shown as escapes (the renderers' one rule, kvmap/run/report.py `safe`)."""
+    from kvmap.run.report import safe as _safe
+
+    return _safe(text)
 
 
 def parse_steps(spec: str | None) -> tuple[int, int | None]:
@@ -104,12 +210,18 @@ def parse_steps(spec: str | None) -> tuple[int, int | None]:
 
 
 BACKEND_HELP = " | ".join(f"{b.name} ({b.summary})" for b in BUILTIN.values())
-TraceArg = Annotated[Optional[Path], typer.Argument(help="Trace file (.jsonl or .jsonl.gz). Default: the "
+TraceArg = Annotated[Optional[Path], typer.Argument(help="Trace file (.jsonl or .jsonl.gz), or a bundled trace's "
+                                                         "name (`kvmap traces`) from any folder. Default: the "
                                                          "bundled worked example.", show_default=False)]
-StepsOpt = Annotated[Optional[str], typer.Option("--steps", help="Only time steps START:END (END exclusive); "
-                                                  "earlier steps are still replayed.")]
-BackendOpt = Annotated[Optional[str], typer.Option("--backend", "-b", help=f"Worker implementation: {BACKEND_HELP}; "
-                                                   "or your own as module:Class or file.py:Class (a subclass of "
+StepsOpt = Annotated[Optional[str], typer.Option("--steps", metavar="START:END", help="Measure steps START:END "
+                                                  "(END exclusive, either may be left out); earlier steps are still "
+                                                  "replayed.")]
+WarmupOpt = Annotated[int, typer.Option("--warmup", help="Steps replayed first and not counted: the N steps just "
+                                         "before the --steps window (timed, excluded), or for a window from 0 its "
+                                         "first N steps, by a throwaway worker (untimed).", min=0)]
+BackendOpt = Annotated[Optional[str], typer.Option("--backend", "-b", metavar="NAME", help=f"Worker implementation: "
+                                                   f"{BACKEND_HELP} (triton on CPU needs TRITON_INTERPRET=1); or "
+                                                   "your own as module:Class or file.py:Class (a subclass of "
                                                    "kvmap.workers.contract.Worker), or a kvmap.backends entry point.",
                                                    show_default=False)]
 
@@ -122,9 +234,9 @@ class spinner:
     def __enter__(self):
         if not self.enabled:
             return None
-        self.status = err.status(self.what)
+        self.status = err.status(Text(safe(self.what)))
         self.status.start()
-        return lambda step: self.status.update(f"{self.what}: step {step}")
+        return lambda step: self.status.update(Text(safe(f"{self.what}: step {step}")))
 
     def __exit__(self, *exc):
         if self.enabled:

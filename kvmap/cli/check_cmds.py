@@ -107,8 +107,38 @@ def record(
             raise
     written = Path(s.path)
     written.replace(output)
-    out.print(f"recorded {output}: {s.steps} steps, {s.requests} requests, {s.tokens} tokens, "
+    from kvmap.run.report import say
+
+    say(out, f"recorded {output}: {s.steps} steps, {s.requests} requests, {s.tokens} tokens, "
               f"{s.preemptions} preemptions, {s.prefix_hit_tokens} prefix-hit tokens, "
               f"{output.stat().st_size / 1024:.1f} KiB")
 
 
+
+
+@app.command()
+@user_errors
+def traces() -> None:
+    """List the bundled traces: each name works as TRACE from any folder (`kvmap replay long_mixed`)."""
+    from rich.text import Text
+
+    from kvmap.files import bundled_traces_dir
+    from kvmap.run.catalog import catalog
+    from kvmap.run.report import fit_table, safe, say
+
+    rows = catalog()
+    if not rows:
+        raise KvmapError("no bundled traces: the traces/ folder is not beside this kvmap (install with "
+                         "`pip install -e .` from the repository)", path=str(bundled_traces_dir()))
+    table = fit_table(out, Text(f"bundled traces in {safe(str(bundled_traces_dir()))}"))
+    for col in ("name", "steps", "requests", "tokens", "protocol", "KV groups", "KiB"):
+        table.add_column(col, justify="left" if col in ("name", "protocol", "KV groups") else "right",
+                         no_wrap=col in ("name", "protocol", "KV groups"))
+    for f in rows:
+        if f.error:
+            table.add_row(f.name, "", "", "", "", Text(safe(f.error), style="red"), f"{f.size_bytes / 1024:.1f}")
+            continue
+        table.add_row(f.name, str(f.steps), str(f.requests), f"{f.tokens:,}", f.protocol, f.groups,
+                      f"{f.size_bytes / 1024:.1f}")
+    out.print(table)
+    say(out, "use a name as TRACE from any folder, e.g. `kvmap replay long_mixed --steps 100:200`")

@@ -1,4 +1,8 @@
-"""`kvmap replay`, `profile`, `report`, `compare`: run the replay loop and render its data."""
+"""`kvmap replay`, `profile`, `report`, `compare`: run the replay loop and render its data.
+
+Rules: `-` is standard output for --json, --csv and --dump-mappings (at most one of them); then the summary
+goes to stderr so that stdout holds only the data.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvmap.cli.app import BackendOpt, StepsOpt, TraceArg, app, out, parse_steps, progress_bar, spinner, user_errors
+from kvmap.cli.app import (BackendOpt, StepsOpt, TraceArg, WarmupOpt, app, err, out, parse_steps, progress_bar,
+                           spinner, user_errors)
 from kvmap import defaults
 from kvmap.errors import KvmapError
+from kvmap.run.profile import NSYS_TIMEOUT_S
 
 
 @app.command()
@@ -29,7 +35,7 @@ def replay(
                                                              "the attention backend's reorder_batch_threshold "
                                                              "(decode-first regions; FlashAttention sets none).",
                                                              min=1)] = None,
-    warmup: Annotated[int, typer.Option(help="Measured steps to exclude from statistics.", min=0)] = defaults.WARMUP,
+    warmup: WarmupOpt = defaults.WARMUP,
     verify_kv: Annotated[bool, typer.Option("--verify-kv", help="Read back every scheduled request's "
                                             "readable context from the KV cache each step and check it bit "
                                             "for bit.")] = False,
@@ -64,8 +70,12 @@ def replay(
     backend = backend or default_backend()
     start, stop = parse_steps(steps)
     trace = resolve_trace(trace)
-    check_outputs({"--dump-mappings": dump_mappings, "--json": json_out, "--csv": csv_out, "--trace-out": trace_out},
-                  [trace])
+    outputs = {"--dump-mappings": dump_mappings, "--json": json_out, "--csv": csv_out, "--trace-out": trace_out}
+    to_stdout = [k for k, v in outputs.items() if v is not None and str(v) == "-"]
+    if len(to_stdout) > 1:
+        raise KvmapError(f"only one output can be '-' (standard output): {' and '.join(to_stdout)} both are",
+                         field=to_stdout[1])
+    check_outputs(outputs, [trace])
     t = Trace(trace)
     geometry = KVGeometry(kv_heads, head_size, kv_dtype).check()
     with ExitStack() as stack:  # the dump is renamed into place only if the whole replay succeeds
@@ -82,7 +92,7 @@ def replay(
                                 capture=nvtx_capture, batch_order=batch_order,
                                 reorder_batch_threshold=reorder_threshold)
     if not quiet:
-        render_summary(result, out)
+        render_summary(result, err if to_stdout else out)
     if json_out:
         write_json(json_out, {"summary": summary_dict(result), "result": result.to_json()})
     if csv_out:
@@ -98,7 +108,7 @@ def replay(
 def profile(
     trace: TraceArg = None,
     steps: StepsOpt = None,
-    warmup: Annotated[int, typer.Option(help="Steps replayed before the capture starts.", min=0)] = defaults.WARMUP,
+    warmup: WarmupOpt = defaults.WARMUP,
     backend: BackendOpt = None,
     output: Annotated[Path, typer.Option("-o", "--output", help="Report name (.nsys-rep is added).")] = Path(
         "kvmap-profile"),
@@ -106,6 +116,8 @@ def profile(
                                                 ".tools/nsys).")] = None,
     builtin: Annotated[bool, typer.Option("--builtin", help="No nsys: replay and write a Chrome trace "
                                           "(OUTPUT.trace.json, opens in Perfetto) instead.")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for nsys (the profiled replay, "
+                                           "then nsys stats) before giving up.", min=1)] = NSYS_TIMEOUT_S,
 ) -> None:
     """Replay under Nsight Systems (NVTX + OS runtime, CUDA on a GPU) and show its NVTX ranges per phase beside
     kvmap's own timings."""
@@ -120,17 +132,25 @@ def profile(
 
     start, stop = parse_steps(steps)
     trace_path = resolve_trace(trace)
+    from kvmap.run.result import empty_window_error, warmup_window
+
+    warmup_window(start, stop, warmup)  # a warm-up that does not fit is an error before nsys starts
+    total = sum(1 for _ in Trace(trace_path).raw_steps())
     if stop is None:  # an explicit end, so that the capture closes right after the last step
-        stop = sum(1 for _ in Trace(trace_path).raw_steps())
-    if start + warmup >= stop:
-        raise KvmapError(f"nothing to capture: steps {start}:{stop} minus {warmup} warm-up steps", field="--steps")
+        stop = total
+    if start >= total:
+        raise empty_window_error(start, stop, warmup, total)
+    if start == 0 and warmup > total:
+        raise KvmapError(f"{warmup} warm-up steps, but the trace has only {total}; lower --warmup", field="--warmup")
     args = [str(trace_path), "--warmup", str(warmup), "--no-progress", "--quiet", "--steps", f"{start}:{stop}"]
     if backend:
         args += ["--backend", backend]
     if builtin:
         replay(trace_path, backend=backend, steps=steps, warmup=warmup,
                trace_out=output.with_name(output.name + ".trace.json"), progress=False)
-        out.print(f"wrote {output.name}.trace.json (open it in https://ui.perfetto.dev)")
+        from kvmap.run.report import say
+
+        say(out, f"wrote {output.name}.trace.json (open it in https://ui.perfetto.dev)")
         return
     exe = P.find_nsys(nsys)
     if exe is None:
@@ -139,10 +159,15 @@ def profile(
     with tempfile.TemporaryDirectory() as tmp:
         res_path = Path(tmp) / "result.json"
         with spinner(True, f"profiling under {exe}"):
-            P.run_nsys(exe, output, args + ["--json", str(res_path)])
+            P.run_nsys(exe, output, args + ["--json", str(res_path)], timeout=timeout)
         data = json.loads(res_path.read_text())
     rep = output if output.suffix == ".nsys-rep" else output.with_name(output.name + ".nsys-rep")
-    ranges = P.nvtx_ranges(exe, rep)
+    ranges = P.nvtx_ranges(exe, rep, timeout=timeout)
+    if not ranges:
+        from kvmap.run.markers import WORKS_WITH, nvtx_version
+
+        raise KvmapError(f"nsys recorded no kvmap NVTX ranges: the nvtx package here is {nvtx_version()}; "
+                         f"{WORKS_WITH}", path=str(rep))
     result = ReplayResult.from_json(data["result"])
     render_profile(result, ranges, out, rep)
 
@@ -159,7 +184,7 @@ def report(
     from kvmap.run.report import render_summary, to_chrome_trace, to_csv
 
     r = _load_result(result)
-    render_summary(r, out)
+    render_summary(r, err if "-" in (str(csv_out), str(trace_out)) else out)
     if csv_out:
         write_text(csv_out, to_csv(r))
     if trace_out:
@@ -171,16 +196,24 @@ def report(
 def compare(
     a: Annotated[Path, typer.Argument(help="Run A (`kvmap replay --json`).")],
     b: Annotated[Path, typer.Argument(help="Run B.")],
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the ratios as JSON.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the ratios as JSON ('-' for "
+                                                     "stdout).")] = None,
+    allow_different: Annotated[bool, typer.Option("--allow-different", help="Compare runs that did different "
+                                                  "work (trace, measured steps, KV cache) anyway, with a "
+                                                  "warning for each difference.")] = False,
 ) -> None:
-    """Per-phase ratios B / A of two saved runs (two backends, two machines, two versions)."""
+    """Per-phase ratios B / A of two saved runs of the same work (two backends, two machines, two versions)."""
     from kvmap.files import write_json
-    from kvmap.run.report import compare_dict, render_compare
+    from kvmap.run.compare import compare_dict, render_compare
 
     ra, rb = _load_result(a), _load_result(b)
-    render_compare(ra, rb, out, (str(a), str(b)))
+    d = compare_dict(ra, rb)
+    if d["differences"] and not allow_different:
+        raise KvmapError("the runs did different work, so their ratios would mislead: " + "; ".join(
+            d["differences"]) + " (--allow-different compares them anyway)", path=f"{a} vs {b}")
+    render_compare(d, err if json_out is not None and str(json_out) == "-" else out, (str(a), str(b)))
     if json_out:
-        write_json(json_out, compare_dict(ra, rb))
+        write_json(json_out, d)
 
 
 def _load_result(path: Path):

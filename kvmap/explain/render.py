@@ -1,11 +1,18 @@
-"""Rich rendering of `kvmap explain`'s data (explain.py): tables for the step, a tree for the token chain."""
+"""Rich rendering of `kvmap explain`'s data (explain.py): tables for the step, a tree for the token chain.
+
+Rules: request ids and file names are shown as plain text with control characters escaped (never as markup);
+key columns (req_id, origin) never wrap or truncate: at 80 columns the table drops its borders and the number
+columns give way; messages are not wrapped when piped.
+"""
 
 from __future__ import annotations
 
 from rich.console import Console
-from rich.table import Table
+from rich.table import Table  # noqa: F401  (the type of _order_table)
 from rich.text import Text
 from rich.tree import Tree
+
+from kvmap.run.report import fit_table, safe, say
 
 STATE_MARK = {"written this step": "*", "read": "", "allocated ahead": "+", "null": "",
               "out of window (stale: never read or written again)": "~"}
@@ -13,40 +20,47 @@ STATE_STYLE = {"written this step": "bold green", "read": "", "allocated ahead":
                "null": "magenta", "out of window (stale: never read or written again)": "yellow"}
 
 
+ORDER_COLUMNS = ("sched", "req_id", "tokens", "origin", "->", "batch", "row", "computed", "flat", "seq_len")
+
+
+def _order_table(d: dict, console: Console) -> Table:
+    t = fit_table(console, "scheduler order -> batch order", "sched: scheduler order; batch: batch_idx; row: "
+                  "idx_mapping[batch] (the request-state row); flat: the flat token range")
+    for col in ORDER_COLUMNS:
+        key = col in ("req_id", "origin", "->")
+        t.add_column("" if col == "->" else col, justify="left" if key else "right", no_wrap=key,
+                     overflow="fold", min_width=len(col))
+    by_id = {x["req_id"]: x for x in d["batch"]}
+    for i, s in enumerate(d["scheduler_order"]):
+        x = by_id[s["req_id"]]
+        t.add_row(str(i), Text(safe(s["req_id"])), str(s["num_scheduled_tokens"]), Text(s["origin"]), "->",
+                  str(x["batch_idx"]), str(x["row"]), str(x["num_computed_tokens"]),
+                  f"{x['tokens'][0]}..{x['tokens'][1] - 1}", str(x["seq_len"]))
+    return t
+
+
 def render_explain(d: dict, console: Console) -> None:
-    console.print(Text(f"step {d['step']} of {d['trace']} (line {d['line']}, {d['protocol']} protocol): "
-                       f"{len(d['batch'])} requests, {d['num_tokens']} tokens", style="bold"))
+    say(console, f"step {d['step']} of {d['trace']} (line {d['line']}, {d['protocol']} protocol): "
+                 f"{len(d['batch'])} requests, {d['num_tokens']} tokens", style="bold")
     ch = d["changes"]
     for label, key in (("finished", "finished"), ("preempted", "preempted"), ("added", "added"),
                        ("resumed", "resumed")):
         if ch[key]:
-            console.print(Text(f"  {label}: {', '.join(ch[key])}"))
+            say(console, f"  {label}: {', '.join(ch[key])}")
     for r, what in ch["blocks"].items():
         for verb, lists in what.items():
-            console.print(Text(f"  blocks {verb} for {r}: " + "; ".join(f"group {g}: {ids}" for g, ids in
-                                                                          enumerate(lists))))
-    t = Table(title="scheduler order -> batch order", title_justify="left")
-    for col in ("scheduler", "req_id", "tokens", "origin", "", "batch_idx", "row (idx_mapping)", "computed",
-                "flat tokens", "seq_len"):
-        t.add_column(col, justify="right" if col not in ("req_id", "origin") else "left")
-    by_id = {x["req_id"]: x for x in d["batch"]}
-    for i, s in enumerate(d["scheduler_order"]):
-        x = by_id[s["req_id"]]
-        t.add_row(str(i), Text(s["req_id"]), str(s["num_scheduled_tokens"]), Text(s["origin"]), "->",
-                  str(x["batch_idx"]), str(x["row"]), str(x["num_computed_tokens"]),
-                  f"{x['tokens'][0]}..{x['tokens'][1] - 1}", str(x["seq_len"]))
-    console.print(t)
-    console.print(Text(f"idx_mapping     {d['idx_mapping']}   (batch_idx -> req_state_idx)"))
-    console.print(Text(f"query_start_loc {d['query_start_loc']}"))
-    console.print(Text(f"seq_lens        {d['seq_lens']}"))
+            say(console, f"  blocks {verb} for {r}: " + "; ".join(f"group {g}: {ids}" for g, ids in enumerate(lists)))
+    console.print(_order_table(d, console))
+    say(console, f"idx_mapping     {d['idx_mapping']}   (batch_idx -> req_state_idx)")
+    say(console, f"query_start_loc {d['query_start_loc']}")
+    say(console, f"seq_lens        {d['seq_lens']}")
     req = d.get("request")
     if req:
-        console.print(Text(f"\nrequest {req['req_id']!r} ({req['origin']}): row {req['row']}, "
-                           f"batch {req['batch_idx']}, "
-                           f"flat tokens {req['tokens'][0]}..{req['tokens'][1] - 1}, positions "
-                           f"{req['positions'][0]}..{req['positions'][1]}"
-                           + (f" ({req['num_draft_tokens']} drafts)" if req["num_draft_tokens"] else ""),
-                           style="bold"))
+        console.print()
+        say(console, f"request {req['req_id']!r} ({req['origin']}): row {req['row']}, batch {req['batch_idx']}, "
+                     f"flat tokens {req['tokens'][0]}..{req['tokens'][1] - 1}, positions "
+                     f"{req['positions'][0]}..{req['positions'][1]}"
+                     + (f" ({req['num_draft_tokens']} drafts)" if req["num_draft_tokens"] else ""), style="bold")
         for bt in req["block_tables"]:
             row = Text(f"  group {bt['group']} ({bt['kind']}, block {bt['block_size']}): ")
             for e in bt["entries"]:
@@ -63,13 +77,13 @@ def render_explain(d: dict, console: Console) -> None:
         console.print(legend)
     tok = d.get("token")
     if tok:
-        tree = Tree(Text(f"token {tok['token']} of {req['req_id']!r}: input id {tok['input_id']}"
+        tree = Tree(Text(safe(f"token {tok['token']} of {req['req_id']!r}: input id {tok['input_id']}")
                          + (" (draft)" if tok["is_draft"] else ""), style="bold"))
         node = tree
         for link in tok["links"]:
-            node = node.add(Text(link))
+            node = node.add(Text(safe(link)))
         for g in tok["groups"]:
             gn = node.add(Text(f"group {g['group']} ({g['kind']})", style="cyan"))
             for link in g["links"]:
-                gn = gn.add(Text(link, style="bold green" if link.startswith("slot") else ""))
+                gn = gn.add(Text(safe(link), style="bold green" if link.startswith("slot") else ""))
         console.print(tree)

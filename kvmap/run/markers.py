@@ -8,18 +8,46 @@ API carries one payload per event). The step range is called `execute_model`, li
 method vLLM's per-step range wraps, so kvmap and vLLM timelines line up. `--no-nvtx` or the `NVTX_DISABLE`
 environment variable turn every call into nothing.
 
-Works with the `nvtx` package 0.2.10-0.2.11 under Debian's Nsight Systems 2022.4 (newer nvtx ask the tool
-for `nvtxDomainIsEnabled`, which that nsys does not answer, and record nothing).
+Which nvtx records under which Nsight Systems (measured, perf-facts.md section 3): nvtx 0.2.10-0.2.11 under
+Debian's 2022.4 and 2023.4 alike; nvtx 0.2.12 and later ask the tool for `nvtxDomainIsEnabled`, which those
+builds do not answer, so `get_domain` hands back a `DummyDomain` (no `handle`) and nothing is recorded. A newer
+nvtx is never an error: Markers detects the recording-less domain, runs without ranges, and, when a tool is
+attached (`NVTX_INJECTION64_PATH` set, so ranges were wanted), says so once on stderr.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 
 DOMAIN = "kvmap"
 STEP_RANGE = "execute_model"
 CAPTURE_RANGE = "kvmap_capture"  # wraps the --steps window; `nsys profile --capture-range=nvtx` keys on it
+WORKS_WITH = "nvtx 0.2.10-0.2.11 records under Nsight Systems 2022.4 and 2023.4 (pip install nvtx==0.2.11)"
+_said: set[str] = set()
+
+
+def _say_once(text: str) -> None:
+    if text not in _said:
+        _said.add(text)
+        print(f"kvmap: warning: {text}", file=sys.stderr)
+
+
+def nvtx_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nvtx")
+    except PackageNotFoundError:  # pragma: no cover - a vendored nvtx
+        return "?"
+
+
+def recording_less(domain: object) -> bool:
+    """True for a domain that cannot record (nvtx >= 0.2.12's `DummyDomain`, which has no `handle`)."""
+    return not hasattr(domain, "handle") or type(domain).__name__ == "DummyDomain"
+
+
 _COLORS = ("blue", "green", "orange", "purple", "red", "yellow", "cyan", "darkgreen", "rapids")  # nvtx built-ins
 
 
@@ -38,6 +66,12 @@ class Markers:
             self.enabled = False
             return
         self._domain = nvtx.get_domain(DOMAIN)
+        if recording_less(self._domain):
+            self.enabled = False
+            if os.environ.get("NVTX_INJECTION64_PATH"):
+                _say_once(f"nvtx {nvtx_version()} gives a recording-less domain under this "
+                          f"tool, so there are no NVTX ranges in this run; {WORKS_WITH}")
+            return
         self._handle = self._domain.handle
         self._push = _lib.push_range
         self._pop = _lib.pop_range

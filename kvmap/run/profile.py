@@ -8,6 +8,9 @@ Rules:
   with `--capture-range=nvtx` keyed on the `kvmap_capture` range, which the child wraps around the requested
   steps after the warm-up: the report holds only those steps.
 - The child writes its own result (JSON); `nsys stats` gives the NVTX summary; both are returned as data.
+- Every nsys call runs under a timeout (`--timeout`, default NSYS_TIMEOUT_S; an nsys 2022.4 was seen to hang
+  on a small script): when it passes, the process group is killed and the error says what timed out and how
+  to raise the limit or use `--builtin`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from kvmap.errors import KvmapError
 from kvmap.run.markers import CAPTURE_RANGE, DOMAIN
 
+NSYS_TIMEOUT_S = 600.0  # seconds for the profiled replay, and again for `nsys stats`
 GET_NSYS = "scripts/get_nsys.sh (unpacks Debian's non-free Nsight Systems into .tools/nsys, no system install)"
 
 
@@ -34,7 +38,7 @@ def find_nsys(explicit: str | None = None) -> str | None:
     found = shutil.which("nsys")
     if found:
         return found
-    local = Path(__file__).resolve().parent.parent / ".tools" / "nsys" / "bin" / "nsys"
+    local = Path(__file__).resolve().parents[2] / ".tools" / "nsys" / "bin" / "nsys"  # the checkout's root
     return str(local) if local.exists() else None
 
 
@@ -60,23 +64,51 @@ def nsys_command(nsys: str, out: Path, replay_args: list[str]) -> list[str]:
             sys.executable, "-m", "kvmap", "replay", *replay_args, "--nvtx-capture"]
 
 
-def run_nsys(nsys: str, out: Path, replay_args: list[str]) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: float, what: str, **kw) -> subprocess.CompletedProcess:
+    """Run `cmd` in its own process group; past `timeout` seconds kill the group and say so."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **kw) as p:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            import signal
+
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.communicate()
+            raise KvmapError(f"{what} did not finish within {timeout:g} s and was stopped (nsys can hang; "
+                             "raise --timeout, or use --builtin for a Perfetto trace without nsys)",
+                             field="--timeout") from None
+        except BaseException:
+            p.kill()
+            raise
+    return subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
+
+
+def run_nsys(nsys: str, out: Path, replay_args: list[str],
+             timeout: float = NSYS_TIMEOUT_S) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "NVTX_DISABLE"}  # a profile needs the ranges
     env["NSYS_NVTX_PROFILER_REGISTER_ONLY"] = "0"
-    proc = subprocess.run(nsys_command(nsys, out, replay_args), capture_output=True, text=True, env=env)
+    proc = _run(nsys_command(nsys, out, replay_args), timeout, "nsys profile", env=env)
     rep = out.with_suffix(".nsys-rep") if out.suffix != ".nsys-rep" else out
     if proc.returncode != 0 or not rep.exists():
+        if "recording-less" in proc.stderr + proc.stdout:  # markers.py said so in the child
+            from kvmap.run.markers import WORKS_WITH, nvtx_version
+
+            raise KvmapError(f"nsys captured nothing: the nvtx package here ({nvtx_version()}) records no ranges "
+                             f"under this nsys; {WORKS_WITH}", field="nsys")
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise KvmapError("nsys profile failed: " + " | ".join(tail), field="nsys")
     return proc
 
 
-def nvtx_ranges(nsys: str, rep: Path) -> list[NvtxRange]:
+def nvtx_ranges(nsys: str, rep: Path, timeout: float = NSYS_TIMEOUT_S) -> list[NvtxRange]:
     """The NVTX summary of a report (`nvtx_sum`; `nvtxsum` in nsys 2022-2023), kvmap's domain only."""
     for report in ("nvtx_sum", "nvtxsum"):
-        proc = subprocess.run([nsys, "stats", "-q", "--force-export=true", "--report", report, "--format", "csv",
-                               "-o", "-", str(rep)],
-                              capture_output=True, text=True)
+        proc = _run([nsys, "stats", "-q", "--force-export=true", "--report", report, "--format", "csv",
+                     "-o", "-", str(rep)], timeout, "nsys stats")
         if proc.returncode == 0 and "Range" in proc.stdout:
             break
     else:

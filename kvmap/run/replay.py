@@ -3,8 +3,13 @@
 Rules:
 - Each phase runs inside one NVTX range and between two `perf_counter_ns` reads; nothing else (progress,
   dumping, rendering) happens inside a timed region.
-- Steps before `--steps START` are replayed in full (state and KV cache depend on them) but not recorded;
-  the loop stops at END. The first `warmup` recorded steps are kept but excluded from statistics.
+- Steps before `--steps START` are replayed in full (state and KV cache depend on them); the loop stops at
+  END. The measured steps are the window START:END itself; the `warmup` steps just before START are timed
+  and recorded but excluded from statistics. A window from 0 has nothing before it: its `warmup` steps are
+  replayed first by a throwaway worker and KV cache, untimed (`_prewarm`), unless the caller passed its own
+  `worker`, which cannot be warmed apart: then the window's first `warmup` steps are excluded. `result.py`
+  `warmup_window` is that one definition; a window that holds no measured step, or a warm-up longer than the
+  trace, is a located error naming the option, never a table of zeros.
 - Errors from the worker are `TraceError`s; they get the trace's path here and propagate.
 """
 
@@ -21,7 +26,7 @@ from kvmap import defaults
 from kvmap.errors import KvmapError
 from kvmap.kv.cache import KVCheckResult, KVGeometry
 from kvmap.run.markers import Markers
-from kvmap.run.result import PHASES, ReplayResult
+from kvmap.run.result import PHASES, ReplayResult, empty_window_error, warmup_window
 from kvmap.trace import Trace
 from kvmap.workers.contract import Worker
 from kvmap.workers.registry import make_worker
@@ -49,6 +54,11 @@ def replay(
     """Replay `trace` (backend None: the default); `worker` (an instance) overrides `backend`, for benchmarks
     of other mapping code. `capture`: wrap the measured steps (window minus warm-up) in the NVTX capture
     range for nsys."""
+    prewarm = start == 0 and warmup > 0 and worker is None
+    record_from, measure_from = warmup_window(start, stop, warmup, prewarm=prewarm)
+    if prewarm:
+        _prewarm(trace, warmup, backend=backend, device=device, verify_kv=verify_kv, write_kv=write_kv,
+                 kv_geometry=kv_geometry, batch_order=batch_order, reorder_batch_threshold=reorder_batch_threshold)
     header = trace.header
     worker = worker if worker is not None else make_worker(backend, header, device, batch_order,
                                                            reorder_batch_threshold)
@@ -59,6 +69,7 @@ def replay(
     markers = Markers(phases, enabled=nvtx)
     result = ReplayResult(
         trace=trace.name, backend=worker.name, protocol=header.model_runner_protocol,
+        prewarm_steps=warmup if prewarm else 0,
         groups=[{"kind": g.kind, "block_size": g.block_size, "sliding_window": g.sliding_window}
                 for g in header.kv_cache_groups],
         phases=phases, warmup=warmup, step_window=[start, stop],
@@ -87,15 +98,19 @@ def replay(
 
         events = EventTimer(len(phases), lambda: _t.cuda.Event(enable_timing=True))
     seen: set[str] = set()
+    seen_measured: set[str] = set()
+    h2d_before = 0
     rec_steps, rec_reqs, rec_tokens, rec_ns, rec_start = (array("q") for _ in range(5))
     steps = trace.steps(0, stop)
     wall0 = time.perf_counter()
     origin = clock()
     i = 0
-    capture_from = start + warmup if capture else None
+    capture_from = measure_from if capture else None
     capturing = False
     try:
         while stop is None or i < stop:
+            if i == measure_from:
+                h2d_before = worker.h2d_bytes
             if i == capture_from:
                 markers.push_capture()
                 capturing = True
@@ -115,6 +130,7 @@ def replay(
                     pop()
                 if events:
                     events.current.clear()
+                result.steps_in_trace = i
                 break
             markers.mark_counts(len(step.scheduler_output.num_scheduled_tokens),
                                 step.scheduler_output.total_num_scheduled_tokens)
@@ -133,9 +149,11 @@ def replay(
                 pop()
             pop()  # step
             if events:
-                events.end_step(keep=step.step >= start)
+                events.end_step(keep=step.step >= record_from)
             so = step.scheduler_output
-            if step.step >= start:
+            if step.step >= measure_from:
+                seen_measured.update(so.num_scheduled_tokens)
+            if step.step >= record_from:
                 rec_steps.append(step.step)
                 rec_reqs.append(len(so.num_scheduled_tokens))
                 rec_tokens.append(so.total_num_scheduled_tokens)
@@ -166,8 +184,21 @@ def replay(
         result.device_phase_ns = events.finish()
     result.device = worker.device
     result.h2d_bytes = worker.h2d_bytes
+    result.h2d_bytes_measured = worker.h2d_bytes - h2d_before
     result.wall_s = time.perf_counter() - wall0
     result.requests_seen = len(seen)
+    result.requests_measured = len(seen_measured)
     result.standin_tokens = worker.num_standin_tokens
-    result.warmup = min(warmup, max(len(result.steps) - 1, 0))
+    result.warmup = int((result.steps < measure_from).sum())
+    if len(result.steps) == result.warmup:
+        raise empty_window_error(start, stop, warmup, i)
     return result
+
+
+def _prewarm(trace: Trace, steps: int, **kw) -> None:
+    """Replay the first `steps` steps with a throwaway worker and KV cache, untimed and without NVTX ranges, so
+    that compiling, caches and the allocator are warm before a window that starts at 0."""
+    r = replay(trace, stop=steps, warmup=0, nvtx=False, **kw)
+    if r.steps_in_trace is not None and r.steps_in_trace < steps:
+        raise KvmapError(f"{steps} warm-up steps, but the trace has only {r.steps_in_trace}; lower --warmup",
+                         field="--warmup")

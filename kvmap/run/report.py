@@ -1,8 +1,12 @@
-"""Renderers: turn a `ReplayResult` into a Rich summary, JSON, CSV, a Chrome trace, or a comparison.
+"""Renderers: turn a `ReplayResult` into a Rich summary, JSON, CSV, a Chrome trace (comparisons: compare.py).
 
-Rules: renderers only read results; nothing here measures. Statistics are computed over the measured steps
-(warm-up excluded). Outliers use the MAD-based modified z-score (as hyperfine does) with threshold 14; the
-noise warning fires when the median absolute deviation of step time exceeds 25% of the median.
+Rules: renderers only read results; nothing here measures. Every number is over the measured steps
+(result.py's one definition, stated in the summary's `steps` line and in `--json`'s `scope`); rates divide by
+the sum of the measured steps' phase times, not wall time. Safe printing lives here (`safe`, `say`,
+`fit_table`) for every renderer: names and ids are never markup, control characters are escaped, messages
+are not wrapped when piped, tables keep key columns whole at 80 columns. Outliers use the MAD-based modified
+z-score (as hyperfine does) with threshold 14; the noise warning fires when the median absolute deviation of
+step time exceeds 25% of the median.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import io
 from dataclasses import dataclass
 
 import numpy as np
+from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvmap.run.result import MAPPING_PHASES, ReplayResult
 
@@ -55,9 +61,38 @@ def phase_stats(r: ReplayResult) -> list[PhaseStats]:
     return rows
 
 
+def window_text(r: ReplayResult) -> str:
+    """`START:END` as asked (END empty when open)."""
+    start, stop = r.step_window
+    return f"{start}:{'' if stop is None else stop}"
+
+
+def _span(steps: np.ndarray) -> str:
+    return f"{int(steps[0])}..{int(steps[-1])}" if len(steps) else "none"
+
+
+def steps_text(r: ReplayResult) -> str:
+    """Which steps were replayed, measured and warm-up, in words: the one definition, stated."""
+    ms, ws = r.measured_steps(), r.warmup_steps()
+    text = f"{r.steps_replayed} replayed; {len(ms)} measured ({_span(ms)}"
+    text += f", the window {window_text(r)})" if r.step_window[0] or r.step_window[1] is not None else ")"
+    if r.prewarm_steps:
+        return text + (f"; warm-up 0..{r.prewarm_steps - 1} replayed first by a throwaway worker, untimed (the "
+                       "window starts at 0)")
+    if not len(ws):
+        return text + "; no warm-up"
+    where = ("just before the window" if r.warmup_before_window() else
+             "the window's first steps (a given worker cannot be warmed apart)")
+    return text + f"; warm-up {_span(ws)}: timed, not counted, {where}"
+
+
 def warnings(r: ReplayResult) -> list[str]:
     out = []
     m = r.measured()
+    start, stop = r.step_window
+    if r.steps_in_trace is not None and stop is not None and r.steps_in_trace < stop:
+        out.append(f"the window {window_text(r)} runs past the trace's end ({r.steps_in_trace} steps): measured "
+                   f"{_span(r.measured_steps())}")
     if len(m) < 10:
         out.append(f"only {len(m)} measured steps: statistics are rough; replay a longer trace or window")
     if len(m) >= 3:
@@ -72,7 +107,7 @@ def warnings(r: ReplayResult) -> list[str]:
             outliers = np.flatnonzero(z > OUTLIER_Z)
             if len(outliers):
                 worst = int(outliers[np.argmax(total[outliers])])
-                step = int(r.steps[r.warmup + worst])
+                step = int(r.measured_steps()[worst])
                 out.append(f"{len(outliers)} outlier step(s), the worst step {step} at {total[worst] / 1e3:.0f} us "
                            f"vs a median of {med / 1e3:.0f} us (first-touch or a busy machine: raise --warmup "
                            "or replay again)")
@@ -81,24 +116,41 @@ def warnings(r: ReplayResult) -> list[str]:
     return out
 
 
+def _span_list(steps: np.ndarray) -> list[int] | None:
+    return [int(steps[0]), int(steps[-1])] if len(steps) else None
+
+
 def summary_dict(r: ReplayResult) -> dict:
+    """The summary as data. Every count, mean and rate is over the measured steps (`scope`)."""
     reqs, toks = r.measured_counts()
     m = r.measured()
+    n = int(len(m))
     total_s = float(m.sum()) / 1e9
+    h2d = r.h2d_bytes_measured if r.h2d_bytes_measured is not None else r.h2d_bytes
     return {
         "trace": r.trace,
         "backend": r.backend,
+        "scope": "requests, tokens, means, rates, phases and h2d are over the measured steps; steps_replayed and "
+                 "kv.checked count every replayed step; rates divide by the sum of the measured steps' phase "
+                 "times (time_s), not wall time",
+        "window": list(r.step_window),
         "steps_replayed": r.steps_replayed,
-        "steps_measured": int(len(m)),
+        "steps_measured": n,
+        "measured_steps": _span_list(r.measured_steps()),
         "warmup": r.warmup,
-        "requests": r.requests_seen,
-        "tokens_scheduled": r.tokens_scheduled,
+        "warmup_steps": _span_list(r.warmup_steps()),
+        "warmup_before_window": r.warmup_before_window() and r.warmup > 0,
+        "prewarm_steps": r.prewarm_steps,
+        "requests": r.requests_measured if r.requests_measured is not None else r.requests_seen,
+        "tokens_scheduled": int(toks.sum()),
         "mean_reqs_per_step": float(reqs.mean()) if len(reqs) else 0.0,
         "mean_tokens_per_step": float(toks.mean()) if len(toks) else 0.0,
-        "steps_per_s": len(m) / total_s if total_s else 0.0,
+        "time_s": total_s,
+        "steps_per_s": n / total_s if total_s else 0.0,
         "tokens_per_s": float(toks.sum()) / total_s if total_s else 0.0,
+        "wall_s": r.wall_s,
         "device": r.device,
-        "h2d_bytes_per_step": r.h2d_bytes / max(r.steps_replayed, 1),
+        "h2d_bytes_per_step": h2d / max(n, 1),
         "device_phases_p50_us": ({p: float(np.median(r.device_phase_ns[r.warmup:, i])) / 1e3
                                   for i, p in enumerate(r.phases)} if r.device_phase_ns.size else None),
         "kv": {"bytes": r.kv_bytes, "geometry": r.kv_geometry, "verified": r.kv_verified,
@@ -110,64 +162,101 @@ def summary_dict(r: ReplayResult) -> dict:
     }
 
 
+def say(console: Console, text: str | Text, style: str | None = None) -> None:
+    """One message: never read as markup, control characters escaped, and never wrapped when piped (so that
+    grep finds it whole); at a terminal Rich wraps it at word boundaries."""
+    t = text if isinstance(text, Text) else Text(safe(text), style=style or "")
+    console.print(t, soft_wrap=not console.is_terminal, highlight=False)
+
+
+def safe(text: str) -> str:
+    """Control characters (a newline or an escape in a file name or request id) shown as escapes."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def render_summary(r: ReplayResult, console: Console) -> None:
     s = summary_dict(r)
-    head = Table.grid(padding=(0, 2))
-    head.add_column(style="bold")
-    head.add_column()
-    head.add_row("trace", f"{r.trace}  ({r.protocol} protocol, "
-                 + ", ".join(f"{g['kind']} bs={g['block_size']}"
-                             + (f" window={g['sliding_window']}" if g.get("sliding_window") else "")
-                             for g in r.groups) + ")")
-    head.add_row("backend", r.backend)
-    window = r.step_window
-    head.add_row("steps", f"{s['steps_replayed']} replayed, {s['steps_measured']} measured"
-                 + (f" (window {window[0]}:{window[1] if window[1] is not None else ''})"
-                    if window[0] or window[1] is not None else "")
-                 + f", first {r.warmup} excluded as warm-up")
-    head.add_row("requests", str(s["requests"]))
-    head.add_row("tokens", f"{s['tokens_scheduled']} scheduled, {s['mean_tokens_per_step']:.1f} per step, "
-                 f"{s['mean_reqs_per_step']:.1f} requests per step")
-    head.add_row("throughput", f"{s['steps_per_s']:,.0f} steps/s, {s['tokens_per_s']:,.0f} tokens/s")
+    groups = ", ".join(f"{g['kind']} bs={g['block_size']}" + (f" window={g['sliding_window']}"
+                                                               if g.get("sliding_window") else "") for g in r.groups)
+    head = [("trace", f"{safe(r.trace)}  ({r.protocol} protocol, {groups})"), ("backend", safe(r.backend)),
+            ("steps", steps_text(r)), ("requests", f"{s['requests']} scheduled in the measured steps"),
+            ("tokens", f"{s['tokens_scheduled']} scheduled in the measured steps, {s['mean_tokens_per_step']:.1f} "
+                       f"per step, {s['mean_reqs_per_step']:.1f} requests per step"),
+            ("throughput", f"{s['steps_per_s']:,.0f} steps/s, {s['tokens_per_s']:,.0f} tokens/s (measured steps "
+                           f"over the sum of their phase times, {s['time_s'] * 1e3:.2f} ms; not wall time)")]
     if r.kv_bytes:
         g = r.kv_geometry
-        head.add_row("KV cache", f"{r.kv_bytes / 2**20:.1f} MiB ({g.get('num_kv_heads')} heads x "
-                     f"{g.get('head_size')} x {g.get('dtype')} per token, K and V, per group)")
+        head.append(("KV cache", f"{r.kv_bytes / 2**20:.1f} MiB ({g.get('num_kv_heads')} heads x "
+                                 f"{g.get('head_size')} x {g.get('dtype')} per token, K and V, per group)"))
+    for key, value in head:
+        say(console, Text.assemble((f"{key:<12}", "bold"), value))
     if r.kv_verified:
-        verdict = "[green]0 mismatches[/]" if not r.kv_mismatches else f"[red]{r.kv_mismatches} mismatches[/]"
-        head.add_row("KV verify", f"{r.kv_checked:,} positions read back, {verdict}")
-    console.print(head)
-    table = Table(title="time per step (us)", title_justify="left")
+        verdict = ("0 mismatches", "green") if not r.kv_mismatches else (f"{r.kv_mismatches} mismatches", "red")
+        say(console, Text.assemble((f"{'KV verify':<12}", "bold"), f"{r.kv_checked:,} positions read back over "
+                                   f"all {r.steps_replayed} replayed steps, ", verdict))
+    console.print(_phase_table(r, console))
+    if r.device_phase_ns.size:
+        console.print(_device_table(r, console))
+    if r.h2d_bytes:
+        say(console, f"host-to-device: {s['h2d_bytes_per_step']:,.0f} bytes per measured step in one staged copy")
+    for e in r.kv_examples[:5]:
+        say(console, Text.assemble(("KV mismatch", "red"), safe(
+            f" step {e['step']}, request {e['req_id']!r}, group {e['group']}, position {e['position']}, slot "
+            f"{e['slot']}: expected token {e['expected_token']}, found {e['found']}")))
+    for w in s["warnings"]:
+        say(console, Text.assemble(("warning:", "yellow"), " " + safe(w)))
+
+
+WIDE = 100  # from this width tables have full borders
+
+
+def fit_box(console: Console):
+    """Full borders where they fit; below WIDE columns only a rule under the header."""
+    return box.HEAVY_HEAD if console.width >= WIDE else box.SIMPLE_HEAD
+
+
+def fit_table(console: Console, title: str | Text, caption: str | Text | None = None) -> Table:
+    """A table that keeps its key columns whole at 80 columns: below WIDE no borders and one space of padding
+    (about 2 columns saved per column); mark key columns `no_wrap=True` and let the others fold."""
+    wide = console.width >= WIDE
+    title = Text(title) if isinstance(title, str) else title  # never markup: `[batch]` is text
+    caption = Text(caption) if isinstance(caption, str) else caption
+    return Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=fit_box(console),
+                 show_edge=wide, pad_edge=wide, padding=(0, 1) if wide else (0, 1, 0, 0))
+
+
+def _phase_table(r: ReplayResult, console: Console) -> Table:
+    """Phase names never truncated (no_wrap): at 80 columns every column fits without borders."""
+    table = fit_table(console, "time per measured step (us)", "mappings = the four mapping phases; step = all "
+                      "phases")
     for col in ("phase", "mean", "p50", "p90", "p99", "min", "max", "total ms", "share"):
-        table.add_column(col, justify="left" if col == "phase" else "right")
+        if col == "phase":
+            table.add_column(col, justify="left", no_wrap=True, min_width=len("prepare_inputs"))
+        else:
+            table.add_column(col, justify="right", overflow="fold")
     for st in phase_stats(r):
         style = "bold" if st.name in ("mappings", "step") else None
         table.add_row(st.name, f"{st.mean_us:.1f}", f"{st.p50_us:.1f}", f"{st.p90_us:.1f}", f"{st.p99_us:.1f}",
                       f"{st.min_us:.1f}", f"{st.max_us:.1f}", f"{st.total_ms:.2f}",
                       "" if st.name == "step" else f"{st.share:.0%}", style=style,
                       end_section=st.name == r.phases[-1])
-    console.print(table)
-    if r.device_phase_ns.size:
-        dev = r.device_phase_ns[r.warmup :]
-        dt = Table(title=f"device time per step on {r.device} (us, CUDA events; queueing included)",
-                   title_justify="left")
-        for col in ("phase", "mean", "p50", "p90", "p99", "max"):
-            dt.add_column(col, justify="left" if col == "phase" else "right")
-        for i, p in enumerate(r.phases):
-            us = dev[:, i] / 1e3
-            p50, p90, p99 = np.percentile(us, [50, 90, 99]) if len(us) else (0, 0, 0)
-            dt.add_row(p, f"{us.mean() if len(us) else 0:.1f}", f"{p50:.1f}", f"{p90:.1f}", f"{p99:.1f}",
-                       f"{us.max() if len(us) else 0:.1f}")
-        console.print(dt)
-    if r.h2d_bytes:
-        per_step = r.h2d_bytes / max(r.steps_replayed, 1)
-        console.print(f"host-to-device: {per_step:,.0f} bytes per step in one staged copy")
-    for e in r.kv_examples[:5]:
-        console.print(f"[red]KV mismatch[/] step {e['step']}, request {e['req_id']!r}, group {e['group']}, "
-                      f"position {e['position']}, slot {e['slot']}: expected token {e['expected_token']}, "
-                      f"found {e['found']}")
-    for w in s["warnings"]:
-        console.print(f"[yellow]warning:[/] {w}")
+    return table
+
+
+def _device_table(r: ReplayResult, console: Console) -> Table:
+    dev = r.device_phase_ns[r.warmup :]
+    dt = fit_table(console, "device time per measured step (us)", f"CUDA events on {safe(r.device)}; queueing "
+                   "included")
+    for col in ("phase", "mean", "p50", "p90", "p99", "max"):
+        dt.add_column(col, justify="left" if col == "phase" else "right", no_wrap=col == "phase")
+    for i, p in enumerate(r.phases):
+        us = dev[:, i] / 1e3
+        p50, p90, p99 = np.percentile(us, [50, 90, 99]) if len(us) else (0, 0, 0)
+        dt.add_row(p, f"{us.mean() if len(us) else 0:.1f}", f"{p50:.1f}", f"{p90:.1f}", f"{p99:.1f}",
+                   f"{us.max() if len(us) else 0:.1f}")
+    return dt
 
 
 def to_csv(r: ReplayResult) -> str:
@@ -203,44 +292,13 @@ def to_chrome_trace(r: ReplayResult) -> dict:
             "otherData": {"trace": r.trace, "backend": r.backend}}
 
 
-def compare_dict(a: ReplayResult, b: ReplayResult) -> dict:
-    sa = {s.name: s for s in phase_stats(a)}
-    sb = {s.name: s for s in phase_stats(b)}
-    rows = {}
-    for name in [n for n in sa if n in sb]:
-        x, y = sa[name], sb[name]
-        rows[name] = {"a_p50_us": x.p50_us, "b_p50_us": y.p50_us,
-                      "ratio_p50": (y.p50_us / x.p50_us) if x.p50_us else None,
-                      "a_mean_us": x.mean_us, "b_mean_us": y.mean_us,
-                      "ratio_mean": (y.mean_us / x.mean_us) if x.mean_us else None}
-    return {"a": {"trace": a.trace, "backend": a.backend, "machine": a.machine},
-            "b": {"trace": b.trace, "backend": b.backend, "machine": b.machine}, "phases": rows}
-
-
-def render_compare(a: ReplayResult, b: ReplayResult, console: Console, names: tuple[str, str]) -> None:
-    d = compare_dict(a, b)
-    table = Table(title=f"B / A per phase (A = {names[0]}, B = {names[1]}; below 1.00 means B is faster)",
-                  title_justify="left")
-    for col in ("phase", "A p50 us", "B p50 us", "B/A p50", "A mean us", "B mean us", "B/A mean"):
-        table.add_column(col, justify="left" if col == "phase" else "right")
-    for name, row in d["phases"].items():
-        def fmt(x):
-            return "n/a" if x is None else f"{x:.2f}"
-        table.add_row(name, f"{row['a_p50_us']:.1f}", f"{row['b_p50_us']:.1f}", fmt(row["ratio_p50"]),
-                      f"{row['a_mean_us']:.1f}", f"{row['b_mean_us']:.1f}", fmt(row["ratio_mean"]),
-                      style="bold" if name in ("mappings", "step") else None)
-    console.print(table)
-    if a.trace != b.trace:
-        console.print(f"[yellow]note:[/] different traces ({a.trace} vs {b.trace}): ratios compare unlike work")
-
-
 def render_profile(r: ReplayResult, ranges: list, console: Console, report_path) -> None:
     """nsys's NVTX ranges per phase beside kvmap's own timings of the same steps."""
     by = {x.name: x for x in ranges}
     own = {s.name: s for s in phase_stats(r)}
-    table = Table(title=f"NVTX ranges in {report_path} vs kvmap's timings (us)", title_justify="left")
+    table = fit_table(console, Text(f"NVTX ranges in {safe(str(report_path))} vs kvmap's timings (us)"))
     for col in ("range", "nsys count", "nsys median", "nsys mean", "kvmap count", "kvmap median", "kvmap mean"):
-        table.add_column(col, justify="left" if col == "range" else "right")
+        table.add_column(col, justify="left" if col == "range" else "right", no_wrap=col == "range")
     n = len(r.measured())
     for name in ["execute_model", *r.phases]:
         x = by.get(name)
@@ -249,6 +307,10 @@ def render_profile(r: ReplayResult, ranges: list, console: Console, report_path)
                       f"{x.mean_ns / 1e3:.1f}" if x else "", str(n), f"{k.p50_us:.1f}" if k else "",
                       f"{k.mean_us:.1f}" if k else "")
     console.print(table)
-    console.print(f"steps {int(r.steps[r.warmup]) if n else '-'}..{int(r.steps[-1]) if n else '-'} captured "
-                  f"({r.warmup} warm-up steps replayed first, outside the capture); nsys ranges include the "
-                  "NVTX calls themselves")
+    first = int(r.measured_steps()[0]) if n else 0
+    before = (f"steps 0..{first - 1} replayed first, outside the capture, {_span(r.warmup_steps())} of them as "
+              "timed warm-up" if first else
+              f"warm-up 0..{r.prewarm_steps - 1} replayed first by a throwaway worker, outside the capture"
+              if r.prewarm_steps else "nothing replayed before them")
+    say(console, f"steps {_span(r.measured_steps())} captured; {before}; nsys ranges include the NVTX calls "
+                 "themselves")

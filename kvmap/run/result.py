@@ -3,6 +3,13 @@
 Rules: measurement and rendering are apart. `replay` fills a `ReplayResult`; renderers (report.py) turn it
 into tables, JSON, CSV or Chrome traces; `to_json`/`from_json` round-trip it so that `kvmap report` can
 re-render a saved run. Times are integer nanoseconds (`*_ns`); statistics are derived, never stored twice.
+- "Measured steps" has one definition (`warmup_window`): the steps of the window START:END. The `warmup`
+  steps just before START are replayed, timed and recorded, but not counted; a window from 0 has nothing
+  before it, so there the first `warmup` steps are replayed first by a throwaway worker, untimed
+  (`prewarm_steps`); only a caller's own worker instance takes them from the window instead (`warmup`
+  recorded steps inside it). Every count, mean and rate of the summary,
+  `--json`, `--csv` and `report` is over the measured steps; only `steps_replayed` and the KV check's
+  `kv_checked` count every replayed step.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ import platform
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+from kvmap.errors import KvmapError
 
 PHASES = (
     "read_step",  # read and decode one trace line into records
@@ -27,6 +36,32 @@ PHASES = (
 MAPPING_PHASES = ("batch_order", "prepare_inputs", "block_tables", "slot_mappings")
 
 
+def warmup_window(start: int, stop: int | None, warmup: int, prewarm: bool = True) -> tuple[int, int]:
+    """(first recorded step, first measured step) of the window START:STOP with `warmup` warm-up steps;
+    `prewarm`: a window from 0 is warmed by a throwaway pass, so all of it is measured."""
+    if start == 0 and prewarm:
+        return 0, 0
+    if start == 0:
+        if stop is not None and warmup >= stop:
+            raise KvmapError(f"{warmup} warm-up steps leave nothing to measure in the window 0:{stop}; "
+                             "lower --warmup or widen --steps", field="--warmup")
+        return 0, warmup
+    if warmup > start:
+        raise KvmapError(f"{warmup} warm-up steps are taken just before the window, but it starts at step "
+                         f"{start}: use --warmup {start} or less, or a window from 0", field="--warmup")
+    return start - warmup, start
+
+
+def empty_window_error(start: int, stop: int | None, warmup: int, steps_read: int) -> KvmapError:
+    """The window held no measured step: say which option and what the trace holds."""
+    window = f"{start}:{'' if stop is None else stop}"
+    held = f"the trace has {steps_read} steps (0..{steps_read - 1})" if steps_read else "the trace has no steps"
+    if steps_read > start:  # the window starts inside the trace: the warm-up ate it
+        return KvmapError(f"{warmup} warm-up steps leave nothing to measure: {held}; lower --warmup",
+                          field="--warmup")
+    return KvmapError(f"the window {window} is outside the trace: {held}", field="--steps")
+
+
 @dataclass
 class ReplayResult:
     trace: str
@@ -34,8 +69,9 @@ class ReplayResult:
     protocol: str
     groups: list[dict]  # [{kind, block_size, sliding_window}]
     phases: list[str]
-    warmup: int  # timed-window steps excluded from statistics
-    step_window: list[int | None]  # [start, stop) of the timed window
+    step_window: list[int | None] = field(default_factory=lambda: [0, None])  # [start, stop) as asked
+    prewarm_steps: int = 0  # steps 0..N-1 replayed first by a throwaway worker, untimed (a window from 0)
+    warmup: int = 0  # recorded steps excluded from statistics: those just before the window (or its first, from 0)
     # per recorded step, int64 arrays (compact: 8 bytes a value, so long replays stay flat in memory)
     steps: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n] step index
     num_reqs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n]
@@ -47,8 +83,11 @@ class ReplayResult:
     device: str = "cpu"
     h2d_bytes: int = 0  # bytes sent host -> device by the staged copies, all steps
     steps_replayed: int = 0  # including steps before the window
-    requests_seen: int = 0
-    tokens_scheduled: int = 0
+    requests_seen: int = 0  # new requests, all replayed steps
+    requests_measured: int | None = None  # distinct requests scheduled in the measured steps
+    tokens_scheduled: int = 0  # all replayed steps (the summary counts the measured steps' num_tokens)
+    steps_in_trace: int | None = None  # set when the replay reached the trace's end before the window's
+    h2d_bytes_measured: int | None = None  # h2d_bytes during the measured steps
     standin_tokens: int = 0  # input ids made up because the trace lacks sampled_token_ids
     kv_bytes: int = 0
     kv_geometry: dict = field(default_factory=dict)
@@ -69,6 +108,17 @@ class ReplayResult:
 
     def measured_counts(self) -> tuple[np.ndarray, np.ndarray]:
         return self.num_reqs[self.warmup :], self.num_tokens[self.warmup :]
+
+    def measured_steps(self) -> np.ndarray:
+        """The trace step indices that count (the window, less a warm-up taken from its start when at 0)."""
+        return self.steps[self.warmup :]
+
+    def warmup_steps(self) -> np.ndarray:
+        return self.steps[: self.warmup]
+
+    def warmup_before_window(self) -> bool:
+        """True when the recorded warm-up steps lie before the window (it starts after 0), not inside it."""
+        return bool(self.step_window[0])
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -1,0 +1,85 @@
+"""`kvmap compare`: per-phase ratios B / A of two saved runs, and whether the two runs did the same work.
+
+Rules: a ratio means something only between runs of the same work: the same trace (by name), the same
+measured steps with the same token counts, the same KV cache groups, KV geometry and size, the same phases.
+`differences` lists every way two runs differ in their work; the CLI refuses them unless asked
+(`--allow-different`), and then warns loudly. The backend, the device and the machine may differ: that is what
+a comparison is for. Each run's own noise warnings (report.py `warnings`) travel with the ratios.
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePath
+
+import numpy as np
+from rich.console import Console
+from rich.text import Text
+
+from kvmap.run.report import fit_table, phase_stats, safe, say, warnings, window_text
+from kvmap.run.result import ReplayResult
+
+
+def differences(a: ReplayResult, b: ReplayResult) -> list[str]:
+    """Every way the two runs' work differs, in words (empty: the same work)."""
+    out = []
+    ta, tb = PurePath(a.trace).name, PurePath(b.trace).name
+    if ta != tb:
+        out.append(f"trace: {ta} vs {tb}")
+    sa, sb = a.measured_steps(), b.measured_steps()
+    if len(sa) != len(sb) or not np.array_equal(sa, sb):
+        span = (lambda s: f"{int(s[0])}..{int(s[-1])}" if len(s) else "none")
+        out.append(f"measured steps: {span(sa)} ({len(sa)}, window {window_text(a)}) vs {span(sb)} ({len(sb)}, "
+                   f"window {window_text(b)})")
+    elif not np.array_equal(a.measured_counts()[1], b.measured_counts()[1]):
+        out.append("tokens per measured step differ: not the same trace content")
+    if a.groups != b.groups:
+        out.append(f"KV cache groups: {a.groups} vs {b.groups}")
+    if a.kv_geometry != b.kv_geometry or a.kv_bytes != b.kv_bytes:
+        out.append(f"KV cache: {a.kv_bytes / 2**20:.1f} MiB {a.kv_geometry or 'off'} vs {b.kv_bytes / 2**20:.1f} "
+                   f"MiB {b.kv_geometry or 'off'}")
+    if set(a.phases) != set(b.phases):
+        out.append(f"phases: {', '.join(a.phases)} vs {', '.join(b.phases)}")
+    return out
+
+
+def compare_dict(a: ReplayResult, b: ReplayResult) -> dict:
+    sa = {s.name: s for s in phase_stats(a)}
+    sb = {s.name: s for s in phase_stats(b)}
+    rows = {}
+    for name in [n for n in sa if n in sb]:
+        x, y = sa[name], sb[name]
+        rows[name] = {"a_p50_us": x.p50_us, "b_p50_us": y.p50_us,
+                      "ratio_p50": (y.p50_us / x.p50_us) if x.p50_us else None,
+                      "a_mean_us": x.mean_us, "b_mean_us": y.mean_us,
+                      "ratio_mean": (y.mean_us / x.mean_us) if x.mean_us else None}
+
+    def run(r: ReplayResult) -> dict:
+        return {"trace": r.trace, "backend": r.backend, "device": r.device, "machine": r.machine,
+                "window": list(r.step_window), "steps_measured": int(len(r.measured())),
+                "kv_bytes": r.kv_bytes, "warnings": warnings(r)}
+
+    return {"a": run(a), "b": run(b), "same_work": not differences(a, b), "differences": differences(a, b),
+            "phases": rows}
+
+
+def render_compare(d: dict, console: Console, names: tuple[str, str]) -> None:
+    for diff in d["differences"]:
+        say(console, Text.assemble(("warning: the runs did different work: ", "bold yellow"), safe(diff)))
+    table = fit_table(console, Text(f"B / A per phase (A = {safe(names[0])}, B = {safe(names[1])}; below 1.00 "
+                                    "means B is faster)"))
+    for col in ("phase", "A p50 us", "B p50 us", "B/A p50", "A mean us", "B mean us", "B/A mean"):
+        table.add_column(col, justify="left" if col == "phase" else "right", no_wrap=col == "phase")
+
+    def fmt(x):
+        return "n/a" if x is None else f"{x:.2f}"
+
+    for name, row in d["phases"].items():
+        table.add_row(name, f"{row['a_p50_us']:.1f}", f"{row['b_p50_us']:.1f}", fmt(row["ratio_p50"]),
+                      f"{row['a_mean_us']:.1f}", f"{row['b_mean_us']:.1f}", fmt(row["ratio_mean"]),
+                      style="bold" if name in ("mappings", "step") else None)
+    console.print(table)
+    for key, label in (("a", "A"), ("b", "B")):
+        for w in d[key]["warnings"]:
+            say(console, Text.assemble((f"warning: {label}: ", "yellow"), safe(w)))
+    if d["differences"]:
+        say(console, Text("warning: these ratios compare unlike work (see above)", style="bold yellow"))
