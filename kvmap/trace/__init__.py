@@ -5,12 +5,12 @@ Rules: nothing outside this package parses trace JSON; every malformed input bec
 
 from kvmap.trace.checks import Where, loads
 from kvmap.trace.fast import fast_step
-from kvmap.trace.header import parse_header
+from kvmap.trace.header import check_fits, parse_header
 from kvmap.trace.parse import parse_step
 from kvmap.trace.reader import Trace, open_trace
 from kvmap.trace.records import (FORMAT, GROUP_KINDS, PROTOCOLS, TOKEN_ID_LIMIT, CachedRequestData, KVCacheGroup,
                                  KVCacheSpec, NewRequestData, SchedulerOutput, Step, TraceHeader)
 
 __all__ = ["FORMAT", "GROUP_KINDS", "PROTOCOLS", "TOKEN_ID_LIMIT", "CachedRequestData", "KVCacheGroup", "KVCacheSpec",
-           "NewRequestData", "SchedulerOutput", "Step", "Trace", "TraceHeader", "Where", "fast_step", "loads",
-           "open_trace", "parse_header", "parse_step"]
+           "NewRequestData", "SchedulerOutput", "Step", "Trace", "TraceHeader", "Where", "check_fits", "fast_step",
+           "loads", "open_trace", "parse_header", "parse_step"]

@@ -1,7 +1,9 @@
 """`kvmap validate`'s driver: read every line leniently, feed the shadow model, collect the report.
 
-Rules: a line that does not parse is one problem, of the kind its `TraceError` carries, and the requests it
-mentions become uncertain (no cascade); the file itself becoming unreadable ends the pass with one problem.
+Rules: a line that does not parse is one problem, of the kind its `TraceError` carries; the parts of it that
+did parse still inform the shadow model, and the requests it hid become uncertain (no cascade). A blank line
+is one problem and no step; a wrong step number is one problem and the count follows the file from there. A
+file cut short is validated up to its last complete line, with the reader's one warning (also in `--json`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections import Counter
 
 from kvmap.errors import TraceError
 from kvmap.trace import Trace, Where, loads, parse_step
+from kvmap.trace.reader import json_error
 from kvmap.validate.problems import Problem, ValidationReport
 from kvmap.validate.shadow import StopValidation, Validator
 
@@ -36,31 +39,47 @@ def _raw_req_ids(obj: object) -> set[str]:
     return out
 
 
+def _step_number(obj: object, expected: int) -> int:
+    """The step a line claims to be (when it says so as an integer), so that one missing or repeated step is
+    one `step_order` problem and the count resynchronises, instead of one problem per later line."""
+    step = obj.get("step") if isinstance(obj, dict) else None
+    return step if type(step) is int and step >= 0 else expected
+
+
 def validate(trace: Trace, max_problems: int | None = None, deep: bool = False,
              backends: list[str] | None = None) -> ValidationReport:
     """Every problem of `trace`; with `deep`, also replay `backends` (default: all) against the reference."""
     report = ValidationReport(trace=trace.name)
+    warn = trace.warn
+    trace.warn = lambda message: (report.warnings.append(message), warn(message))
     v = Validator(trace.header, trace.name, max_problems)
     unknown_keys: Counter[str] = Counter()
-    i = 0
+    i = 0  # the step the next line should be
     try:
-        for line, raw in trace.raw_steps():
-            where = Where(trace.name, line, i)
-            i += 1
+        for line, raw in trace.raw_lines():
             if not raw.strip():
-                v.add("json", "blank line", line=line, step_idx=i - 1)
+                v.add("json", "blank line (a trace has one JSON object on every line)", line=line, step_idx=i)
                 continue
             try:
                 obj = loads(raw)
             except json.JSONDecodeError as e:
-                v.add("json", f"not JSON ({e.msg} at column {e.colno})", line=line, step_idx=i - 1)
+                err = json_error(raw, e, None, line, i)
+                v.add("json", err.message, line=line, step_idx=i)
+                i += 1
                 continue
+            claimed = _step_number(obj, i)
+            if claimed != i:
+                v.add("step_order", f"steps must be consecutive from 0: expected step {i}, got {claimed}",
+                      line=line, step_idx=claimed, field="step")
+                i = claimed
+            where = Where(trace.name, line, i)
+            i += 1
             try:
                 step = parse_step(obj, trace.header, where)
             except TraceError as e:
                 v.add(e.kind or "schema", e.message, line=line, step_idx=i - 1, req_id=e.req_id, group=e.group,
                       field=e.field)
-                v.salvage(obj, _raw_req_ids(obj))
+                v.salvage(obj, _raw_req_ids(obj), line, i - 1)
                 continue
             if isinstance(obj, dict):
                 unknown_keys.update(k for k in obj if k not in ("step", "scheduler_output", "sampled_token_ids",
@@ -68,8 +87,10 @@ def validate(trace: Trace, max_problems: int | None = None, deep: bool = False,
             v.step(step)
     except StopValidation:
         report.truncated = True
-    except TraceError as e:  # the file itself became unreadable (e.g. gzip cut short)
+    except TraceError as e:  # the file itself became unreadable
         v.problems.append(Problem("json", e.message, e.line, None))
+    finally:
+        trace.warn = warn
     report.steps = i
     report.requests = len(v.seen)
     report.problems = v.problems

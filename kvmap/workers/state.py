@@ -13,7 +13,8 @@ Rules:
   append are then one kernel call each. Device workers keep the numpy path, which journals every write.
 - `num_computed_tokens` is always taken from the trace. Sampled tokens are appended after the step.
 - Problems that need state to detect (unknown request, a full pool of rows, a row that overflows, a scheduled
-  position without a block) raise `TraceError` naming step, request, group and field.
+  position without a block) raise `TraceError` naming step, request, group and field, with the problem kind
+  `kvmap validate` gives the same condition (validate/problems.py KINDS).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from itertools import chain, compress
 import numpy as np
 
 from kvmap.errors import TraceError
-from kvmap.trace import SchedulerOutput, Step, TraceHeader
+from kvmap.trace import SchedulerOutput, Step, TraceHeader, check_fits
 
 STANDIN_TOKEN_ID = 0  # input id used where the trace did not record what the model sampled
 ROW_WRITES_MAX = 16  # up to this many rows with new blocks: one slice write each; more: one vectorized scatter
@@ -61,6 +62,7 @@ class WorkerState:
     """Persistent per-request state. Shapes use R = max_num_seqs rows."""
 
     def __init__(self, header: TraceHeader) -> None:
+        check_fits(header)  # a header too big for this machine is one located error, not a MemoryError
         self.header = header
         R = header.max_num_seqs
         k = header.num_speculative_tokens
@@ -119,7 +121,8 @@ class WorkerState:
         row = self.req_id_to_index.get(req_id)
         if row is None:
             raise TraceError("unknown request: it was never added, or it already finished",
-                             path=None, line=step.line, step=step.step, req_id=req_id, field=field)
+                             path=None, line=step.line, step=step.step, req_id=req_id, field=field,
+                             kind="unknown_request")
         return row
 
     def _remove(self, req_id: str) -> None:
@@ -134,7 +137,7 @@ class WorkerState:
         n = len(tokens)
         if n > self.header.max_model_len:
             raise TraceError(f"{n} tokens exceed max_model_len {self.header.max_model_len}", line=step.line,
-                             step=step.step, req_id=req_id, field=field)
+                             step=step.step, req_id=req_id, field=field, kind="max_model_len")
         self._write_row("tokens", 0, row, 0, tokens)
         self.total_len[row] = n
 
@@ -143,7 +146,7 @@ class WorkerState:
             n = len(ids)
             if n > self.max_num_blocks[g]:
                 raise TraceError(f"{n} blocks exceed the row width {self.max_num_blocks[g]}", line=step.line,
-                                 step=step.step, req_id=req_id, group=g, field=field)
+                                 step=step.step, req_id=req_id, group=g, field=field, kind="row_width")
             self._write_row("blocks", g, row, 0, ids)
             self.num_blocks[g, row] = n
         self._refresh_capacity(row)
@@ -175,10 +178,10 @@ class WorkerState:
             if nr.req_id in self.req_id_to_index:
                 raise TraceError("scheduled as a new request while it is still live (not finished or "
                                  "preempted)", line=step.line, step=step.step, req_id=nr.req_id,
-                                 field="scheduled_new_reqs")
+                                 field="scheduled_new_reqs", kind="new_id_not_new")
             if not self.free_indices:
                 raise TraceError(f"more than max_num_seqs={self.max_num_reqs} live requests", line=step.line,
-                                 step=step.step, req_id=nr.req_id, field="scheduled_new_reqs")
+                                 step=step.step, req_id=nr.req_id, field="scheduled_new_reqs", kind="budget_seqs")
             row = self.free_indices.pop()
             self.req_id_to_index[nr.req_id] = row
             self.index_to_req_id[row] = nr.req_id
@@ -207,14 +210,15 @@ class WorkerState:
                 i = c.req_ids.index(r)
                 if c.new_block_ids[i] is None:
                     raise TraceError("resumed without a replacement block row", line=step.line,
-                                     step=step.step, req_id=r, field="new_block_ids")
+                                     step=step.step, req_id=r, field="new_block_ids", kind="resumed_no_blocks")
                 self._set_blocks(row, c.new_block_ids[i], step, r, "new_block_ids")
             for r, toks in c.all_token_ids.items():
                 self._set_tokens(self.row_of(r, step, "all_token_ids"), toks, step, r, "all_token_ids")
             for r in (c.req_ids if self.preempted else ()):
                 if r in self.preempted:
                     raise TraceError("scheduled after preemption without being resumed", line=step.line,
-                                     step=step.step, req_id=r, field="scheduled_cached_reqs.resumed_req_ids")
+                                     step=step.step, req_id=r, field="scheduled_cached_reqs.resumed_req_ids",
+                                     kind="preempted_scheduled")
             self._append_blocks(step, crows)
 
         # the scheduled batch, in scheduler order
@@ -257,7 +261,8 @@ class WorkerState:
                         if have + len(ids) > self.max_num_blocks[g]:
                             raise TraceError(f"appending {len(ids)} blocks overflows the row width "
                                              f"{self.max_num_blocks[g]}", line=step.line, step=step.step,
-                                             req_id=c.req_ids[i], group=g, field="new_block_ids")
+                                             req_id=c.req_ids[i], group=g, field="new_block_ids",
+                                             kind="row_width")
                         self._write_row("blocks", g, row, have, ids)
                         have += len(ids)
                         num_blocks[g, row] = have
@@ -274,7 +279,7 @@ class WorkerState:
                 j = int(np.argmax(ends > self.max_num_blocks[g]))
                 raise TraceError(f"appending {int(counts[j])} blocks overflows the row width "
                                  f"{self.max_num_blocks[g]}", line=step.line, step=step.step,
-                                 req_id=c.req_ids[sel[j]], group=g, field="new_block_ids")
+                                 req_id=c.req_ids[sel[j]], group=g, field="new_block_ids", kind="row_width")
             flat = np.fromiter(chain.from_iterable(lists), dtype=np.int32, count=int(counts.sum()))
             self._write("blocks", g, rows, starts, counts, flat)
             self.num_blocks[g, rows] = ends
@@ -315,7 +320,8 @@ class WorkerState:
         if len(rows) and int(end.max()) > h.max_model_len:
             j = int(np.argmax(end > h.max_model_len))
             raise TraceError(f"positions up to {int(end[j]) - 1} exceed max_model_len {h.max_model_len}",
-                             line=step.line, step=step.step, req_id=req_ids[j], field="num_scheduled_tokens")
+                             line=step.line, step=step.step, req_id=req_ids[j], field="num_scheduled_tokens",
+                             kind="max_model_len")
         for g, bs in enumerate(self.block_sizes):
             have = self.num_blocks[g, rows].astype(np.int64) * bs
             if len(rows) and bool((have < end).any()):
@@ -323,7 +329,7 @@ class WorkerState:
                 raise TraceError(f"position {int(end[j]) - 1} has no block: the row holds "
                                  f"{int(self.num_blocks[g, rows[j]])} blocks of {bs} tokens",
                                  line=step.line, step=step.step, req_id=req_ids[j], group=g,
-                                 field="block_ids/new_block_ids")
+                                 field="block_ids/new_block_ids", kind="no_block")
         known = self.total_len[rows]
         gap = real_end > known
         if bool(gap.any()):
@@ -331,7 +337,7 @@ class WorkerState:
                 j = int(np.argmax(gap))
                 raise TraceError(f"positions {int(known[j])}..{int(real_end[j]) - 1} are past the request's "
                                  f"{int(known[j])} known tokens", line=step.line, step=step.step,
-                                 req_id=req_ids[j], field="num_scheduled_tokens")
+                                 req_id=req_ids[j], field="num_scheduled_tokens", kind="tokens_unknown")
             for j in np.flatnonzero(gap):  # made-up ids for tokens the trace did not record
                 row = rows[j]
                 self._write_row("tokens", 0, row, int(known[j]),
@@ -363,7 +369,7 @@ class WorkerState:
                                            self.header.max_model_len)
             if j >= 0:
                 raise TraceError("sampled tokens overflow max_model_len", line=step.line, step=step.step,
-                                 req_id=list(sampled)[j], field="sampled_token_ids")
+                                 req_id=list(sampled)[j], field="sampled_token_ids", kind="max_model_len")
             return
         lens = list(map(len, values))
         total = sum(lens)
@@ -374,7 +380,7 @@ class WorkerState:
         if len(ends) and int(ends.max()) > self.header.max_model_len:
             j = int(np.argmax(ends > self.header.max_model_len))
             raise TraceError("sampled tokens overflow max_model_len", line=step.line, step=step.step,
-                             req_id=list(sampled)[j], field="sampled_token_ids")
+                             req_id=list(sampled)[j], field="sampled_token_ids", kind="max_model_len")
         flat = np.fromiter(chain.from_iterable(values), dtype=np.int32, count=total)
         self._write("tokens", 0, srows, starts, counts, flat, one_each)
         self.total_len[srows] = ends
