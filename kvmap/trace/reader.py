@@ -130,7 +130,7 @@ class Trace:
         if stat.S_ISDIR(mode):
             f.close()
             raise TraceError("is a directory, not a trace file", path=self.name)
-        if not stat.S_ISREG(mode):
+        if not stat.S_ISREG(mode) or self.name == STDIN:  # `-` shares its offset with the caller: read it once
             self._spooled = _spool(f, self.name)
         else:
             f.close()
@@ -241,14 +241,14 @@ def json_error(raw: bytes, e: json.JSONDecodeError, path: str | None, line: int,
                step: int | None) -> TraceError:
     """A located error for a line (bytes, as read) that is not JSON, with the column in characters."""
     try:
-        raw.decode("utf-8")
-        pos = e.pos
-        what = "truncated line" if pos >= len(raw.rstrip()) else "not valid JSON"
-        msg = e.msg
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as u:
-        pos, what, msg = u.start, "not UTF-8 text", f"byte 0x{raw[u.start]:02x} cannot start a character"
-    return TraceError(f"{what} ({msg} at column {_column(raw, pos)})", kind="json", path=path, line=line,
-                      step=step)
+        return TraceError(f"not UTF-8 text (byte 0x{raw[u.start]:02x} cannot start a character at column "
+                          f"{_column(raw, u.start)})", kind="json", path=path, line=line, step=step)
+    end = len(text.rstrip("\r\n"))
+    pos = min(e.pos, end)  # a decoder's position counts characters; a cut line ends after its last one
+    what = "truncated line" if pos >= len(text.rstrip()) else "not valid JSON"
+    return TraceError(f"{what} ({e.msg} at column {pos + 1})", kind="json", path=path, line=line, step=step)
 
 
 def _stderr_warning(message: str) -> None:

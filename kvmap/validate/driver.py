@@ -39,6 +39,14 @@ def _raw_req_ids(obj: object) -> set[str]:
     return out
 
 
+def _readable(raw: bytes) -> object | None:
+    """A line that is JSON once its undecodable bytes are replaced (its fields still inform the model)."""
+    try:
+        return loads(raw.decode("utf-8", "replace"))
+    except json.JSONDecodeError:
+        return None
+
+
 def _step_number(obj: object, expected: int) -> int:
     """The step a line claims to be (when it says so as an integer), so that one missing or repeated step is
     one `step_order` problem and the count resynchronises, instead of one problem per later line."""
@@ -60,13 +68,18 @@ def validate(trace: Trace, max_problems: int | None = None, deep: bool = False,
             if not raw.strip():
                 v.add("json", "blank line (a trace has one JSON object on every line)", line=line, step_idx=i)
                 continue
+            clean = True
             try:
                 obj = loads(raw)
             except json.JSONDecodeError as e:
+                clean = False
                 err = json_error(raw, e, None, line, i)
                 v.add("json", err.message, line=line, step_idx=i)
-                i += 1
-                continue
+                obj = _readable(raw)
+                if obj is None:  # nothing of the line is known: no cascade from what it hid
+                    v.lost_line()
+                    i += 1
+                    continue
             claimed = _step_number(obj, i)
             if claimed != i:
                 v.add("step_order", f"steps must be consecutive from 0: expected step {i}, got {claimed}",
@@ -77,14 +90,18 @@ def validate(trace: Trace, max_problems: int | None = None, deep: bool = False,
             try:
                 step = parse_step(obj, trace.header, where)
             except TraceError as e:
-                v.add(e.kind or "schema", e.message, line=line, step_idx=i - 1, req_id=e.req_id, group=e.group,
-                      field=e.field)
+                if clean:
+                    v.add(e.kind or "schema", e.message, line=line, step_idx=i - 1, req_id=e.req_id,
+                          group=e.group, field=e.field)
                 v.salvage(obj, _raw_req_ids(obj), line, i - 1)
                 continue
             if isinstance(obj, dict):
                 unknown_keys.update(k for k in obj if k not in ("step", "scheduler_output", "sampled_token_ids",
                                                                   "draft_token_ids"))
-            v.step(step)
+            if clean:
+                v.step(step)
+            else:  # already one problem (not UTF-8): follow it as a line that did not parse
+                v.salvage(obj, _raw_req_ids(obj), line, i - 1)
     except StopValidation:
         report.truncated = True
     except TraceError as e:  # the file itself became unreadable

@@ -46,6 +46,7 @@ class Validator:
         self.finished: set[str] = set()
         self.uncertain: set[str] = set()
         self.seen: set[str] = set()
+        self.blind = False  # the line before was not JSON: unknown requests now may have been added there
         self.full = [g.kind == "full_attention" for g in header.kv_cache_groups]
         self.null = header.null_block_id if header.null_block_id is not None else 0
         # full-attention groups: block id -> {req_id: logical block index}
@@ -120,6 +121,7 @@ class Validator:
         self._cached_requests(step)
         self._scheduled_positions(step)
         self._model_output(step)
+        self.blind = False
 
     def _finish_and_preempt(self, step: Step) -> None:
         """Free finished requests; drop (v2) or park (v1) preempted ones. vLLM schedules no waiting request
@@ -150,9 +152,17 @@ class Validator:
             else:
                 req.live = False
 
+    def lost_line(self) -> None:
+        """A step line that is not JSON at all: every live request stops being checked (its tokens and
+        blocks may have changed there), and requests first seen in the next step may have been added there."""
+        self.uncertain.update(self.reqs)
+        self.blind = True
+
     def _unknown(self, step: Step | None, r: str, field: str = "scheduled_cached_reqs.req_ids", **where) -> None:
         """A request the worker holds no row for: after its finish, or never added."""
-        if r in self.finished:
+        if self.blind:
+            pass
+        elif r in self.finished:
             self.add("scheduled_after_finish", "scheduled after it finished", step, req_id=r, field=field, **where)
         else:
             self.add("unknown_request", "never added as a new request (or dropped on preemption)", step,
