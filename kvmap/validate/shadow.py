@@ -25,7 +25,7 @@ class StopValidation(Exception):
 
 
 class _Req:
-    __slots__ = ("tokens", "expected_nc", "nc_slack", "blocks", "live", "last_drafts_proposed")
+    __slots__ = ("tokens", "expected_nc", "nc_slack", "blocks", "live", "last_drafts_proposed", "no_null")
 
     def __init__(self, tokens: list[int], nc: int, blocks: list[list[int]]) -> None:
         self.tokens = list(tokens)
@@ -34,6 +34,7 @@ class _Req:
         self.blocks = [list(b) for b in blocks]
         self.live = True  # False: v1-preempted, row kept but not live
         self.last_drafts_proposed: list[int] | None = None
+        self.no_null = [0] * len(blocks)  # per group: leading blocks already seen free of the null block
 
 
 class Validator:
@@ -246,6 +247,7 @@ class Validator:
                     self.uncertain.add(r)
                     continue
                 req.blocks = [list(b) for b in new]
+                req.no_null = [0] * len(new)
                 for g in range(h.num_groups):
                     self._claim(step, r, req, g, 0, "new_block_ids")
             else:
@@ -294,7 +296,11 @@ class Validator:
                              step, req_id=r, group=g, field="block_ids/new_block_ids")
                     continue
                 first = self._context_start(grp, nc) // bs  # the first block this step reads
-                if self.null in row[first:need]:
+                if first == 0:  # full attention: the row's prefix never changes, look at each block once
+                    first = min(req.no_null[g], need)
+                if self.null not in row[first:need]:
+                    req.no_null[g] = max(req.no_null[g], need) if first <= req.no_null[g] else req.no_null[g]
+                else:
                     j = row.index(self.null, first, need)
                     what = "scheduled positions" if j >= nc // bs else "context positions"
                     self.add("null_block", f"{what} in logical block {j} map to the null block {self.null}",
