@@ -23,7 +23,7 @@ def salvage(v: Validator, obj: object, mentioned: set[str], line: int, step_idx:
     c = _get(so, "scheduled_cached_reqs")
     finished, preempted = _strs(_get(so, "finished_req_ids")), _strs(_get(so, "preempted_req_ids"))
     v._free(finished, preempted)
-    new_ids = {_get(nr, "req_id") for nr in _list(_get(so, "scheduled_new_reqs"))}
+    new_ids = set(_strs([_get(nr, "req_id") for nr in _list(_get(so, "scheduled_new_reqs"))]))
     resumed = set(_strs(_get(c, "resumed_req_ids")))
     for r in _strs(_get(c, "req_ids")):
         if r not in v.reqs and r not in v.uncertain and r not in new_ids:
