@@ -23,6 +23,8 @@ import zlib
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from kvmap.cli.app import app
@@ -418,3 +420,31 @@ def test_not_utf8_is_one_located_problem(tmp_path):
     p.write_bytes(b"\n".join(raw))
     probs = validate(Trace(p)).problems
     assert [(x.kind, x.line) for x in probs] == [("json", 3)] and "UTF-8" in probs[0].message
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frac=st.floats(0.0, 1.0), gz=st.booleans())
+def test_any_cut_reads_every_complete_step(tmp_path, frac, gz):
+    """A trace cut at any byte (plain or gzip): every complete step is read and validates, with at most one
+    warning; a cut inside the header is one located error."""
+    text = (TRACES / "spec_decode.jsonl").read_bytes()
+    data = gzip.compress(text, mtime=0) if gz else text
+    cut = data[: int(len(data) * frac)]
+    p = tmp_path / ("cut.jsonl.gz" if gz else "cut.jsonl")
+    p.write_bytes(cut)
+    seen = zlib.decompressobj(wbits=31).decompress(cut) if gz else cut
+    lines = seen.split(b"\n")
+    whole = bool(lines[-1]) and lines[-1] == text.split(b"\n")[len(lines) - 1]  # cut right before a newline
+    complete = len(lines) - 1 + whole
+    cut_short = cut != data if gz else bool(lines[-1]) and not whole
+    warnings: list[str] = []
+    if complete < 1:
+        with pytest.raises(TraceError) as e:
+            Trace(p, warn=warnings.append)
+        assert e.value.line == 1
+        return
+    trace = Trace(p, warn=warnings.append)
+    assert sum(1 for _ in trace.steps()) == complete - 1
+    report = validate(trace)
+    assert report.valid and report.steps == complete - 1
+    assert len(warnings) == cut_short, warnings
