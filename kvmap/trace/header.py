@@ -119,6 +119,7 @@ def parse_header(obj: object, where: Where) -> TraceHeader:
         scheduling_policy=obj.get("scheduling_policy"),
         kv_cache_spec=spec,
         extra={k: v for k, v in obj.items() if k not in known},
+        source=where.path,
     )
 
 
@@ -194,4 +195,5 @@ def check_fits(h: TraceHeader, parts: list[tuple[str, int]] | None = None, path:
     if need > HEADROOM * have:
         field = parts[0][0].split()[0]
         raise TraceError(f"replaying this header needs {_gib(need)}, mostly {parts[0][0]} ({_gib(parts[0][1])}); "
-                         f"{_gib(have)} is the {what}", path=path, line=1, field=field, kind="header")
+                         f"{_gib(have)} is the {what}", path=path or h.source, line=1, field=field,
+                         kind="header")
