@@ -448,3 +448,33 @@ def test_any_cut_reads_every_complete_step(tmp_path, frac, gz):
     report = validate(trace)
     assert report.valid and report.steps == complete - 1
     assert len(warnings) == cut_short, warnings
+
+
+def test_endless_and_padded_streams(tmp_path):
+    """An endless stream fails at once; zero padding after a gzip member is ignored, garbage after it is
+    where the trace stops (with the one warning)."""
+    if Path("/dev/zero").exists():
+        t0 = time.perf_counter()
+        with pytest.raises(TraceError) as e:
+            Trace("/dev/zero")
+        assert "not a kvmap trace header" in e.value.message and time.perf_counter() - t0 < 5
+    data = LONG.read_bytes()
+    for tail, warned in ((b"\0" * 5000, 0), (b"garbage\n", 1)):
+        p = tmp_path / "tail.jsonl.gz"
+        p.write_bytes(data + tail)
+        warnings: list[str] = []
+        assert sum(1 for _ in Trace(p, warn=warnings.append).raw_lines()) == 1919 and len(warnings) == warned
+
+
+def test_overlong_line_is_one_located_error(tmp_path, monkeypatch):
+    from kvmap.trace import reader
+
+    monkeypatch.setattr(reader, "LINE_MIN", 4096)
+    monkeypatch.setattr(reader, "LINE_MAX", 4096)
+    lines = WORKED.read_text().splitlines()
+    lines[2] = lines[2].replace('"step"', '"pad": "' + "x" * 5000 + '", "step"', 1)
+    p = tmp_path / "long.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TraceError) as e:
+        list(Trace(p).steps())
+    assert e.value.line == 3 and "runs past 4 KiB without ending" in e.value.message, e.value

@@ -6,6 +6,9 @@ Rules:
   magic is peeked from the one open handle (never a second open), and gzip is inflated here, chunk by chunk.
 - Streams (`-`, `/dev/stdin`, a FIFO, a process substitution) are read exactly once: their bytes are spooled
   to an unlinked temporary file as they arrive, and every later pass reads the spool.
+- Lines are bounded: line 1 at 16 MiB, a step line at 1/32 of the memory left (64 MiB .. 1 GiB); a stream
+  is checked header first and spooled into at most half the free space of TMPDIR: an endless `/dev/zero`
+  fails at once.
 - A recording cut short (a gzip stream without its end, a final line without its newline that is not JSON)
   is not an error: every complete line is read, and the pass ends with one warning (`Trace.warn`, once per
   trace) saying how many steps were read and where it stopped. A blank line is one error, at its line.
@@ -31,13 +34,46 @@ from typing import BinaryIO
 from kvmap.errors import TraceError
 from kvmap.trace.checks import Where, loads
 from kvmap.trace.fast import fast_step
-from kvmap.trace.header import parse_header
+from kvmap.trace.header import available_memory, parse_header
 from kvmap.trace.parse import parse_step
 from kvmap.trace.records import Step
 
 STDIN = "-"
 CHUNK = 1 << 16
+HEADER_LIMIT = 16 << 20  # bytes of line 1
+PADDING_LIMIT = 1 << 20  # zero bytes after a gzip stream's end that a stream may carry
+LINE_MIN, LINE_MAX = 64 << 20, 1 << 30  # a step line's limit: 1/32 of the memory left, within these
 GZIP_MAGIC = b"\x1f\x8b"
+
+
+class _Inflater:
+    """gzip members inflated chunk by chunk (`cat a.gz b.gz` is one stream); zero padding after the last
+    member is skipped, as gzip does, without being kept. Raises zlib.error where the data turns corrupt,
+    after returning everything inflated before it."""
+
+    def __init__(self) -> None:
+        self.z = zlib.decompressobj(wbits=31)
+        self.padding = 0  # zero bytes seen after a member's end
+
+    @property
+    def complete(self) -> bool:
+        return self.z.eof
+
+    def inflate(self, data: bytes) -> tuple[bytes, zlib.error | None]:
+        """(bytes inflated from `data`, the error where it turned corrupt or None)."""
+        out = []
+        try:
+            while data:
+                if self.z.eof:  # a member ended: what follows is zero padding or the next member
+                    if not data.strip(b"\0"):
+                        self.padding += len(data)
+                        break
+                    self.z = zlib.decompressobj(wbits=31)
+                out.append(self.z.decompress(data))
+                data = self.z.unused_data if self.z.eof else b""
+        except zlib.error as e:
+            return b"".join(out), e
+        return b"".join(out), None
 
 
 class _Gunzip(io.RawIOBase):
@@ -46,7 +82,7 @@ class _Gunzip(io.RawIOBase):
 
     def __init__(self, src: BinaryIO) -> None:
         self.src = src
-        self.z = zlib.decompressobj(wbits=31)
+        self.inflater = _Inflater()
         self.pending = b""
         self.stopped: str | None = None
         self.done = False
@@ -65,19 +101,13 @@ class _Gunzip(io.RawIOBase):
     def _inflate(self) -> None:
         data = self.src.read(CHUNK)
         if not data:
-            if not self.z.eof:
+            if not self.inflater.complete:
                 self.stopped = "the gzip stream ends before its end marker (a recording cut short?)"
-            self.pending, self.done = self.z.flush() if not self.z.eof else b"", True
+            self.done = True
             return
-        try:
-            out = self.z.decompress(data)
-            while self.z.eof and self.z.unused_data:  # a multi-member file (`cat a.gz b.gz`)
-                rest = self.z.unused_data
-                self.z = zlib.decompressobj(wbits=31)
-                out += self.z.decompress(rest)
-        except zlib.error as e:
-            self.stopped, self.done, out = f"the gzip data is corrupt ({e})", True, b""
-        self.pending = out
+        self.pending, error = self.inflater.inflate(data)
+        if error is not None:  # keep what inflated before the corrupt part
+            self.stopped, self.done = f"the gzip data is corrupt ({error})", True
 
 
 def _source(path: Path, name: str) -> BinaryIO:
@@ -92,17 +122,76 @@ def _source(path: Path, name: str) -> BinaryIO:
         raise TraceError(f"cannot read: {e.strerror or e}", path=name) from None
 
 
-def _spool(f: BinaryIO, name: str) -> BinaryIO:
-    """Copy a stream into an unlinked temporary file (read once; nothing is left behind on any exit)."""
+class _StreamCheck:
+    """Watches a stream's bytes as they are spooled (inflated if gzip): hands over the first line as soon as
+    it is complete, and refuses a line that runs past its limit (an endless `/dev/zero` fails at once)."""
+
+    def __init__(self, line_limit: int) -> None:
+        self.parts: list[bytes] | None = []  # line 1 so far; None once it is complete
+        self.z = None
+        self.started = False
+        self.run = 0  # bytes since the last newline
+        self.line_limit = line_limit
+        self.stop = False  # nothing readable follows: spool no further
+
+    def feed(self, chunk: bytes) -> bytes | None:
+        """The complete first line when this chunk completes it, else None."""
+        if not self.started:
+            self.started = True
+            if chunk[:2] == GZIP_MAGIC:
+                self.z = _Inflater()
+        if self.z is not None:
+            chunk, error = self.z.inflate(chunk)
+            if error is not None or self.z.padding > PADDING_LIMIT:  # the reader stops at the same place
+                self.stop = True
+        end = chunk.rfind(b"\n")
+        self.run = self.run + len(chunk) if end < 0 else len(chunk) - end - 1
+        first = None
+        if self.parts is not None:
+            head = chunk.find(b"\n")
+            self.parts.append(chunk if head < 0 else chunk[: head + 1])
+            if head >= 0:
+                first, self.parts = b"".join(self.parts), None
+        limit = HEADER_LIMIT if self.parts is not None else self.line_limit
+        if self.run > limit:
+            raise TraceError(f"a line runs past {_size(limit)} without ending" + (
+                ": not a kvmap trace header" if self.parts is not None else ""), kind="json",
+                line=1 if self.parts is not None else None)
+        return first
+
+
+def _spool(f: BinaryIO, name: str, check_header: Callable[[bytes], None], line_limit: int) -> BinaryIO:
+    """Copy a stream into an unlinked temporary file (read once; nothing is left behind on any exit). The
+    header is checked as soon as its line has arrived, so an endless or foreign stream fails at once, and
+    the spool takes at most half the free space of its folder."""
     try:
         spool = tempfile.TemporaryFile(prefix="kvmap-")
-        shutil.copyfileobj(f, spool, CHUNK)
+        room = shutil.disk_usage(tempfile.gettempdir()).free // 2
+        watch = _StreamCheck(line_limit)
+        total = 0
+        while chunk := f.read(CHUNK):
+            spool.write(chunk)
+            total += len(chunk)
+            first = watch.feed(chunk)
+            if first:
+                check_header(first)
+            if watch.stop:
+                break
+            if total > room:
+                raise TraceError(f"the stream is larger than half the free space ({room >> 20} MiB) of "
+                                 f"{tempfile.gettempdir()}, where it is kept for reading; set TMPDIR", path=name)
         spool.seek(0)
     except OSError as e:
         raise TraceError(f"cannot read the stream into a temporary file: {e.strerror or e}", path=name) from None
+    except TraceError as e:
+        raise e.located(path=name) from None
     finally:
         f.close()
     return spool
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 def _column(raw: bytes, pos: int) -> int:
@@ -120,6 +209,7 @@ class Trace:
         self.warned = False
         self.cut: str | None = None  # where and why the last complete pass stopped early
         self._spooled: BinaryIO | None = None
+        self._line_limit = max(LINE_MIN, min(LINE_MAX, available_memory()[0] // 32))  # bytes of a step line
         if self.name != STDIN and not os.path.lexists(self.path):
             raise TraceError("no such file", path=self.name)
         f = _source(self.path, self.name)
@@ -131,14 +221,17 @@ class Trace:
             f.close()
             raise TraceError("is a directory, not a trace file", path=self.name)
         if not stat.S_ISREG(mode) or self.name == STDIN:  # `-` shares its offset with the caller: read it once
-            self._spooled = _spool(f, self.name)
+            self._spooled = _spool(f, self.name, self._header, self._line_limit)
         else:
             f.close()
         with self._lines(report=False) as lines:
             first = next(lines, None)
             if first is None:
                 raise TraceError("empty file: a trace starts with a header line", path=self.name, line=1)
-            self.header = parse_header(self._json(first[1], 1, None), Where(self.name, 1, None))
+            self.header = self._header(first[1])
+
+    def _header(self, raw: bytes):
+        return parse_header(self._json(raw, 1, None), Where(self.name, 1, None))
 
     def __del__(self) -> None:
         if self._spooled is not None:
@@ -167,10 +260,14 @@ class Trace:
             yield self._numbered(f, gz, report)
 
     def _numbered(self, f: BinaryIO, gz: _Gunzip | None, report: bool) -> Iterator[tuple[int, bytes]]:
-        line = 0
+        line, limit = 0, HEADER_LIMIT
         try:
-            for raw in f:
+            while raw := f.readline(limit):
                 line += 1
+                if len(raw) == limit and not raw.endswith(b"\n"):
+                    raise TraceError(f"the line runs past {_size(limit)} without ending (the memory left "
+                                     "allows no longer line)", kind="json", path=self.name, line=line)
+                limit = self._line_limit
                 if not raw.endswith(b"\n"):  # the last line: complete only if it is JSON
                     if gz is not None and gz.stopped or not self._parses(raw):
                         self._stop(line, "the line is cut short" + (f" ({gz.stopped})" if gz and gz.stopped
