@@ -25,8 +25,8 @@ import numpy as np
 
 from kvmap.defaults import KV_DTYPE, KV_HEAD_SIZE, KV_HEADS
 from kvmap.errors import KvmapError
-from kvmap.trace.header import check_fits, kv_memory
 from kvmap.kv.canary import canary, canary_torch
+from kvmap.trace.header import check_fits, kv_memory
 
 # dtype name -> (torch dtype attribute, integer view dtype in numpy, in torch)
 KV_DTYPES = {
