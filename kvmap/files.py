@@ -37,8 +37,8 @@ def _umask() -> int:
 
 def _identity(path: Path) -> tuple[int, int] | None:
     try:
-        st = path.stat()
-    except OSError:
+        st = os.fstat(sys.stdin.fileno()) if str(path) == STDOUT else path.stat()  # input `-`: standard input
+    except (OSError, ValueError, AttributeError):
         return None
     return st.st_dev, st.st_ino
 
@@ -56,7 +56,7 @@ def check_outputs(outputs: dict[str, str | Path | None], inputs: Iterable[str | 
             continue
         path = Path(p)
         ident = _identity(path)
-        if ident is not None and stat.S_ISREG(path.stat().st_mode) and ident in seen_in:
+        if ident is not None and stat.S_ISREG(path.stat().st_mode) and ident in seen_in:  # `< t.jsonl` too
             raise KvmapError(f"is the input trace {seen_in[ident]!r}: writing it would destroy the input; "
                              "choose another output name", path=str(p), field=option)
         key = ident if ident is not None else os.path.abspath(p)

@@ -26,6 +26,7 @@ import numpy as np
 from kvmap.defaults import KV_DTYPE, KV_HEAD_SIZE, KV_HEADS
 from kvmap.errors import KvmapError
 from kvmap.kv.canary import canary, canary_torch
+from kvmap.trace.header import check_fits, kv_memory
 
 # dtype name -> (torch dtype attribute, integer view dtype in numpy, in torch)
 KV_DTYPES = {
@@ -97,6 +98,8 @@ class PagedKVCache:
         self.block_sizes = [g.block_size for g in header.kv_cache_groups]
         shapes = [(2, header.num_gpu_blocks * bs, H * D) for bs in self.block_sizes]
         self.on_torch = device != "cpu" or torch_storage
+        if device == "cpu":  # a pool too big for this machine: one located error, not a MemoryError
+            check_fits(header, kv_memory(header, geometry.bytes_per_token + 1))
         if self.on_torch:
             from kvmap._torch import torch
 

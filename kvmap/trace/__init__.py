@@ -5,7 +5,7 @@ Rules: nothing outside this package parses trace JSON; every malformed input bec
 
 from kvmap.trace.checks import Where, loads
 from kvmap.trace.fast import fast_step
-from kvmap.trace.header import parse_header
+from kvmap.trace.header import check_fits, parse_header
 from kvmap.trace.parse import parse_step
 from kvmap.trace.reader import Trace, open_trace
 from kvmap.trace.records import (ASYNC_SPEC_KEYS, FORMAT, GROUP_KINDS, PROTOCOLS, TOKEN_ID_LIMIT, AsyncSpecDecode,
@@ -14,4 +14,4 @@ from kvmap.trace.records import (ASYNC_SPEC_KEYS, FORMAT, GROUP_KINDS, PROTOCOLS
 
 __all__ = ["ASYNC_SPEC_KEYS", "FORMAT", "GROUP_KINDS", "PROTOCOLS", "TOKEN_ID_LIMIT", "AsyncSpecDecode",
            "CachedRequestData", "KVCacheGroup", "KVCacheSpec", "NewRequestData", "SchedulerOutput", "Step", "Trace",
-           "TraceHeader", "Where", "fast_step", "loads", "open_trace", "parse_header", "parse_step"]
+           "TraceHeader", "Where", "check_fits", "fast_step", "loads", "open_trace", "parse_header", "parse_step"]

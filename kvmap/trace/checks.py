@@ -1,7 +1,8 @@
 """Typed field checks for the trace boundary: each raises a located `TraceError` naming the field.
 
 Rules: a check returns the value it accepted (or raises); bulk checks (`int_lists`) test whole lists at once
-and only look at entries one by one to name the culprit when the bulk test fails.
+and only look at entries one by one to name the culprit when the bulk test fails. A boolean is never an
+integer (`type(v) is int`, not `isinstance`).
 """
 
 from __future__ import annotations
@@ -9,14 +10,15 @@ from __future__ import annotations
 import json
 from itertools import chain
 
-import numpy as np
-
 from kvmap.errors import TraceError
 
 try:  # orjson decodes a step line about twice as fast; the standard library is the fallback
     from orjson import loads
 except ImportError:  # pragma: no cover
     loads = json.loads
+
+_INT = {int}
+
 
 class Where:
     """Location of the value being checked, for error messages."""
@@ -76,14 +78,10 @@ def int_lists(items: list[tuple[str | None, str, int | None, object]], where: Wh
     if ok:
         flat = list(chain.from_iterable(lists))
         if flat:
-            try:
-                arr = np.array(flat)
-                ok = arr.dtype.kind in "iu" and arr.ndim == 1
-                if ok:
-                    lo, hi = int(arr.min()), int(arr.max())
-                    ok = lo >= minimum and (maximum is None or hi < maximum)
-            except (ValueError, TypeError, OverflowError):
-                ok = False
+            ok = set(map(type, flat)) == _INT  # never a bool: `true` is not block 1
+            if ok:
+                lo, hi = min(flat), max(flat)
+                ok = lo >= minimum and (maximum is None or hi < maximum)
     if ok:
         return
     for req_id, name, group, value in items:

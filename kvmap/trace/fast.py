@@ -73,7 +73,7 @@ def fast_step(obj: object, header: TraceHeader, where: Where) -> Step | None:
         req_ids = []
     elif type(req_ids) is not list:  # its entries are strings: each one is a key of num_scheduled_tokens
         return None
-    if not _strs(resumed):
+    if not _strs(resumed) or (resumed and not (_strs(req_ids) and set(resumed) <= set(req_ids))):
         return None
     n = len(req_ids)
     nc_list = c.get("num_computed_tokens", [])
@@ -102,7 +102,9 @@ def fast_step(obj: object, header: TraceHeader, where: Where) -> Step | None:
     keys = nst.keys()
     if list(keys) != req_ids:  # usually equal: the running requests, in order, and nothing new
         try:
-            if not keys >= set(req_ids) or any(r.req_id not in nst for r in new_reqs):
+            listed = set(req_ids)
+            if not keys >= listed or any(r.req_id not in nst for r in new_reqs) \
+                    or len(listed.union(r.req_id for r in new_reqs)) != len(nst):  # a request listed twice
                 return None
         except TypeError:  # an unhashable entry
             return None

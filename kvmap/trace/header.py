@@ -1,12 +1,47 @@
 """Parse and check the trace header (line 1): format, protocol, pool, groups, limits.
 
-Rules: every key the worker relies on is checked here, once; unknown keys are kept as informational `extra`.
+Rules:
+- Every key the worker relies on is checked here, once; unknown keys are kept as informational `extra`.
+- Every size has a sanity bound (`LIMITS`: generous for any real vLLM deployment) checked at parse time, so a
+  header bomb (`max_num_seqs: 1e12`) is one located line before anything is allocated.
+- What the sizes cost in memory is checked by `check_fits` before anything is allocated (the worker state
+  for its rows and buffers, the host KV cache for its pages at the chosen geometry), against the memory this
+  process can still get (MemAvailable, and the address-space limit `ulimit -v` less what is mapped). The
+  message names the field that costs most and the size it would need.
 """
 
 from __future__ import annotations
 
+import os
+
+from kvmap.errors import TraceError
 from kvmap.trace.checks import Where, dict_field, int_field
 from kvmap.trace.records import FORMAT, GROUP_KINDS, PROTOCOLS, KVCacheGroup, KVCacheSpec, TraceHeader
+
+# field -> (largest accepted value, what a real vLLM has)
+LIMITS = {
+    "block_size": (2**16, "vLLM block sizes are at most a few thousand tokens"),
+    "num_gpu_blocks": (2**28, "a 141 GB GPU holds fewer than 2**28 blocks of any real model"),
+    "max_num_seqs": (2**16, "vLLM runs at most a few thousand sequences per step"),
+    "max_num_batched_tokens": (2**24, "a step of more than 16M tokens does not fit any GPU"),
+    "max_num_scheduled_tokens": (2**24, "a step of more than 16M tokens does not fit any GPU"),
+    "max_model_len": (2**24, "the longest context windows are about 10M tokens"),
+    "num_speculative_tokens": (2**10, "speculative decoding proposes tens of tokens, not thousands"),
+    "kv_cache_groups": (2**10, "a model has at most one group per layer"),
+}
+HEADROOM = 0.8  # use at most this share of the memory left
+
+
+def _limit(value: int, where: Where, name: str) -> int:
+    top, why = LIMITS[name.rsplit(".", 1)[-1]]
+    if value > top:
+        raise where.error(f"{value} is implausibly large (at most {top}: {why}); the header is corrupt or "
+                          "not from vLLM", field=name)
+    return value
+
+
+def _sized(obj: dict, key: str, where: Where, minimum: int) -> int:
+    return _limit(int_field(obj[key], where, key, minimum=minimum), where, key)
 
 def parse_header(obj: object, where: Where) -> TraceHeader:
     if not isinstance(obj, dict) or obj.get("kind") != "header":
@@ -20,11 +55,12 @@ def parse_header(obj: object, where: Where) -> TraceHeader:
                 "max_model_len"):
         if key not in obj:
             raise where.error("missing required header key", field=key)
-    block_size = int_field(obj["block_size"], where, "block_size", minimum=1)
-    num_gpu_blocks = int_field(obj["num_gpu_blocks"], where, "num_gpu_blocks", minimum=1)
+    block_size = _sized(obj, "block_size", where, 1)
+    num_gpu_blocks = _sized(obj, "num_gpu_blocks", where, 1)
     groups_raw = obj["kv_cache_groups"]
     if not isinstance(groups_raw, list) or not groups_raw:
         raise where.error("expected a non-empty list of groups", field="kv_cache_groups")
+    _limit(len(groups_raw), where, "kv_cache_groups")
     groups = []
     for i, g in enumerate(groups_raw):
         name = f"kv_cache_groups[{i}]"
@@ -38,7 +74,8 @@ def parse_header(obj: object, where: Where) -> TraceHeader:
         gid = int_field(g.get("group_id", i), where, f"{name}.group_id")
         if gid != i:
             raise where.error(f"group_id {gid} must equal its index {i}", field=f"{name}.group_id")
-        bs = int_field(g.get("block_size", block_size), where, f"{name}.block_size", minimum=1)
+        bs = _limit(int_field(g.get("block_size", block_size), where, f"{name}.block_size", minimum=1), where,
+                    f"{name}.block_size")
         window = g.get("sliding_window")
         if kind == "sliding_window":
             window = int_field(window, where, f"{name}.sliding_window", minimum=1)
@@ -63,17 +100,17 @@ def parse_header(obj: object, where: Where) -> TraceHeader:
             raise where.error(f"{null_block_id} is outside the pool of {num_gpu_blocks}", field="null_block_id")
     max_sched = obj.get("max_num_scheduled_tokens")
     if max_sched is not None:
-        int_field(max_sched, where, "max_num_scheduled_tokens", minimum=1)
+        _sized(obj, "max_num_scheduled_tokens", where, 1)
     return TraceHeader(
         model_runner_protocol=protocol,
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
         kv_cache_groups=tuple(groups),
-        max_num_seqs=int_field(obj["max_num_seqs"], where, "max_num_seqs", minimum=1),
-        max_num_batched_tokens=int_field(obj["max_num_batched_tokens"], where, "max_num_batched_tokens", minimum=1),
-        max_model_len=int_field(obj["max_model_len"], where, "max_model_len", minimum=1),
-        num_speculative_tokens=int_field(obj.get("num_speculative_tokens") or 0, where, "num_speculative_tokens",
-                                    minimum=0),
+        max_num_seqs=_sized(obj, "max_num_seqs", where, 1),
+        max_num_batched_tokens=_sized(obj, "max_num_batched_tokens", where, 1),
+        max_model_len=_sized(obj, "max_model_len", where, 1),
+        num_speculative_tokens=_limit(int_field(obj.get("num_speculative_tokens") or 0, where,
+                                                "num_speculative_tokens", minimum=0), where, "num_speculative_tokens"),
         null_block_id=null_block_id,
         max_num_scheduled_tokens=max_sched,
         vllm_version=obj.get("vllm_version"),
@@ -84,6 +121,7 @@ def parse_header(obj: object, where: Where) -> TraceHeader:
         scheduling_policy=obj.get("scheduling_policy"),
         kv_cache_spec=spec,
         extra={k: v for k, v in obj.items() if k not in known},
+        source=where.path,
     )
 
 
@@ -98,3 +136,79 @@ def _engine_keys(obj: dict, where: Where) -> dict:
         raise where.error("expected a list of token ids", field="stop_token_ids")
     out["stop_token_ids"] = tuple(int_field(t, where, "stop_token_ids", minimum=0) for t in stop)
     return out
+
+
+# ---------------------------------------------------------------------------------- memory
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n < 2**40 else f"{n / 2**40:.1f} TiB"
+
+
+def _proc_kib(path: str, key: str) -> int | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def available_memory() -> tuple[int, str]:
+    """Bytes this process can still allocate, and what bounds it (MemAvailable or the address-space limit)."""
+    best, what = _proc_kib("/proc/meminfo", "MemAvailable"), "memory available (MemAvailable)"
+    if best is None:
+        try:
+            best = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            what = "free memory"
+        except (ValueError, OSError, AttributeError):
+            best, what = 2**62, "memory"
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        soft = -1 if soft == resource.RLIM_INFINITY else soft
+    except (ImportError, OSError, ValueError):
+        soft = -1
+    if soft >= 0:
+        left = soft - (_proc_kib("/proc/self/status", "VmSize") or 0)
+        if left < best:
+            best, what = max(left, 0), f"address space left under the limit of {_gib(soft)} (ulimit -v)"
+    return best, what
+
+
+def worker_memory(h: TraceHeader) -> list[tuple[str, int]]:
+    """(what, bytes) of the host worker's preallocated rows and buffers for header `h`."""
+    R, width = h.max_num_seqs, h.max_model_len + h.num_speculative_tokens
+    T = max(h.max_num_batched_tokens, h.max_num_scheduled_tokens or 0)
+    G = h.num_groups
+    row_blocks = sum(-(-width // g.block_size) for g in h.kv_cache_groups)
+    return [
+        (f"max_num_seqs {R} x (max_model_len + num_speculative_tokens) {width} token rows", R * width * 4),
+        (f"max_num_seqs {R} x {row_blocks} block-table entries (max_model_len / block_size, every group),"
+         " twice", 2 * R * row_blocks * 4),
+        (f"max_num_batched_tokens {T} x {G} group(s) per-step token buffers", T * (48 + 8 * G)),
+        (f"max_num_seqs {R} per-request buffers", R * 80),
+    ]
+
+
+def kv_memory(h: TraceHeader, slot_bytes: int) -> list[tuple[str, int]]:
+    """(what, bytes) of a host KV cache of `slot_bytes` per slot (K, V and the written flag) per group."""
+    slots = h.num_gpu_blocks * sum(g.block_size for g in h.kv_cache_groups)
+    return [(f"num_gpu_blocks {h.num_gpu_blocks} x block_size x {h.num_groups} group(s) = {slots} KV slots of "
+             f"{slot_bytes} bytes", slots * slot_bytes)]
+
+
+def check_fits(h: TraceHeader, parts: list[tuple[str, int]] | None = None, path: str | None = None) -> None:
+    """Refuse a header whose preallocated arrays (`parts`, default the worker's) would not fit in the memory
+    left, naming the field that costs most and the size it would need."""
+    parts = sorted(worker_memory(h) if parts is None else parts, key=lambda p: -p[1])
+    need = sum(n for _, n in parts)
+    have, what = available_memory()
+    if need > HEADROOM * have:
+        field = parts[0][0].split()[0]
+        raise TraceError(f"replaying this header needs {_gib(need)}, mostly {parts[0][0]} ({_gib(parts[0][1])}); "
+                         f"{_gib(have)} is the {what}", path=path or h.source, line=1, field=field,
+                         kind="header")

@@ -29,6 +29,14 @@ def _group_lists(value: object, num_groups: int, where: Where, req_id: str, name
     return value
 
 
+def _duplicate(ids: list[str]) -> str | None:
+    """The first request id that repeats, if any."""
+    if len(set(ids)) == len(ids):
+        return None
+    seen: set[str] = set()
+    return next(r for r in ids if r in seen or seen.add(r))
+
+
 def parse_step(obj: object, header: TraceHeader, where: Where) -> Step:
     if not isinstance(obj, dict):
         raise where.error(f"a step line must be a JSON object, got {type_name(obj)}")
@@ -83,6 +91,10 @@ def parse_step(obj: object, header: TraceHeader, where: Where) -> Step:
         if not isinstance(flags, list) or len(flags) != n or not all(type(f) is bool for f in flags):
             raise where.error(f"expected {n} booleans", field="scheduled_cached_reqs.resumed_from_preemption")
         resumed = {r for r, f in zip(req_ids, flags) if f}
+    stray = [r for r in resumed if r not in req_ids]
+    if stray:
+        raise where.error("resumed but not in scheduled_cached_reqs.req_ids", req_id=stray[0],
+                          field="scheduled_cached_reqs.resumed_req_ids")
     nc_list = c.get("num_computed_tokens", [])
     if not isinstance(nc_list, list) or len(nc_list) != n:
         raise where.error(f"expected a list of {n} integers (one per req_ids entry)",
@@ -127,15 +139,21 @@ def parse_step(obj: object, header: TraceHeader, where: Where) -> Step:
     if sum(vals) != total:
         raise where.error(f"is {total} but num_scheduled_tokens adds up to {sum(vals)}",
                           field="total_num_scheduled_tokens", kind="total_mismatch")
+    dup = _duplicate([r.req_id for r in new_reqs] + req_ids)
+    if dup is not None:
+        twice = "in both scheduled_new_reqs and scheduled_cached_reqs" if dup in req_ids and any(
+            r.req_id == dup for r in new_reqs) else "twice in its list"
+        raise where.error(f"scheduled {twice}", req_id=dup, field="num_scheduled_tokens",
+                          kind="duplicate_request")
     if len(nst) != len(new_reqs) + n:
         scheduled = {r.req_id for r in new_reqs}.union(req_ids)
         extra = [r for r in nst if r not in scheduled]
         missing = [r for r in scheduled if r not in nst]
-        culprit = (extra or missing or [None])[0]
+        culprit = (extra or missing)[0]
         raise where.error(
             f"num_scheduled_tokens has {len(nst)} requests but {len(new_reqs)} new + {n} cached are scheduled"
             + (" (not in scheduled_new_reqs or scheduled_cached_reqs)" if extra else
-               " (scheduled but missing from num_scheduled_tokens)" if missing else " (a request repeats)"),
+               " (scheduled but missing from num_scheduled_tokens)"),
             req_id=culprit, field="num_scheduled_tokens")
     for r in new_reqs:
         if r.req_id not in nst:

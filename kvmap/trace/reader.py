@@ -2,98 +2,358 @@
 
 Rules:
 - Streaming: `Trace.steps()` yields one `Step` at a time; memory does not grow with the number of steps.
-- `.jsonl` and gzip-compressed files (recognised by their magic bytes, whatever the name) are read alike.
+- `.jsonl` and gzip-compressed files (recognised by their magic bytes, whatever the name) are read alike; the
+  magic is peeked from the one open handle (never a second open), and gzip is inflated here, chunk by chunk.
+- Streams (`-`, `/dev/stdin`, a FIFO, a process substitution) are read exactly once: their bytes are spooled
+  to an unlinked temporary file as they arrive, and every later pass reads the spool.
+- Lines are bounded: line 1 at 16 MiB, a step line at 1/32 of the memory left (64 MiB .. 1 GiB); a stream
+  is checked header first and spooled into at most half the free space of TMPDIR: an endless `/dev/zero`
+  fails at once.
+- A recording cut short (a gzip stream without its end, a final line without its newline that is not JSON)
+  is not an error: every complete line is read, and the pass ends with one warning (`Trace.warn`, once per
+  trace) saying how many steps were read and where it stopped. A blank line is one error, at its line.
+- Error columns count characters of the line (not bytes), from 1.
 - Each line goes through `fast_step` first and `parse_step` when the fast path steps aside.
 """
 
 from __future__ import annotations
 
-import gzip
 import io
 import json
-from collections.abc import Iterator
+import os
+import shutil
+import stat
+import sys
+import tempfile
+import zlib
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from kvmap.errors import TraceError
 from kvmap.trace.checks import Where, loads
 from kvmap.trace.fast import fast_step
-from kvmap.trace.header import parse_header
+from kvmap.trace.header import available_memory, parse_header
 from kvmap.trace.parse import parse_step
 from kvmap.trace.records import Step
 
-def _open_text(path: Path) -> io.TextIOBase:
-    with open(path, "rb") as f:
-        magic = f.read(2)
-    if magic == b"\x1f\x8b":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
+STDIN = "-"
+CHUNK = 1 << 16
+HEADER_LIMIT = 16 << 20  # bytes of line 1
+PADDING_LIMIT = 1 << 20  # zero bytes after a gzip stream's end that a stream may carry
+LINE_MIN, LINE_MAX = 64 << 20, 1 << 30  # a step line's limit: 1/32 of the memory left, within these
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+class _Inflater:
+    """gzip members inflated chunk by chunk (`cat a.gz b.gz` is one stream); zero padding after the last
+    member is skipped, as gzip does, without being kept. Raises zlib.error where the data turns corrupt,
+    after returning everything inflated before it."""
+
+    def __init__(self) -> None:
+        self.z = zlib.decompressobj(wbits=31)
+        self.padding = 0  # zero bytes seen after a member's end
+
+    @property
+    def complete(self) -> bool:
+        return self.z.eof
+
+    def inflate(self, data: bytes) -> tuple[bytes, zlib.error | None]:
+        """(bytes inflated from `data`, the error where it turned corrupt or None)."""
+        out = []
+        try:
+            while data:
+                if self.z.eof:  # a member ended: what follows is zero padding or the next member
+                    if not data.strip(b"\0"):
+                        self.padding += len(data)
+                        break
+                    self.z = zlib.decompressobj(wbits=31)
+                out.append(self.z.decompress(data))
+                data = self.z.unused_data if self.z.eof else b""
+        except zlib.error as e:
+            return b"".join(out), e
+        return b"".join(out), None
+
+
+class _Gunzip(io.RawIOBase):
+    """gzip members inflated from `src`; a stream that ends early (or turns corrupt) ends the data and
+    records why in `stopped`, keeping every byte inflated before."""
+
+    def __init__(self, src: BinaryIO) -> None:
+        self.src = src
+        self.inflater = _Inflater()
+        self.pending = b""
+        self.stopped: str | None = None
+        self.done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self.pending and not self.done:
+            self._inflate()
+        n = min(len(b), len(self.pending))
+        b[:n] = self.pending[:n]
+        self.pending = self.pending[n:]
+        return n
+
+    def _inflate(self) -> None:
+        data = self.src.read(CHUNK)
+        if not data:
+            if not self.inflater.complete:
+                self.stopped = "the gzip stream ends before its end marker (a recording cut short?)"
+            self.done = True
+            return
+        self.pending, error = self.inflater.inflate(data)
+        if error is not None:  # keep what inflated before the corrupt part
+            self.stopped, self.done = f"the gzip data is corrupt ({error})", True
+
+
+def _source(path: Path, name: str) -> BinaryIO:
+    """An open binary handle: the file, or standard input for `-`."""
+    if name == STDIN:
+        return os.fdopen(os.dup(sys.stdin.fileno()), "rb")
+    try:
+        return open(path, "rb")
+    except IsADirectoryError:
+        raise TraceError("is a directory, not a trace file", path=name) from None
+    except OSError as e:
+        raise TraceError(f"cannot read: {e.strerror or e}", path=name) from None
+
+
+class _StreamCheck:
+    """Watches a stream's bytes as they are spooled (inflated if gzip): hands over the first line as soon as
+    it is complete, and refuses a line that runs past its limit (an endless `/dev/zero` fails at once)."""
+
+    def __init__(self, line_limit: int) -> None:
+        self.parts: list[bytes] | None = []  # line 1 so far; None once it is complete
+        self.z = None
+        self.started = False
+        self.run = 0  # bytes since the last newline
+        self.line_limit = line_limit
+        self.stop = False  # nothing readable follows: spool no further
+
+    def feed(self, chunk: bytes) -> bytes | None:
+        """The complete first line when this chunk completes it, else None."""
+        if not self.started:
+            self.started = True
+            if chunk[:2] == GZIP_MAGIC:
+                self.z = _Inflater()
+        if self.z is not None:
+            chunk, error = self.z.inflate(chunk)
+            if error is not None or self.z.padding > PADDING_LIMIT:  # the reader stops at the same place
+                self.stop = True
+        end = chunk.rfind(b"\n")
+        self.run = self.run + len(chunk) if end < 0 else len(chunk) - end - 1
+        first = None
+        if self.parts is not None:
+            head = chunk.find(b"\n")
+            self.parts.append(chunk if head < 0 else chunk[: head + 1])
+            if head >= 0:
+                first, self.parts = b"".join(self.parts), None
+        limit = HEADER_LIMIT if self.parts is not None else self.line_limit
+        if self.run > limit:
+            raise TraceError(f"a line runs past {_size(limit)} without ending" + (
+                ": not a kvmap trace header" if self.parts is not None else ""), kind="json",
+                line=1 if self.parts is not None else None)
+        return first
+
+
+def _spool(f: BinaryIO, name: str, check_header: Callable[[bytes], None], line_limit: int) -> BinaryIO:
+    """Copy a stream into an unlinked temporary file (read once; nothing is left behind on any exit). The
+    header is checked as soon as its line has arrived, so an endless or foreign stream fails at once, and
+    the spool takes at most half the free space of its folder."""
+    try:
+        spool = tempfile.TemporaryFile(prefix="kvmap-")
+        room = shutil.disk_usage(tempfile.gettempdir()).free // 2
+        watch = _StreamCheck(line_limit)
+        total = 0
+        while chunk := f.read(CHUNK):
+            spool.write(chunk)
+            total += len(chunk)
+            first = watch.feed(chunk)
+            if first:
+                check_header(first)
+            if watch.stop:
+                break
+            if total > room:
+                raise TraceError(f"the stream is larger than half the free space ({room >> 20} MiB) of "
+                                 f"{tempfile.gettempdir()}, where it is kept for reading; set TMPDIR", path=name)
+        spool.seek(0)
+    except OSError as e:
+        raise TraceError(f"cannot read the stream into a temporary file: {e.strerror or e}", path=name) from None
+    except TraceError as e:
+        raise e.located(path=name) from None
+    finally:
+        f.close()
+    return spool
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def _column(raw: bytes, pos: int) -> int:
+    """1-based character column of byte offset `pos` in `raw`."""
+    return len(raw[:pos].decode("utf-8", "replace")) + 1
 
 
 class Trace:
     """A trace file: its header (read at once) and its steps (streamed on demand, any number of times)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, warn: Callable[[str], None] | None = None) -> None:
         self.path = Path(path)
         self.name = str(path)
-        if not self.path.exists():
+        self.warn = warn or _stderr_warning  # called once with the cut-short message, if the file is cut
+        self.warned = False
+        self.cut: str | None = None  # where and why the last complete pass stopped early
+        self._spooled: BinaryIO | None = None
+        self._line_limit = max(LINE_MIN, min(LINE_MAX, available_memory()[0] // 32))  # bytes of a step line
+        if self.name != STDIN and not os.path.lexists(self.path):
             raise TraceError("no such file", path=self.name)
-        if self.path.is_dir():
+        f = _source(self.path, self.name)
+        try:
+            mode = os.fstat(f.fileno()).st_mode
+        except OSError:
+            mode = stat.S_IFIFO
+        if stat.S_ISDIR(mode):
+            f.close()
             raise TraceError("is a directory, not a trace file", path=self.name)
-        with self._lines() as lines:
+        if not stat.S_ISREG(mode) or self.name == STDIN:  # `-` shares its offset with the caller: read it once
+            self._spooled = _spool(f, self.name, self._header, self._line_limit)
+        else:
+            f.close()
+        with self._lines(report=False) as lines:
             first = next(lines, None)
             if first is None:
                 raise TraceError("empty file: a trace starts with a header line", path=self.name, line=1)
-            self.header = parse_header(self._json(first, 1, None), Where(self.name, 1, None))
+            self.header = self._header(first[1])
+
+    def _header(self, raw: bytes):
+        return parse_header(self._json(raw, 1, None), Where(self.name, 1, None))
+
+    def __del__(self) -> None:
+        if self._spooled is not None:
+            self._spooled.close()
+
+    # ------------------------------------------------------------------ lines
+
+    def _open(self) -> tuple[BinaryIO, _Gunzip | None]:
+        if self._spooled is not None:
+            raw = os.fdopen(os.dup(self._spooled.fileno()), "rb", buffering=0)
+            raw.seek(0)
+            f: BinaryIO = io.BufferedReader(raw, CHUNK)
+        else:
+            f = _source(self.path, self.name)
+        if f.peek(2)[:2] != GZIP_MAGIC:
+            return f, None
+        gz = _Gunzip(f)
+        return io.BufferedReader(gz, CHUNK), gz
 
     @contextmanager
-    def _lines(self) -> Iterator[Iterator[str]]:
-        """The file's raw lines, opened (and gunzipped) for one pass."""
-        try:
-            f = _open_text(self.path)
-        except OSError as e:
-            raise TraceError(f"cannot read: {e.strerror or e}", path=self.name) from None
+    def _lines(self, report: bool = True) -> Iterator[Iterator[tuple[int, bytes]]]:
+        """(line number, raw bytes) of the file's complete lines, for one pass; a cut end is warned about
+        once (with `report`) when the pass reaches it."""
+        f, gz = self._open()
         with f:
-            yield _read_lines(f, self.name)
+            yield self._numbered(f, gz, report)
 
-    def _json(self, raw: str, line: int, step: int | None) -> object:
+    def _numbered(self, f: BinaryIO, gz: _Gunzip | None, report: bool) -> Iterator[tuple[int, bytes]]:
+        line, limit = 0, HEADER_LIMIT
+        try:
+            while raw := f.readline(limit):
+                line += 1
+                if len(raw) == limit and not raw.endswith(b"\n"):
+                    raise TraceError(f"the line runs past {_size(limit)} without ending (the memory left "
+                                     "allows no longer line)", kind="json", path=self.name, line=line)
+                limit = self._line_limit
+                if not raw.endswith(b"\n"):  # the last line: complete only if it is JSON
+                    if gz is not None and gz.stopped or not self._parses(raw):
+                        self._stop(line, "the line is cut short" + (f" ({gz.stopped})" if gz and gz.stopped
+                                                                     else ""), report)
+                        return
+                yield line, raw
+        except OSError as e:
+            self._stop(line + 1, f"cannot read further ({e.strerror or e})", report)
+            return
+        if gz is not None and gz.stopped:
+            self._stop(line + 1, gz.stopped, report)
+
+    @staticmethod
+    def _parses(raw: bytes) -> bool:
+        try:
+            loads(raw)
+        except json.JSONDecodeError:
+            return False
+        return True
+
+    def _stop(self, line: int, why: str, report: bool) -> None:
+        if line <= 1:
+            raise TraceError(f"no complete header line: {why}", kind="json", path=self.name, line=1)
+        steps = line - 2
+        self.cut = (f"the trace ends early: {steps} complete step(s) read (steps 0..{steps - 1}); it stopped at "
+                    f"line {line}: {why}")
+        if report and not self.warned:
+            self.warned = True
+            self.warn(f"{self.name}: {self.cut}")
+
+    def _json(self, raw: bytes, line: int, step: int | None) -> object:
         try:
             return loads(raw)
         except json.JSONDecodeError as e:  # orjson's error is a subclass
-            what = "truncated line" if e.pos >= len(raw.rstrip()) else "not valid JSON"
-            raise TraceError(f"{what} ({e.msg} at column {e.colno})", kind="json", path=self.name, line=line,
-                             step=step) from None
+            raise json_error(raw, e, self.name, line, step) from None
+
+    # ------------------------------------------------------------------ passes
 
     def steps(self, start: int = 0, stop: int | None = None) -> Iterator[Step]:
         """Yield steps `start <= step < stop`. Earlier lines are skipped unparsed: a worker that needs their
         state must read from 0 (replay does, and records only the window)."""
         with self._lines() as lines:
             next(lines)
-            for i, raw in enumerate(lines):
+            for i, (line, raw) in enumerate(lines):
                 if stop is not None and i >= stop:
                     return
                 if i < start:
                     continue
-                line = i + 2
                 where = Where(self.name, line, i)
                 if not raw.strip():
                     raise where.error("blank line (a trace has one JSON object on every line)", kind="json")
                 obj = self._json(raw, line, i)
                 yield fast_step(obj, self.header, where) or parse_step(obj, self.header, where)
 
-    def raw_steps(self) -> Iterator[tuple[int, str]]:
-        """(line number, raw text) of every step line, for tools that parse leniently (validate)."""
+    def raw_lines(self) -> Iterator[tuple[int, bytes]]:
+        """(line number, raw bytes) of every complete step line, for tools that parse leniently (validate)."""
         with self._lines() as lines:
             next(lines)
-            for i, raw in enumerate(lines):
-                yield i + 2, raw
+            yield from lines
+
+    def raw_steps(self) -> Iterator[tuple[int, str]]:
+        """(line number, text) of every complete step line (undecodable bytes replaced)."""
+        for line, raw in self.raw_lines():
+            yield line, raw.decode("utf-8", "replace")
 
 
-def _read_lines(f: io.TextIOBase, name: str) -> Iterator[str]:
+def json_error(raw: bytes, e: json.JSONDecodeError, path: str | None, line: int,
+               step: int | None) -> TraceError:
+    """A located error for a line (bytes, as read) that is not JSON, with the column in characters."""
     try:
-        yield from f
-    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile, OSError) as e:
-        raise TraceError(f"cannot decode the file ({type(e).__name__}: {e})", kind="json", path=name) from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as u:
+        return TraceError(f"not UTF-8 text (byte 0x{raw[u.start]:02x} cannot start a character at column "
+                          f"{_column(raw, u.start)})", kind="json", path=path, line=line, step=step)
+    end = len(text.rstrip("\r\n"))
+    pos = min(e.pos, end)  # a decoder's position counts characters; a cut line ends after its last one
+    what = "truncated line" if pos >= len(text.rstrip()) else "not valid JSON"
+    return TraceError(f"{what} ({e.msg} at column {pos + 1})", kind="json", path=path, line=line, step=step)
+
+
+def _stderr_warning(message: str) -> None:
+    try:
+        sys.stderr.write(f"kvmap: warning: {message}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def open_trace(path: str | Path) -> Trace:

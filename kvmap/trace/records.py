@@ -55,6 +55,7 @@ class TraceHeader:
     scheduling_policy: str | None = None
     kv_cache_spec: KVCacheSpec = field(default_factory=KVCacheSpec)
     extra: dict[str, Any] = field(default_factory=dict)  # informational keys kvmap does not interpret
+    source: str | None = field(default=None, compare=False, repr=False)  # the file it came from, for errors
 
     @property
     def num_groups(self) -> int:

@@ -1,7 +1,9 @@
 """`kvmap validate`'s driver: read every line leniently, feed the shadow model, collect the report.
 
-Rules: a line that does not parse is one problem, of the kind its `TraceError` carries, and the requests it
-mentions become uncertain (no cascade); the file itself becoming unreadable ends the pass with one problem.
+Rules: a line that does not parse is one problem, of the kind its `TraceError` carries; the parts of it that
+did parse still inform the shadow model, and the requests it hid become uncertain (no cascade). A blank line
+is one problem and no step; a wrong step number is one problem and the count follows the file from there. A
+file cut short is validated up to its last complete line, with the reader's one warning (also in `--json`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from collections import Counter
 
 from kvmap.errors import TraceError
 from kvmap.trace import ASYNC_SPEC_KEYS, Trace, Where, loads, parse_step
+from kvmap.trace.reader import json_error
 from kvmap.validate.problems import Problem, ValidationReport
 from kvmap.validate.shadow import StopValidation, Validator
+
 
 
 def _raw_req_ids(obj: object) -> set[str]:
@@ -39,44 +43,93 @@ def _raw_req_ids(obj: object) -> set[str]:
 STEP_KEYS = frozenset({"step", "scheduler_output", "sampled_token_ids", "draft_token_ids"}) | ASYNC_SPEC_KEYS
 
 
+def _readable(raw: bytes) -> object | None:
+    """A line that is JSON once its undecodable bytes are replaced (its fields still inform the model)."""
+    try:
+        return loads(raw.decode("utf-8", "replace"))
+    except json.JSONDecodeError:
+        return None
+
+
+def _step_number(obj: object, expected: int) -> int:
+    """The step a line claims to be (when it says so as an integer), so that one missing or repeated step is
+    one `step_order` problem and the count resynchronises, instead of one problem per later line."""
+    step = obj.get("step") if isinstance(obj, dict) else None
+    return step if type(step) is int and step >= 0 else expected
+
+
+class _Pass:
+    """One lenient pass over the step lines, feeding the shadow model."""
+
+    def __init__(self, trace: Trace, v: Validator) -> None:
+        self.trace, self.v = trace, v
+        self.i = 0  # the step the next line should be
+        self.unknown_keys: Counter[str] = Counter()
+
+    def line(self, line: int, raw: bytes) -> None:
+        v = self.v
+        if not raw.strip():
+            v.add("json", "blank line (a trace has one JSON object on every line)", line=line, step_idx=self.i)
+            return
+        clean = True
+        try:
+            obj = loads(raw)
+        except json.JSONDecodeError as e:
+            clean = False
+            v.add("json", json_error(raw, e, None, line, self.i).message, line=line, step_idx=self.i)
+            obj = _readable(raw)
+            if obj is None:  # nothing of the line is known: no cascade from what it hid
+                v.lost_line()
+                self.i += 1
+                return
+        step_idx = self._number(obj, line)
+        try:
+            step = parse_step(obj, self.trace.header, Where(self.trace.name, line, step_idx))
+        except TraceError as e:
+            if clean:
+                v.add(e.kind or "schema", e.message, line=line, step_idx=step_idx, req_id=e.req_id, group=e.group,
+                      field=e.field)
+            v.salvage(obj, _raw_req_ids(obj), line, step_idx)
+            return
+        if isinstance(obj, dict):
+            self.unknown_keys.update(k for k in obj if k not in STEP_KEYS)
+        if clean:
+            v.step(step)
+        else:  # already one problem (not UTF-8): follow it as a line that did not parse
+            v.salvage(obj, _raw_req_ids(obj), line, step_idx)
+
+    def _number(self, obj: object, line: int) -> int:
+        """This line's step index; a wrong number is one problem and the count follows the file from there."""
+        claimed = _step_number(obj, self.i)
+        if claimed != self.i:
+            self.v.add("step_order", f"steps must be consecutive from 0: expected step {self.i}, got {claimed}",
+                       line=line, step_idx=claimed, field="step")
+            self.i = claimed
+        self.i += 1
+        return self.i - 1
+
+
 def validate(trace: Trace, max_problems: int | None = None, deep: bool = False,
              backends: list[str] | None = None) -> ValidationReport:
     """Every problem of `trace`; with `deep`, also replay `backends` (default: all) against the reference."""
     report = ValidationReport(trace=trace.name)
+    warn = trace.warn
+    trace.warn = lambda message: (report.warnings.append(message), warn(message))
     v = Validator(trace.header, trace.name, max_problems)
-    unknown_keys: Counter[str] = Counter()
-    i = 0
+    run = _Pass(trace, v)
     try:
-        for line, raw in trace.raw_steps():
-            where = Where(trace.name, line, i)
-            i += 1
-            if not raw.strip():
-                v.add("json", "blank line", line=line, step_idx=i - 1)
-                continue
-            try:
-                obj = loads(raw)
-            except json.JSONDecodeError as e:
-                v.add("json", f"not JSON ({e.msg} at column {e.colno})", line=line, step_idx=i - 1)
-                continue
-            try:
-                step = parse_step(obj, trace.header, where)
-            except TraceError as e:
-                v.add(e.kind or "schema", e.message, line=line, step_idx=i - 1, req_id=e.req_id, group=e.group,
-                      field=e.field)
-                v.salvage(obj, _raw_req_ids(obj))
-                continue
-            if isinstance(obj, dict):
-                unknown_keys.update(k for k in obj if k not in STEP_KEYS)
-            v.step(step)
+        for line, raw in trace.raw_lines():
+            run.line(line, raw)
     except StopValidation:
         report.truncated = True
-    except TraceError as e:  # the file itself became unreadable (e.g. gzip cut short)
+    except TraceError as e:  # the file itself became unreadable
         v.problems.append(Problem("json", e.message, e.line, None))
-    report.steps = i
-    report.requests = len(v.seen)
-    report.problems = v.problems
-    if unknown_keys:
-        report.info.append("unknown step keys (ignored): " + ", ".join(f"{k} x{n}" for k, n in unknown_keys.items()))
+    finally:
+        trace.warn = warn
+    report.steps, report.requests, report.problems = run.i, len(v.seen), v.problems
+    if run.unknown_keys:
+        report.info.append("unknown step keys (ignored): " + ", ".join(f"{k} x{n}" for k, n in
+                                                                      run.unknown_keys.items()))
     if trace.header.extra:
         report.info.append("informational header keys: " + ", ".join(sorted(trace.header.extra)))
     if deep and report.valid:

@@ -18,19 +18,23 @@ KINDS = {
     "total_mismatch": "total_num_scheduled_tokens differs from the sum of num_scheduled_tokens",
     "block_range": "a block id is outside the pool",
     "budget_tokens": "more tokens than the header's token budget",
-    "budget_seqs": "more requests than max_num_seqs",
+    "budget_seqs": "more requests than max_num_seqs (scheduled, or holding worker rows)",
+    "row_width": "a block row longer than max_model_len (plus drafts) allows",
     "max_model_len": "a position beyond max_model_len",
     "unknown_request": "a cached request the worker does not know",
     "scheduled_after_finish": "a request scheduled after it finished",
     "new_id_not_new": "a new request whose id is still live",
     "preempted_scheduled": "a preempted request scheduled without being resumed",
-    "preempted_in_step": "a request preempted and scheduled in the same step",
+    "preempted_in_step": "a request preempted and scheduled in the same step (v2: also re-added as new)",
+    "resumed_no_blocks": "a resumed request without its replacement block row",
+    "duplicate_request": "a request listed twice among the scheduled (new and cached, or twice in one list)",
     "computed_ahead": "num_computed_tokens runs ahead of what was computed",
     "computed_back": "num_computed_tokens goes back without a rollback or preemption to explain it",
     "tokens_unknown": "scheduled positions past the request's known tokens",
     "no_block": "a scheduled position has no block",
-    "null_block": "a scheduled position maps to the null block",
+    "null_block": "a position the step reads or writes (its context included) maps to the null block",
     "double_allocation": "one block held by two live requests for different tokens or positions",
+    "block_repeated": "one block at two logical positions of the same request's row",
     "window_conflict": "a sliding-window block read inside the window by two requests for different tokens",
     "partial_sampled": "a partial prefill chunk sampled tokens",
     "too_many_sampled": "more sampled tokens than 1 + drafts",
@@ -64,6 +68,7 @@ class ValidationReport:
     problems: list[Problem] = field(default_factory=list)
     truncated: bool = False  # stopped at --max-problems
     info: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # e.g. the file ends early (a recording cut short)
     deep: dict | None = None
 
     @property
@@ -73,4 +78,4 @@ class ValidationReport:
     def to_json(self) -> dict:
         return {"trace": self.trace, "valid": self.valid, "steps": self.steps, "requests": self.requests,
                 "problems": [asdict(p) for p in self.problems], "by_kind": dict(Counter(p.kind for p in self.problems)),
-                "truncated": self.truncated, "info": self.info, "deep": self.deep}
+                "truncated": self.truncated, "info": self.info, "warnings": self.warnings, "deep": self.deep}

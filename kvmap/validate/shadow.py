@@ -15,7 +15,9 @@ Rules:
 from __future__ import annotations
 
 from kvmap.trace import Step, TraceHeader
+from kvmap.validate.blocks import BlockOwners
 from kvmap.validate.problems import KINDS, Problem
+from kvmap.validate.salvage import salvage
 
 
 class StopValidation(Exception):
@@ -23,7 +25,7 @@ class StopValidation(Exception):
 
 
 class _Req:
-    __slots__ = ("tokens", "expected_nc", "nc_slack", "blocks", "live", "last_drafts_proposed")
+    __slots__ = ("tokens", "expected_nc", "nc_slack", "blocks", "live", "last_drafts_proposed", "no_null")
 
     def __init__(self, tokens: list[int], nc: int, blocks: list[list[int]]) -> None:
         self.tokens = list(tokens)
@@ -32,6 +34,7 @@ class _Req:
         self.blocks = [list(b) for b in blocks]
         self.live = True  # False: v1-preempted, row kept but not live
         self.last_drafts_proposed: list[int] | None = None
+        self.no_null = [0] * len(blocks)  # per group: leading blocks already seen free of the null block
 
 
 class Validator:
@@ -44,10 +47,14 @@ class Validator:
         self.finished: set[str] = set()
         self.uncertain: set[str] = set()
         self.seen: set[str] = set()
-        # full-attention groups: block id -> {req_id: logical block index}
-        self.owners: list[dict[int, dict[str, int]]] = [{} for _ in header.kv_cache_groups]
+        self.blind = False  # the line before was not JSON: unknown requests now may have been added there
         self.full = [g.kind == "full_attention" for g in header.kv_cache_groups]
         self.null = header.null_block_id if header.null_block_id is not None else 0
+        # full-attention groups: block id -> {req_id: logical block index}
+        self.owners = [BlockOwners(g.block_size, self.null) if f else None
+                       for g, f in zip(header.kv_cache_groups, self.full)]
+        width = header.max_model_len + header.num_speculative_tokens
+        self.row_width = [-(-width // g.block_size) for g in header.kv_cache_groups]  # the worker's row width
         self._check_header()
 
     # ------------------------------------------------------------------ reporting
@@ -76,75 +83,36 @@ class Validator:
 
     def _release(self, req_id: str, req: _Req) -> None:
         for g, ids in enumerate(req.blocks):
-            if not self.full[g]:
-                continue
-            owners = self.owners[g]
-            for b in ids:
-                holders = owners.get(b)
-                if holders is not None:
-                    holders.pop(req_id, None)
-                    if not holders:
-                        del owners[b]
+            if self.owners[g] is not None:
+                self.owners[g].release(req_id, ids)
+
+    def _peer(self, other: str) -> list[int] | None:
+        if other in self.uncertain:
+            return None
+        o = self.reqs.get(other)
+        return o.tokens if o is not None and o.live else None
 
     def _claim(self, step: Step, req_id: str, req: _Req, g: int, start: int, field_name: str) -> None:
         """Register req's blocks of group g from logical index `start`; check against other live holders."""
-        if not self.full[g]:
-            return
-        bs = self.h.kv_cache_groups[g].block_size
+        if len(req.blocks[g]) > self.row_width[g]:
+            self.add("row_width", f"{len(req.blocks[g])} blocks exceed the row width {self.row_width[g]} "
+                     "(max_model_len plus drafts)", step, req_id=req_id, group=g, field=field_name)
         owners = self.owners[g]
-        for j in range(start, len(req.blocks[g])):
-            b = req.blocks[g][j]
-            if b == self.null:
-                continue
-            holders = owners.setdefault(b, {})
-            for other, oj in holders.items():
-                if other == req_id or other in self.uncertain:
-                    continue
-                o = self.reqs.get(other)
-                if o is None or not o.live:
-                    continue
-                lo, hi = j * bs, (j + 1) * bs
-                mine, theirs = req.tokens[lo:hi], o.tokens[oj * bs:(oj + 1) * bs]
-                n = min(len(mine), len(theirs))
-                if oj != j or mine[:n] != theirs[:n]:
-                    what = (f"logical block {j} here, {oj} in {other!r}" if oj != j
-                            else f"different tokens at positions {lo}..{hi - 1}")
-                    self.add("double_allocation", f"block {b} is also held by live request {other!r} ({what})",
-                             step, req_id=req_id, group=g, field=field_name)
-                    break
-            holders[req_id] = j
+        if owners is None:
+            return
+        for _j, b, other, what in owners.claim(req_id, req.tokens, req.blocks[g], start, self._peer):
+            if other == req_id:
+                self.add("block_repeated", f"block {b} appears at {what}", step, req_id=req_id, group=g,
+                         field=field_name)
+            else:
+                self.add("double_allocation", f"block {b} is also held by live request {other!r} ({what})",
+                         step, req_id=req_id, group=g, field=field_name)
 
     # ------------------------------------------------------------------ steps
 
-    def salvage(self, obj: object, mentioned: set[str]) -> None:
-        """A step line that did not parse: keep following the requests it mentions as far as its
-        well-formed parts allow (appended blocks, sampled tokens), and stop checking what it hid: requests
-        it added stay unchecked until they finish, the others skip their next num_computed_tokens check."""
-        so = obj.get("scheduler_output") if isinstance(obj, dict) else None
-        c = so.get("scheduled_cached_reqs") if isinstance(so, dict) else None
-        appended: set[str] = set()
-        if isinstance(c, dict) and isinstance(c.get("req_ids"), list) and isinstance(c.get("new_block_ids"), list):
-            for r, new in zip(c["req_ids"], c["new_block_ids"]):
-                req = self.reqs.get(r) if isinstance(r, str) else None
-                if req is None or new is None:
-                    continue
-                if (isinstance(new, list) and len(new) == len(req.blocks)
-                        and all(isinstance(b, list) and all(type(x) is int for x in b) for b in new)):
-                    for g, b in enumerate(new):
-                        req.blocks[g].extend(b)
-                    appended.add(r)
-        sampled = obj.get("sampled_token_ids") if isinstance(obj, dict) else None
-        for r in mentioned:
-            req = self.reqs.get(r)
-            if req is None:
-                self.uncertain.add(r)
-                continue
-            req.expected_nc = None  # resynchronise from the next value the scheduler sends
-            toks = sampled.get(r) if isinstance(sampled, dict) else None
-            if isinstance(toks, list) and all(type(t) is int for t in toks):
-                req.tokens.extend(toks)
-            elif toks is None and r not in appended:
-                self.uncertain.add(r)
+    def salvage(self, obj: object, mentioned: set[str], line: int, step_idx: int) -> None:
+        """A step line that did not parse: follow its well-formed parts (validate/salvage.py)."""
+        salvage(self, obj, mentioned, line, step_idx)
 
     def step(self, step: Step) -> None:
         """Follow one parsed step through the shadow model, adding every problem it shows."""
@@ -154,24 +122,28 @@ class Validator:
         self._cached_requests(step)
         self._scheduled_positions(step)
         self._model_output(step)
+        self.blind = False
 
     def _finish_and_preempt(self, step: Step) -> None:
-        """Free finished requests; drop (v2) or park (v1) preempted ones."""
+        """Free finished requests; drop (v2) or park (v1) preempted ones. vLLM schedules no waiting request
+        in a step that preempts, so a preempted request is never scheduled in its step (v2: nor re-added)."""
         so = step.scheduler_output
-        h = self.h
-        v2 = h.model_runner_protocol == "v2"
         scheduled = so.num_scheduled_tokens
-        for r in so.finished_req_ids:
+        for r in so.preempted_req_ids:
+            if r in scheduled:
+                self.add("preempted_in_step", "preempted in this step but also scheduled", step, req_id=r,
+                         field="preempted_req_ids")
+        self._free(so.finished_req_ids, so.preempted_req_ids)
+
+    def _free(self, finished: list[str], preempted: list[str]) -> None:
+        for r in finished:
             req = self.reqs.pop(r, None)
             if req is not None:
                 self._release(r, req)
             self.finished.add(r)
             self.uncertain.discard(r)
-        scheduled = so.num_scheduled_tokens
-        for r in so.preempted_req_ids:
-            if r in scheduled and not (v2 and any(nr.req_id == r for nr in so.scheduled_new_reqs)):
-                self.add("preempted_in_step", "preempted in this step but also scheduled", step, req_id=r,
-                         field="preempted_req_ids")
+        v2 = self.h.model_runner_protocol == "v2"
+        for r in preempted:
             req = self.reqs.get(r)
             if req is None:
                 continue
@@ -180,6 +152,23 @@ class Validator:
                 del self.reqs[r]
             else:
                 req.live = False
+
+    def lost_line(self) -> None:
+        """A step line that is not JSON at all: every live request stops being checked (its tokens and
+        blocks may have changed there), and requests first seen in the next step may have been added there."""
+        self.uncertain.update(self.reqs)
+        self.blind = True
+
+    def _unknown(self, step: Step | None, r: str, field: str = "scheduled_cached_reqs.req_ids", **where) -> None:
+        """A request the worker holds no row for: after its finish, or never added."""
+        if self.blind:
+            pass
+        elif r in self.finished:
+            self.add("scheduled_after_finish", "scheduled after it finished", step, req_id=r, field=field, **where)
+        else:
+            self.add("unknown_request", "never added as a new request (or dropped on preemption)", step,
+                     req_id=r, field=field, **where)
+        self.uncertain.add(r)
 
     def _budgets(self, step: Step) -> None:
         """The step's token and request budgets."""
@@ -199,6 +188,13 @@ class Validator:
         h = self.h
         for nr in so.scheduled_new_reqs:
             r = nr.req_id
+            if r not in self.reqs and len(self.reqs) >= h.max_num_seqs:
+                self.add("budget_seqs", f"a new request while all max_num_seqs={h.max_num_seqs} worker rows are "
+                         "held (running or preempted)", step, req_id=r, field="scheduled_new_reqs")
+            if len(nr.token_ids) > h.max_model_len:
+                self.add("max_model_len", f"{len(nr.token_ids)} tokens exceed max_model_len {h.max_model_len}",
+                         step, req_id=r, field="prefill_token_ids" if nr.prefill_token_ids is not None
+                         else "prompt_token_ids")
             if r in self.reqs and self.reqs[r].live:
                 self.add("new_id_not_new", "scheduled as new while still live (not finished or preempted)", step,
                          req_id=r, field="scheduled_new_reqs")
@@ -221,18 +217,18 @@ class Validator:
         so = step.scheduler_output
         h = self.h
         c = so.scheduled_cached_reqs
+        for r, toks in c.all_token_ids.items():
+            if len(toks) > h.max_model_len:
+                self.add("max_model_len", f"{len(toks)} tokens exceed max_model_len {h.max_model_len}", step,
+                         req_id=r, field="all_token_ids")
+            if r not in self.reqs and r not in self.uncertain:
+                self._unknown(step, r, "all_token_ids")
         for i, r in enumerate(c.req_ids):
             if r in self.uncertain:
                 continue
             req = self.reqs.get(r)
             if req is None:
-                if r in self.finished:
-                    self.add("scheduled_after_finish", "scheduled after it finished", step, req_id=r,
-                             field="scheduled_cached_reqs.req_ids")
-                else:
-                    self.add("unknown_request", "never added as a new request (or dropped on preemption)", step,
-                             req_id=r, field="scheduled_cached_reqs.req_ids")
-                self.uncertain.add(r)
+                self._unknown(step, r)
                 continue
             nc = c.num_computed_tokens[i]
             corrections = step.async_spec.num_computed_tokens_correction if step.async_spec else {}
@@ -248,10 +244,15 @@ class Validator:
                 self._release(r, req)
                 req.live = True
                 new = c.new_block_ids[i]
-                if new is not None:
-                    req.blocks = [list(b) for b in new]
-                    for g in range(h.num_groups):
-                        self._claim(step, r, req, g, 0, "new_block_ids")
+                if new is None:
+                    self.add("resumed_no_blocks", "resumed without its replacement block row", step, req_id=r,
+                             field="new_block_ids")
+                    self.uncertain.add(r)
+                    continue
+                req.blocks = [list(b) for b in new]
+                req.no_null = [0] * len(new)
+                for g in range(h.num_groups):
+                    self._claim(step, r, req, g, 0, "new_block_ids")
             else:
                 exp = req.expected_nc
                 # under async spec decode the scheduler's value is optimistic: exact only with the recorded
@@ -303,11 +304,15 @@ class Validator:
                     self.add("no_block", f"position {end - 1} needs block {need - 1} but the row holds {len(row)}",
                              step, req_id=r, group=g, field="block_ids/new_block_ids")
                     continue
-                first = nc // bs
-                if any(b == self.null for b in row[first:need]):
-                    j = first + [b == self.null for b in row[first:need]].index(True)
-                    self.add("null_block",
-                             f"scheduled positions in logical block {j} map to the null block {self.null}",
+                first = self._context_start(grp, nc) // bs  # the first block this step reads
+                if first == 0:  # full attention: the row's prefix never changes, look at each block once
+                    first = min(req.no_null[g], need)
+                if self.null not in row[first:need]:
+                    req.no_null[g] = max(req.no_null[g], need) if first <= req.no_null[g] else req.no_null[g]
+                else:
+                    j = row.index(self.null, first, need)
+                    what = "scheduled positions" if j >= nc // bs else "context positions"
+                    self.add("null_block", f"{what} in logical block {j} map to the null block {self.null}",
                              step, req_id=r, group=g, field="block_ids/new_block_ids")
                 if grp.kind == "sliding_window":
                     lo = max(0, nc - grp.sliding_window + 1) // bs
@@ -317,7 +322,10 @@ class Validator:
                         if b == self.null:
                             continue
                         prev = owners.get(b)
-                        if prev is not None and prev[0] != r:
+                        if prev is not None and prev[0] == r and prev[1] != j:
+                            self.add("block_repeated", f"block {b} appears at logical blocks {prev[1]} and {j} "
+                                     "inside the window", step, req_id=r, group=g, field="block_ids/new_block_ids")
+                        elif prev is not None and prev[0] != r:
                             o = self.reqs[prev[0]]
                             same = prev[1] == j and req.tokens[j * bs:(j + 1) * bs][:len(o.tokens)] == \
                                 o.tokens[j * bs:(j + 1) * bs][:len(req.tokens)]
@@ -330,6 +338,16 @@ class Validator:
                     self.add("drafts_mismatch", f"scheduled drafts {list(drafts)[:4]} are not a prefix of the "
                              f"proposed {req.last_drafts_proposed[:4]}", step, req_id=r,
                              field="scheduled_spec_decode_tokens")
+
+    @staticmethod
+    def _context_start(grp, nc: int) -> int:
+        """The first position the step's first token attends to: 0 for full attention, the window's or the
+        chunk's start otherwise."""
+        if grp.kind == "sliding_window":
+            return max(0, nc - grp.sliding_window + 1)
+        if grp.kind == "chunked_local":
+            return nc - nc % grp.attention_chunk_size
+        return 0
 
     def _model_output(self, step: Step) -> None:
         """What the model returned: sampled tokens appended, the num_computed_tokens the next step must send."""
@@ -361,6 +379,9 @@ class Validator:
                 if not partial:
                     del req.tokens[nc + n - drafts:]
                     req.tokens.extend(out)
+                    if len(req.tokens) > h.max_model_len:
+                        self.add("max_model_len", f"sampled tokens take the request to {len(req.tokens)} tokens, "
+                                 f"past max_model_len {h.max_model_len}", step, req_id=r, field="sampled_token_ids")
             if sampled is None or (not partial and not out) or (h.async_scheduling and step.async_spec is None):
                 req.expected_nc = nc + n
                 req.nc_slack = drafts
@@ -371,3 +392,4 @@ class Validator:
                 req.expected_nc = nc + n
                 req.nc_slack = 0
             req.last_drafts_proposed = list(proposals[r]) if r in proposals else None
+

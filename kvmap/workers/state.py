@@ -14,7 +14,8 @@ Rules:
   `num_computed_tokens`) go through `self.ops`, vectorized or compiled (workers/state_ops.py).
 - `num_computed_tokens` is always taken from the trace. Sampled tokens are appended after the step.
 - Problems that need state to detect (unknown request, a full pool of rows, a row that overflows, a scheduled
-  position without a block) raise `TraceError` naming step, request, group and field.
+  position without a block) raise `TraceError` naming step, request, group and field, with the problem kind
+  `kvmap validate` gives the same condition (validate/problems.py KINDS).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 from kvmap.defaults import STANDIN_TOKEN_ID
 from kvmap.errors import TraceError
-from kvmap.trace import SchedulerOutput, Step, TraceHeader
+from kvmap.trace import SchedulerOutput, Step, TraceHeader, check_fits
 from kvmap.workers.state_ops import CompiledOps, VectorOps
 from kvmap.workers.writes import TOKENS, StagedWrites
 
@@ -40,6 +41,7 @@ class WorkerState:
     """Persistent per-request state. Shapes use R = max_num_seqs rows."""
 
     def __init__(self, header: TraceHeader) -> None:
+        check_fits(header)  # a header too big for this machine is one located error, not a MemoryError
         self.header = header
         R = header.max_num_seqs
         k = header.num_speculative_tokens
@@ -77,7 +79,8 @@ class WorkerState:
         row = self.req_id_to_index.get(req_id)
         if row is None:
             raise TraceError("unknown request: it was never added, or it already finished",
-                             path=None, line=step.line, step=step.step, req_id=req_id, field=field)
+                             path=None, line=step.line, step=step.step, req_id=req_id, field=field,
+                             kind="unknown_request")
         return row
 
     def _remove(self, req_id: str) -> None:
@@ -92,7 +95,7 @@ class WorkerState:
         n = len(tokens)
         if n > self.header.max_model_len:
             raise TraceError(f"{n} tokens exceed max_model_len {self.header.max_model_len}", line=step.line,
-                             step=step.step, req_id=req_id, field=field)
+                             step=step.step, req_id=req_id, field=field, kind="max_model_len")
         self.writes.write_row(TOKENS, row, 0, tokens)
         self.total_len[row] = n
 
@@ -101,7 +104,7 @@ class WorkerState:
             n = len(ids)
             if n > self.max_num_blocks[g]:
                 raise TraceError(f"{n} blocks exceed the row width {self.max_num_blocks[g]}", line=step.line,
-                                 step=step.step, req_id=req_id, group=g, field=field)
+                                 step=step.step, req_id=req_id, group=g, field=field, kind="row_width")
             self.writes.write_row(g, row, 0, ids)
             self.num_blocks[g, row] = n
         self._refresh_capacity(row)
@@ -133,10 +136,10 @@ class WorkerState:
             if nr.req_id in self.req_id_to_index:
                 raise TraceError("scheduled as a new request while it is still live (not finished or "
                                  "preempted)", line=step.line, step=step.step, req_id=nr.req_id,
-                                 field="scheduled_new_reqs")
+                                 field="scheduled_new_reqs", kind="new_id_not_new")
             if not self.free_indices:
                 raise TraceError(f"more than max_num_seqs={self.max_num_reqs} live requests", line=step.line,
-                                 step=step.step, req_id=nr.req_id, field="scheduled_new_reqs")
+                                 step=step.step, req_id=nr.req_id, field="scheduled_new_reqs", kind="budget_seqs")
             row = self.free_indices.pop()
             self.req_id_to_index[nr.req_id] = row
             self.index_to_req_id[row] = nr.req_id
@@ -164,14 +167,15 @@ class WorkerState:
                 i = c.req_ids.index(r)
                 if c.new_block_ids[i] is None:
                     raise TraceError("resumed without a replacement block row", line=step.line,
-                                     step=step.step, req_id=r, field="new_block_ids")
+                                     step=step.step, req_id=r, field="new_block_ids", kind="resumed_no_blocks")
                 self._set_blocks(row, c.new_block_ids[i], step, r, "new_block_ids")
             for r, toks in c.all_token_ids.items():
                 self._set_tokens(self.row_of(r, step, "all_token_ids"), toks, step, r, "all_token_ids")
             for r in (c.req_ids if self.preempted else ()):
                 if r in self.preempted:
                     raise TraceError("scheduled after preemption without being resumed", line=step.line,
-                                     step=step.step, req_id=r, field="scheduled_cached_reqs.resumed_req_ids")
+                                     step=step.step, req_id=r, field="scheduled_cached_reqs.resumed_req_ids",
+                                     kind="preempted_scheduled")
             self._append_blocks(step, crows)
 
         # the scheduled batch, in scheduler order
@@ -226,7 +230,8 @@ class WorkerState:
                         if have + len(ids) > self.max_num_blocks[g]:
                             raise TraceError(f"appending {len(ids)} blocks overflows the row width "
                                              f"{self.max_num_blocks[g]}", line=step.line, step=step.step,
-                                             req_id=c.req_ids[i], group=g, field="new_block_ids")
+                                             req_id=c.req_ids[i], group=g, field="new_block_ids",
+                                             kind="row_width")
                         self.writes.write_row(g, row, have, ids)
                         have += len(ids)
                         num_blocks[g, row] = have
@@ -243,7 +248,7 @@ class WorkerState:
                 j = int(np.argmax(ends > self.max_num_blocks[g]))
                 raise TraceError(f"appending {int(counts[j])} blocks overflows the row width "
                                  f"{self.max_num_blocks[g]}", line=step.line, step=step.step,
-                                 req_id=c.req_ids[sel[j]], group=g, field="new_block_ids")
+                                 req_id=c.req_ids[sel[j]], group=g, field="new_block_ids", kind="row_width")
             flat = np.fromiter(chain.from_iterable(lists), dtype=np.int32, count=int(counts.sum()))
             self.writes.write(g, rows, starts, counts, flat)
             self.num_blocks[g, rows] = ends
@@ -281,7 +286,8 @@ class WorkerState:
         if len(rows) and int(end.max()) > h.max_model_len:
             j = int(np.argmax(end > h.max_model_len))
             raise TraceError(f"positions up to {int(end[j]) - 1} exceed max_model_len {h.max_model_len}",
-                             line=step.line, step=step.step, req_id=req_ids[j], field="num_scheduled_tokens")
+                             line=step.line, step=step.step, req_id=req_ids[j], field="num_scheduled_tokens",
+                             kind="max_model_len")
         for g, bs in enumerate(self.block_sizes):
             have = self.num_blocks[g, rows].astype(np.int64) * bs
             if len(rows) and bool((have < end).any()):
@@ -289,7 +295,7 @@ class WorkerState:
                 raise TraceError(f"position {int(end[j]) - 1} has no block: the row holds "
                                  f"{int(self.num_blocks[g, rows[j]])} blocks of {bs} tokens",
                                  line=step.line, step=step.step, req_id=req_ids[j], group=g,
-                                 field="block_ids/new_block_ids")
+                                 field="block_ids/new_block_ids", kind="no_block")
         known = self.total_len[rows]
         gap = real_end > known
         if bool(gap.any()):
@@ -297,7 +303,7 @@ class WorkerState:
                 j = int(np.argmax(gap))
                 raise TraceError(f"positions {int(known[j])}..{int(real_end[j]) - 1} are past the request's "
                                  f"{int(known[j])} known tokens", line=step.line, step=step.step,
-                                 req_id=req_ids[j], field="num_scheduled_tokens")
+                                 req_id=req_ids[j], field="num_scheduled_tokens", kind="tokens_unknown")
             for j in np.flatnonzero(gap):  # made-up ids for tokens the trace did not record
                 row = rows[j]
                 self.writes.write_row(TOKENS, row, int(known[j]),
@@ -327,4 +333,4 @@ class WorkerState:
         j = self.ops.append_tokens(self, srows, counts, flat)
         if j >= 0:
             raise TraceError("sampled tokens overflow max_model_len", line=step.line, step=step.step,
-                             req_id=list(sampled)[j], field="sampled_token_ids")
+                             req_id=list(sampled)[j], field="sampled_token_ids", kind="max_model_len")
