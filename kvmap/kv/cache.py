@@ -51,6 +51,12 @@ class KVGeometry:
     def bytes_per_token(self) -> int:
         return self.lanes * np.dtype(KV_DTYPES[self.dtype][1]).itemsize
 
+    def tp_shard(self, tp: int) -> KVGeometry:
+        """One TP rank's share: num_kv_heads // tp heads, replicated (one each) when tp > num_kv_heads."""
+        if tp <= 1:
+            return self
+        return KVGeometry(max(1, self.num_kv_heads // tp), self.head_size, self.dtype)
+
     def check(self) -> KVGeometry:
         if self.dtype not in KV_DTYPES:
             raise KvmapError(f"unknown KV dtype {self.dtype!r}; choose one of {', '.join(KV_DTYPES)}",
@@ -95,7 +101,9 @@ class PagedKVCache:
         self._tdtype = tdtype
         H, D = geometry.num_kv_heads, geometry.head_size
         self.block_sizes = [g.block_size for g in header.kv_cache_groups]
-        shapes = [(2, header.num_gpu_blocks * bs, H * D) for bs in self.block_sizes]
+        # a group without a slot mapping (a state group) holds no per-token KV here: no slots, never read back
+        shapes = [(2, header.num_gpu_blocks * bs if getattr(grp, "uses_slot_mapping", True) else 0, H * D)
+                  for bs, grp in zip(self.block_sizes, header.kv_cache_groups)]
         self.on_torch = device != "cpu" or torch_storage
         if self.on_torch:
             from kvmap._torch import torch
@@ -209,3 +217,16 @@ class PagedKVCache:
         if not self.written[g][slot]:
             return "never written"
         return "bits of another token or position"
+
+
+class RankedKVCache:
+    """Every computed DCP rank's KV shard in one process: shard i is rank ranks[i]'s cache, holding only
+    the tokens local to that rank (its slots are that rank's `slot_mapping`)."""
+
+    def __init__(self, ranks: tuple[int, ...], shards: list[PagedKVCache]) -> None:
+        self.ranks = ranks
+        self.shards = shards
+        self.geometry = shards[0].geometry
+        self.bytes = sum(s.bytes for s in shards)
+        self.bytes_per_rank = shards[0].bytes
+        self.kernels = None
