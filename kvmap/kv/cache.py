@@ -173,12 +173,20 @@ class PagedKVCache:
                 bits[:, slots] = vals
             self.written[g][slots] = True
 
-    def write_device(self, input_ids, positions, slot_mapping) -> None:
+    def write_device(self, input_ids, positions, slot_mapping, skip_pad: bool = False) -> None:
         """Write from device tensors, on the device (torch ops; no host sync). Padding slots must not occur
-        before the step's token count, which the caller slices to."""
+        before the step's token count, which the caller slices to, unless `skip_pad` (DCP ranks, state groups:
+        -1 for tokens this rank does not hold; the mask costs a sync)."""
         values = self.values_torch(input_ids, positions)  # [2, T, H*D]
         for g, bits in enumerate(self.bits):
-            bits[:, slot_mapping[g]] = values
+            slots = slot_mapping[g]
+            if skip_pad:
+                keep = slots >= 0
+                if bits.shape[1] == 0:
+                    continue
+                bits[:, slots[keep]] = values[:, keep]
+            else:
+                bits[:, slots] = values
 
     # ---------------------------------------------------------------------------------------- read-back
 

@@ -113,11 +113,11 @@ class HostWorker(Worker):
         """(batch_idx, position, slot, token id) arrays over every position this step's requests may read that
         the `rank_index`-th computed DCP rank holds (every position when cp = 1)."""
         lay = self.rank_layouts[rank_index][group]
-        buf, st = self.buffers, self.state
+        m, st = self.mappings(), self.state
         n = self.batch.num_reqs
-        idx = buf.idx_mapping[:n].astype(np.int64)
-        nc = buf.num_computed_tokens[:n].astype(np.int64)
-        hi = buf.seq_lens[:n].astype(np.int64)
+        idx = m.idx_mapping[:n].astype(np.int64)
+        nc = m.num_computed_tokens[:n].astype(np.int64)
+        hi = m.seq_lens[:n].astype(np.int64)
         lo = lay.readable_lo(nc)
         counts = hi - lo
         breq = np.repeat(np.arange(n), counts)
