@@ -75,6 +75,7 @@ class KVMismatch:
     slot: int
     expected_token: int  # token id the request has at this position
     found: str  # what the slot holds: "bits of another token or position", or "never written"
+    rank: int = 0  # DCP rank whose shard was read
 
 
 @dataclass(slots=True)
@@ -83,6 +84,8 @@ class KVCheckResult:
     mismatches: int = 0
     examples: list[KVMismatch] = field(default_factory=list)
     max_examples: int = 20
+    rank_checked: dict[int, int] = field(default_factory=dict)  # DCP rank -> positions read back (cp > 1)
+    rank_mismatches: dict[int, int] = field(default_factory=dict)
 
     def room(self) -> int:
         return max(self.max_examples - len(self.examples), 0)
@@ -238,3 +241,13 @@ class RankedKVCache:
         self.bytes = sum(s.bytes for s in shards)
         self.bytes_per_rank = shards[0].bytes
         self.kernels = None
+
+    def verify(self, into: KVCheckResult, check) -> None:
+        """`check(i, shard)` reads back shard i; the outcome is also counted per rank, examples named by rank."""
+        for i, (r, shard) in enumerate(zip(self.ranks, self.shards)):
+            c, m, e = into.checked, into.mismatches, len(into.examples)
+            check(i, shard)
+            into.rank_checked[r] = into.rank_checked.get(r, 0) + into.checked - c
+            into.rank_mismatches[r] = into.rank_mismatches.get(r, 0) + into.mismatches - m
+            for ex in into.examples[e:]:
+                ex.rank = r

@@ -107,7 +107,42 @@ def summary_dict(r: ReplayResult) -> dict:
                             "min_us": s.min_us, "max_us": s.max_us, "total_ms": s.total_ms, "share": s.share}
                    for s in phase_stats(r)},
         "warnings": warnings(r),
+        **({"ranks": rank_dict(r)} if r.cp_size > 1 or r.kernel_block_sizes else {}),
     }
+
+
+def rank_dict(r: ReplayResult) -> dict:
+    """Per-rank figures of a multi-rank replay (decode context parallelism, kernel block splits)."""
+    return {"decode_context_parallel_size": r.cp_size, "cp_kv_cache_interleave_size": r.interleave,
+            "tensor_parallel_size": r.tp_size, "processes": r.world_size, "kernel_block_sizes": r.kernel_block_sizes,
+            "per_rank": [{"rank": k, "local_tokens": _at(r.rank_tokens, i), "kv_bytes": _at(r.rank_kv_bytes, i),
+                          "kv_checked": _at(r.rank_kv_checked, i), "kv_mismatches": _at(r.rank_kv_mismatches, i),
+                          "max_local_seq_len": _at(r.rank_max_local_seq_len, i)}
+                         for i, k in enumerate(r.ranks)] if r.cp_size > 1 else []}
+
+
+def _at(xs: list, i: int):
+    return xs[i] if i < len(xs) else None
+
+
+def render_ranks(r: ReplayResult, console: Console) -> None:
+    d = rank_dict(r)
+    line = (f"DCP {r.cp_size} (interleave {r.interleave}), TP {r.tp_size}, "
+            + (f"{r.world_size} processes" if r.world_size > 1 else "every rank in this process"))
+    if r.kernel_block_sizes:
+        line += ", kernel blocks " + "/".join(map(str, r.kernel_block_sizes))
+    console.print(f"[bold]ranks[/]  {line}")
+    if not d["per_rank"]:
+        return
+    t = Table(title="per DCP rank", title_justify="left")
+    for col in ("rank", "local tokens", "max local seq_len", "KV shard KiB", "KV read back", "mismatches"):
+        t.add_column(col, justify="right")
+    for x in d["per_rank"]:
+        t.add_row(str(x["rank"]), f"{x['local_tokens']:,}" if x["local_tokens"] is not None else "",
+                  str(x["max_local_seq_len"] or ""), f"{x['kv_bytes'] / 2**10:,.1f}" if x["kv_bytes"] else "",
+                  f"{x['kv_checked']:,}" if x["kv_checked"] is not None else "",
+                  str(x["kv_mismatches"]) if x["kv_mismatches"] is not None else "")
+    console.print(t)
 
 
 def render_summary(r: ReplayResult, console: Console) -> None:
@@ -137,6 +172,8 @@ def render_summary(r: ReplayResult, console: Console) -> None:
         verdict = "[green]0 mismatches[/]" if not r.kv_mismatches else f"[red]{r.kv_mismatches} mismatches[/]"
         head.add_row("KV verify", f"{r.kv_checked:,} positions read back, {verdict}")
     console.print(head)
+    if r.cp_size > 1 or r.kernel_block_sizes:
+        render_ranks(r, console)
     table = Table(title="time per step (us)", title_justify="left")
     for col in ("phase", "mean", "p50", "p90", "p99", "min", "max", "total ms", "share"):
         table.add_column(col, justify="left" if col == "phase" else "right")
@@ -163,7 +200,8 @@ def render_summary(r: ReplayResult, console: Console) -> None:
         per_step = r.h2d_bytes / max(r.steps_replayed, 1)
         console.print(f"host-to-device: {per_step:,.0f} bytes per step in one staged copy")
     for e in r.kv_examples[:5]:
-        console.print(f"[red]KV mismatch[/] step {e['step']}, request {e['req_id']!r}, group {e['group']}, "
+        console.print(f"[red]KV mismatch[/] step {e['step']}, request {e['req_id']!r}, "
+                      + (f"rank {e.get('rank', 0)}, " if r.cp_size > 1 else "") + f"group {e['group']}, "
                       f"position {e['position']}, slot {e['slot']}: expected token {e['expected_token']}, "
                       f"found {e['found']}")
     for w in s["warnings"]:

@@ -103,10 +103,15 @@ class HostWorker(Worker):
 
     def verify_kv(self, kv: PagedKVCache | RankedKVCache, into: KVCheckResult) -> None:
         req_ids = self.mappings().req_ids
-        shards = kv.shards if isinstance(kv, RankedKVCache) else [kv]
-        for i, shard in enumerate(shards):
+
+        def check(i: int, shard: PagedKVCache) -> None:
             for g in self.state.kv_groups:  # state groups hold no per-token KV
                 shard.verify_context(g, self.current_step, req_ids, *self.readable_context(g, i), into=into)
+
+        if isinstance(kv, RankedKVCache):
+            kv.verify(into, check)
+        else:
+            check(0, kv)
 
     def readable_context(self, group: int, rank_index: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                                            np.ndarray]:

@@ -202,12 +202,16 @@ class ReferenceWorker(Worker):
             shard.write(m.input_ids, m.positions, m.rank_slots(i))
 
     def verify_kv(self, kv: PagedKVCache | RankedKVCache, into: KVCheckResult) -> None:
-        shards = kv.shards if isinstance(kv, RankedKVCache) else [kv]
-        for i, shard in enumerate(shards):
+        def check(i: int, shard: PagedKVCache) -> None:
             for g, grp in enumerate(self.header.kv_cache_groups):
-                if grp.uses_slot_mapping:
+                if grp.uses_slot_mapping:  # state groups hold no per-token KV
                     shard.verify_context(g, self.current_step, self._out["req_ids"], *self.readable_context(g, i),
                                          into=into)
+
+        if isinstance(kv, RankedKVCache):
+            kv.verify(into, check)
+        else:
+            check(0, kv)
 
     def append_sampled(self) -> None:
         step = self._step
