@@ -180,6 +180,9 @@ def run(args: argparse.Namespace) -> None:
         if rank == 0 and args.result_json:
             _merge(result, every, cp)
             Path(args.result_json).write_text(json.dumps(result.to_json()))
+    except KvmapError as e:  # every rank sees the same reduced values: each names itself
+        print(f"kvmap: rank {rank}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
 
@@ -252,7 +255,9 @@ def launch(trace: Path, nproc: int, *, backend: str | None = None, device: str =
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
         if p.returncode or not res.exists():
-            tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-12:])
+            lines = (p.stderr or p.stdout).strip().splitlines()
+            ours = sorted({x[x.index("kvmap: rank") + 7:] for x in lines if "kvmap: rank" in x})
+            tail = "\n".join(ours or lines[-12:])
             raise KvmapError(f"the distributed replay failed (exit {p.returncode}):\n{tail}", field="--nproc")
         return ReplayResult.from_json(json.loads(res.read_text()))
 
