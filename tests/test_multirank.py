@@ -187,3 +187,18 @@ def test_summary_shows_per_rank_figures():
     per = summary_dict(r)["ranks"]["per_rank"]
     assert [x["rank"] for x in per] == [0, 1] and sum(x["local_tokens"] for x in per) == r.tokens_scheduled
     assert "ranks" not in summary_dict(replay(Trace(TRACES / "worked_example.jsonl"), nvtx=False))
+
+
+def test_explain_shows_the_chain_on_every_rank():
+    from kvmap.explain.build import explain
+
+    d = explain(Trace(TRACES / "vllm51031.jsonl"), 5, "a", 0)
+    g = d["token"]["groups"][0]
+    assert (g["logical_block"], g["offset"], g["block"], g["rank"]) == (1, 75, 2, 0)  # position 203
+    r0, r1 = g["ranks"]
+    assert r0["holds"] and r0["slot"] == 2 * 64 + 43 and r0["kernel_block"] == 10
+    assert not r1["holds"] and r1["slot"] == PAD_SLOT_ID
+    assert r0["dcp_local_seq_len"] + r1["dcp_local_seq_len"] == 204
+    assert any("virtual block 203 // (64 * 2) = 1" in x for x in g["links"])
+    m = explain(Trace(TRACES / "dcp2_mamba.jsonl"), 6, "a", 0)["token"]["groups"][1]
+    assert m["slot"] == PAD_SLOT_ID and all(not r["holds"] for r in m["ranks"])
