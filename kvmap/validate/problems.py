@@ -38,6 +38,9 @@ KINDS = {
     "header": "header values contradict each other",
     "conformance": "a backend's mappings differ from the reference (validate --deep)",
     "kv_mismatch": "a backend's KV read-back found another token's bits (validate --deep)",
+    "row_width": "a block-table row wider than cdiv(max_model_len, block_size * cp)",
+    "cross_rank": "a cross-rank invariant fails: a token local on no DCP rank or several, local lengths that do "
+                  "not sum to seq_len, a kernel row that is not its manager row expanded (validate --deep)",
 }
 
 

@@ -15,6 +15,7 @@ Rules:
 from __future__ import annotations
 
 from kvmap.trace import Step, TraceHeader
+from kvmap.validate import multirank
 from kvmap.validate.problems import KINDS, Problem
 
 
@@ -48,6 +49,7 @@ class Validator:
         self.owners: list[dict[int, dict[str, int]]] = [{} for _ in header.kv_cache_groups]
         self.full = [g.kind == "full_attention" for g in header.kv_cache_groups]
         self.null = header.null_block_id if header.null_block_id is not None else 0
+        self.spans = multirank.block_spans(header)  # [G] positions per block id (block_size * cp), None: state
         self._check_header()
 
     # ------------------------------------------------------------------ reporting
@@ -65,8 +67,10 @@ class Validator:
 
     def _check_header(self) -> None:
         h = self.h
+        for msg, grp, fld in multirank.header_problems(h):
+            self.add("header", msg, line=1, group=grp, field=fld)
         for i, g in enumerate(h.kv_cache_groups):
-            if h.block_size % g.block_size:
+            if h.block_size % g.block_size and g.uses_slot_mapping:
                 self.add("header", f"scheduler block_size {h.block_size} is not a multiple of group {i}'s "
                          f"block_size {g.block_size}", line=1, group=i, field="kv_cache_groups.block_size")
         if h.max_model_len < h.block_size:
@@ -90,7 +94,7 @@ class Validator:
         """Register req's blocks of group g from logical index `start`; check against other live holders."""
         if not self.full[g]:
             return
-        bs = self.h.kv_cache_groups[g].block_size
+        bs = self.spans[g]
         owners = self.owners[g]
         for j in range(start, len(req.blocks[g])):
             b = req.blocks[g][j]
@@ -153,6 +157,7 @@ class Validator:
         self._new_requests(step)
         self._cached_requests(step)
         self._scheduled_positions(step)
+        multirank.check_step(self, step)
         self._model_output(step)
 
     def _finish_and_preempt(self, step: Step) -> None:
@@ -287,7 +292,9 @@ class Validator:
                 self.add("tokens_unknown", f"positions {len(req.tokens)}..{end - len(drafts) - 1} are past the "
                          f"request's {len(req.tokens)} known tokens", step, req_id=r, field="num_scheduled_tokens")
             for g, grp in enumerate(h.kv_cache_groups):
-                bs = grp.block_size
+                bs = self.spans[g]
+                if bs is None:  # a state group: its row holds state indices, not positions
+                    continue
                 row = req.blocks[g]
                 need = -(-end // bs)
                 if len(row) < need:
