@@ -74,7 +74,7 @@ class CrossRankCheck:
         return self.t.from_numpy(np.ascontiguousarray(a)).to(self.device)
 
     def __call__(self, worker) -> None:
-        t, dist = self.t, self.dist
+        dist = self.dist
         m = worker.mappings()
         step = worker.current_step
         # 1. block-table rows identical on every rank: a CRC of (num_blocks, rows), min == max over the world

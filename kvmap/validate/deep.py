@@ -93,10 +93,11 @@ def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: i
     for d in got:  # the cross-rank invariants on every step of this backend's dump
         for msg, req_id, group, fld in multirank.dump_problems(trace.header, d, backend)[:1]:
             problems.append(asdict(Problem("cross_rank", msg, None, d["step"], req_id, group, fld)))
+    multi = trace.header.decode_context_parallel_size > 1
     for e in kv.kv_examples[:max_problems]:
+        rank = f" on DCP rank {e['rank']}" if multi else ""
         problems.append(asdict(Problem("kv_mismatch", f"{backend}: KV read-back at position {e['position']} "
-                                       f"slot {e['slot']}" + (f" on DCP rank {e['rank']}" if trace.header.decode_context_parallel_size > 1
-                                                     else "") + f" found {e['found']}", None, e["step"], e["req_id"],
+                                       f"slot {e['slot']}{rank} found {e['found']}", None, e["step"], e["req_id"],
                                        e["group"])))
     return {"steps": len(got), "differing_steps": diffs, "kv_checked": kv.kv_checked,
             "kv_mismatches": kv.kv_mismatches}, problems
