@@ -202,3 +202,20 @@ def test_explain_shows_the_chain_on_every_rank():
     assert any("virtual block 203 // (64 * 2) = 1" in x for x in g["links"])
     m = explain(Trace(TRACES / "dcp2_mamba.jsonl"), 6, "a", 0)["token"]["groups"][1]
     assert m["slot"] == PAD_SLOT_ID and all(not r["holds"] for r in m["ranks"])
+
+
+def test_cli_rank_and_nproc_options(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvmap.cli import app
+
+    runner = CliRunner()
+    path = str(TRACES / "dcp2.jsonl")
+    res = runner.invoke(app, ["replay", path, "--rank", "1", "--no-progress", "--verify-kv",
+                              "--dump-mappings", str(tmp_path / "r1.jsonl")])
+    assert res.exit_code == 0, res.output
+    assert "rank 1 of 2 in this process" in res.output and "0 mismatches" in res.output
+    first = json.loads((tmp_path / "r1.jsonl").read_text().splitlines()[0])
+    assert first["dcp_ranks"] == [1] and len(first["slot_mapping"]) == 1
+    bad = runner.invoke(app, ["replay", path, "--rank", "2", "-q"])
+    assert bad.exit_code == 2 and "--rank" in bad.output

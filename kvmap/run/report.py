@@ -128,7 +128,9 @@ def _at(xs: list, i: int):
 def render_ranks(r: ReplayResult, console: Console) -> None:
     d = rank_dict(r)
     line = (f"DCP {r.cp_size} (interleave {r.interleave}), TP {r.tp_size}, "
-            + (f"{r.world_size} processes" if r.world_size > 1 else "every rank in this process"))
+            + (f"{r.world_size} processes" if r.world_size > 1 else
+               "every rank in this process" if len(r.ranks) == r.cp_size else
+               f"rank {', '.join(map(str, r.ranks))} of {r.cp_size} in this process"))
     if r.kernel_block_sizes:
         line += ", kernel blocks " + "/".join(map(str, r.kernel_block_sizes))
     console.print(f"[bold]ranks[/]  {line}")
