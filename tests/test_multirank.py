@@ -58,12 +58,16 @@ def test_backends_equal_the_reference_on_every_rank(name, backend):
         assert g == w
 
 
-@pytest.mark.parametrize("name", ["dcp2", "vllm51031", "dcp2_mamba"])
+@pytest.mark.parametrize("name", MULTI)
 def test_triton_equals_the_reference_on_every_rank(name):
     pytest.importorskip("triton")
     path = TRACES / f"{name}.jsonl"
     stop = 12  # the interpreter is slow: the first steps (prefill chunks, decodes, block crossings)
-    assert _dump(path, "triton", stop=stop) == _ref(path)[:stop]
+    got: list[str] = []
+    r = replay(Trace(path), backend="triton", stop=stop, on_mappings=lambda d: got.append(dump_line(d)),
+               verify_kv=True, nvtx=False)
+    assert got == _ref(path)[:stop]
+    assert r.kv_checked > 0 and r.kv_mismatches == 0
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba"])
