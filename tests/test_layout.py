@@ -257,3 +257,24 @@ def test_replicated_and_state_groups():
     m = GroupLayout.of(KVCacheGroup(1, "mamba", 256, uses_slot_mapping=False), cp_size=2, cp_rank=0)
     assert m.slot([4], 0) == PAD_SLOT_ID and not m.has_slots
     assert (m.slots(np.array([4, 4]), np.array([0, 1])) == PAD_SLOT_ID).all()
+
+
+@pytest.mark.parametrize("cp,I", DCP_CASES[:3])
+def test_dcp_kv_read_back_slot_equals_the_spec(cp, I):
+    """The compiled per-rank read-back reads only the rank's positions, at the spec's slot."""
+    kk = pytest.importorskip("kvmap.kv.kernels")
+    table, idx, n, nc, qsl, pos = _dcp_case(cp, seed=7)
+    tokens = np.zeros((table.shape[0], table.shape[1] * BS * cp), np.int32)
+    mask = np.uint64(0xFFFF)
+    for r in range(cp):
+        lay = GroupLayout(BS, cp_size=cp, cp_rank=r, interleave=I)
+        want = np.array(_spec_slots(lay, table, idx, n, nc), np.int64)
+        bits = np.zeros((2, int(table.max() + 1) * BS, 4), np.uint16)
+        written = np.zeros(bits.shape[1], bool)
+        kk.kv_write(tokens[np.repeat(idx, n), pos], pos, want, bits, mask, written)
+        local = np.flatnonzero(want >= 0)
+        bits[0, want[local[2]], 0] ^= 1  # corrupt the third local token's slot
+        bad = np.zeros((4, 3), np.int64)
+        checked, mismatches = kk.kv_verify_dcp(idx, nc.astype(np.int64), (nc + n).astype(np.int32), tokens, table,
+                                               BS, cp, r, I, bits, mask, bad)
+        assert (checked, mismatches) == (len(local), 1) and bad[0, 2] == want[local[2]]

@@ -223,3 +223,29 @@ def test_cli_rank_and_nproc_options(tmp_path):
     assert first["dcp_ranks"] == [1] and len(first["slot_mapping"]) == 1
     bad = runner.invoke(app, ["replay", path, "--rank", "2", "-q"])
     assert bad.exit_code == 2 and "--rank" in bad.output
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba", "reference"])
+def test_a_corrupted_shard_is_named_by_rank(backend):
+    pytest.importorskip("numba" if backend == "numba" else "numpy")
+    from kvmap.kv.cache import KVCheckResult, KVGeometry
+    from kvmap.workers.registry import make_worker
+
+    t = Trace(TRACES / "dcp2.jsonl")
+    w = make_worker(backend, t.header)
+    kv = w.make_kv_cache(KVGeometry())
+    check = KVCheckResult()
+    planted = False
+    for s in t.steps():
+        w.run_step(s)
+        w.write_kv(kv)
+        mine = [int(x) for x in np.asarray(w.mappings().rank_slot_mapping)[1, 0] if x >= 0]
+        if s.step >= 6 and mine and not planted:  # flip one bit of a slot rank 1 holds
+            kv.shards[1].bits[0][0, mine[0], 0] ^= 1
+            planted = True
+        w.verify_kv(kv, check)
+        w.append_sampled()
+        if check.mismatches:
+            break
+    assert check.mismatches >= 1 and {e.rank for e in check.examples} == {1}
+    assert check.rank_mismatches.get(0, 0) == 0 and check.rank_mismatches[1] >= 1

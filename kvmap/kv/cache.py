@@ -212,12 +212,18 @@ class PagedKVCache:
                                             self.describe(g, int(slots[i]))))
 
     def verify_rows(self, g: int, step: int, req_ids, idx_mapping: np.ndarray, lo: np.ndarray,
-                    seq_lens: np.ndarray, token_ids: np.ndarray, table: np.ndarray, into: KVCheckResult) -> None:
+                    seq_lens: np.ndarray, token_ids: np.ndarray, table: np.ndarray, into: KVCheckResult,
+                    cp: tuple[int, int, int] | None = None) -> None:
         """The compiled read-back: positions lo[b] .. seq_lens[b] - 1 of batch request b through row
-        idx_mapping[b] of the persistent `token_ids` and block `table` (needs `use_kernels`)."""
+        idx_mapping[b] of the persistent `token_ids` and block `table` (needs `use_kernels`). `cp`:
+        (cp_size, cp_rank, interleave) of the DCP rank this shard belongs to (only its local positions)."""
         assert self.kernels is not None
-        checked, bad = self.kernels.kv_verify(idx_mapping, lo, seq_lens, token_ids, table, self.block_sizes[g],
-                                              self._ubits[g], self._mask, self._bad)
+        if cp is not None and cp[0] > 1:
+            checked, bad = self.kernels.kv_verify_dcp(idx_mapping, lo, seq_lens, token_ids, table,
+                                                      self.block_sizes[g], *cp, self._ubits[g], self._mask, self._bad)
+        else:
+            checked, bad = self.kernels.kv_verify(idx_mapping, lo, seq_lens, token_ids, table, self.block_sizes[g],
+                                                  self._ubits[g], self._mask, self._bad)
         into.checked += checked
         into.mismatches += bad
         for b, p, s in self._bad[: min(bad, into.room(), len(self._bad))].tolist():
@@ -240,7 +246,7 @@ class RankedKVCache:
         self.geometry = shards[0].geometry
         self.bytes = sum(s.bytes for s in shards)
         self.bytes_per_rank = shards[0].bytes
-        self.kernels = None
+        self.kernels = None  # a shard may have kernels; the container is read back shard by shard (`verify`)
 
     def verify(self, into: KVCheckResult, check) -> None:
         """`check(i, shard)` reads back shard i; the outcome is also counted per rank, examples named by rank."""

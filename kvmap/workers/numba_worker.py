@@ -8,7 +8,7 @@ Importing this module imports numba: the registry imports it lazily.
 
 from __future__ import annotations
 
-from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache
+from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
 from kvmap.trace import TraceHeader
 from kvmap.workers import kernels_cpu
 from kvmap.workers.contract import make_rank_caches
@@ -69,13 +69,21 @@ class NumbaWorker(HostWorker):
     def make_kv_cache(self, geometry: KVGeometry) -> PagedKVCache:
         return make_rank_caches(self, geometry, lambda g: PagedKVCache(self.header, g, use_kernels=True))
 
-    def verify_kv(self, kv: PagedKVCache, into: KVCheckResult) -> None:
-        if kv.kernels is None:  # a cache made elsewhere without kernels, or every DCP rank's shards
+    def verify_kv(self, kv: PagedKVCache | RankedKVCache, into: KVCheckResult) -> None:
+        shards = kv.shards if isinstance(kv, RankedKVCache) else [kv]
+        if any(s.kernels is None for s in shards):  # a cache made elsewhere without kernels
             return super().verify_kv(kv, into)
         m, st = self.mappings(), self.state
         nc = m.num_computed_tokens.astype("int64")
-        for g, lay in enumerate(self.layouts):
-            if g not in st.kv_groups:
-                continue
-            kv.verify_rows(g, self.current_step, m.req_ids, m.idx_mapping, lay.readable_lo(nc), m.seq_lens,
-                           st.token_ids, st.block_tables[g], into)
+
+        def check(i: int, shard: PagedKVCache) -> None:
+            for g, lay in enumerate(self.rank_layouts[i]):
+                if g not in st.kv_groups:  # state groups hold no per-token KV
+                    continue
+                shard.verify_rows(g, self.current_step, m.req_ids, m.idx_mapping, lay.readable_lo(nc), m.seq_lens,
+                                  st.token_ids, st.block_tables[g], into, (lay.cp_size, lay.cp_rank, lay.interleave))
+
+        if isinstance(kv, RankedKVCache):
+            kv.verify(into, check)
+        else:
+            check(0, kv)
