@@ -7,8 +7,8 @@ Rules:
 - Header: `cp_kv_cache_interleave_size` divides every sharded group's block size, `kernel_block_size` divides
   its group's block size (the parser rejects both; re-stated here so a validator built from a header object
   sees them too).
-- Rows: a row holds at most `cdiv(max_model_len, block_size * cp)` ids (vLLM's `max_num_blocks`; wider rows
-  read out of bounds, vllm#53982).
+- Rows: a row holds at most `cdiv(max_model_len + num_speculative_tokens, block_size * cp)` ids (the worker's
+  row width; vLLM's `max_num_blocks` before alignment; wider rows read out of bounds, vllm#53982).
 - Dumps (`validate --deep`): every token local on exactly one DCP rank of a sharded group and on none of a
   state group; `dcp_local_seq_lens` sum to `seq_len`; each kernel row is its manager row expanded; a slot lies
   inside the rank's shard. Each problem names step, request and rank.
@@ -54,10 +54,11 @@ def check_step(v, step) -> None:
         for g, span in enumerate(v.spans):
             if span is None:
                 continue
-            width = cdiv(h.max_model_len, span)
+            longest = h.max_model_len + h.num_speculative_tokens  # drafts may be staged past max_model_len
+            width = cdiv(longest, span)
             if len(req.blocks[g]) > width:
-                v.add("row_width", f"the row holds {len(req.blocks[g])} block ids, more than cdiv(max_model_len "
-                      f"{h.max_model_len}, {span}) = {width} (block_size * cp)", step, req_id=r, group=g,
+                v.add("row_width", f"the row holds {len(req.blocks[g])} block ids, more than cdiv({longest}, "
+                      f"{span}) = {width} (max_model_len + drafts, block_size * cp)", step, req_id=r, group=g,
                       field="block_ids/new_block_ids")
 
 
