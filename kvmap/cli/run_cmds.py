@@ -74,12 +74,20 @@ def replay(
     if nproc is not None:
         from kvmap.run.distributed import launch
 
+        if rank is not None:
+            raise KvmapError("--rank and --nproc exclude each other: with --nproc every process is a rank",
+                             field="--rank")
+
         result = launch(trace, nproc, backend=backend, device=device, verify_kv=verify_kv, write_kv=not no_kv,
                         kv_geometry=geometry, dump_mappings=dump_mappings, start=start, stop=stop, warmup=warmup)
         if not quiet:
             render_summary(result, out)
         if json_out:
             write_json(json_out, {"summary": summary_dict(result), "result": result.to_json()})
+        if csv_out:
+            write_text(csv_out, to_csv(result))
+        if trace_out:
+            write_json(trace_out, to_chrome_trace(result))
         if result.kv_mismatches:
             raise typer.Exit(1)
         return

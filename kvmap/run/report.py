@@ -107,7 +107,7 @@ def summary_dict(r: ReplayResult) -> dict:
                             "min_us": s.min_us, "max_us": s.max_us, "total_ms": s.total_ms, "share": s.share}
                    for s in phase_stats(r)},
         "warnings": warnings(r),
-        **({"ranks": rank_dict(r)} if r.cp_size > 1 or r.kernel_block_sizes else {}),
+        **({"ranks": rank_dict(r)} if r.cp_size > 1 or r.kernel_block_sizes or r.world_size > 1 else {}),
     }
 
 
@@ -174,7 +174,7 @@ def render_summary(r: ReplayResult, console: Console) -> None:
         verdict = "[green]0 mismatches[/]" if not r.kv_mismatches else f"[red]{r.kv_mismatches} mismatches[/]"
         head.add_row("KV verify", f"{r.kv_checked:,} positions read back, {verdict}")
     console.print(head)
-    if r.cp_size > 1 or r.kernel_block_sizes:
+    if r.cp_size > 1 or r.kernel_block_sizes or r.world_size > 1:
         render_ranks(r, console)
     table = Table(title="time per step (us)", title_justify="left")
     for col in ("phase", "mean", "p50", "p90", "p99", "min", "max", "total ms", "share"):
