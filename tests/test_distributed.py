@@ -42,6 +42,7 @@ def test_gloo_processes_equal_the_emulation(tmp_path, name, nproc, stop):
     assert all(c > 0 for c in r.rank_kv_checked)
     assert "broadcast" in r.phases and "cross_rank" in r.phases
     assert r.phase_ns[:, r.phases.index("broadcast")].min() > 0
+    assert len(r.rank_broadcast_p50_ns) == nproc and min(r.rank_broadcast_p50_ns) > 0
     print(f"{nproc} gloo processes, {name}: {elapsed:.1f} s")
 
 

@@ -174,7 +174,9 @@ def run(args: argparse.Namespace) -> None:
                 "rank_kv_checked": result.rank_kv_checked, "rank_kv_mismatches": result.rank_kv_mismatches,
                 "rank_max_local_seq_len": result.rank_max_local_seq_len, "rank_kv_bytes": result.rank_kv_bytes,
                 "kv_checked": result.kv_checked, "kv_mismatches": result.kv_mismatches,
-                "kv_examples": result.kv_examples, "cross_rank_checks": check.checks}
+                "kv_examples": result.kv_examples, "cross_rank_checks": check.checks,
+                "broadcast_p50_ns": int(np.median(result.measured()[:, result.phases.index("broadcast")]))
+                if len(result.measured()) else 0}
         every = [None] * world if rank == 0 else None
         dist.gather_object(mine, every, dst=0)
         if rank == 0 and args.result_json:
@@ -195,6 +197,7 @@ def _merge(result, every: list[dict], cp: int) -> None:
         for key in ("rank_tokens", "rank_kv_checked", "rank_kv_mismatches", "rank_max_local_seq_len",
                     "rank_kv_bytes"):
             setattr(result, key, [v for x in first for v in x[key]])
+    result.rank_broadcast_p50_ns = [x["broadcast_p50_ns"] for x in first]
     result.kv_checked = sum(x["kv_checked"] for x in every)
     result.kv_mismatches = sum(x["kv_mismatches"] for x in every)
     result.kv_examples = [e for x in every for e in x["kv_examples"]][:20]

@@ -117,7 +117,9 @@ def rank_dict(r: ReplayResult) -> dict:
             "tensor_parallel_size": r.tp_size, "processes": r.world_size, "kernel_block_sizes": r.kernel_block_sizes,
             "per_rank": [{"rank": k, "local_tokens": _at(r.rank_tokens, i), "kv_bytes": _at(r.rank_kv_bytes, i),
                           "kv_checked": _at(r.rank_kv_checked, i), "kv_mismatches": _at(r.rank_kv_mismatches, i),
-                          "max_local_seq_len": _at(r.rank_max_local_seq_len, i)}
+                          "max_local_seq_len": _at(r.rank_max_local_seq_len, i),
+                          "broadcast_p50_us": (r.rank_broadcast_p50_ns[i] / 1e3 if i < len(r.rank_broadcast_p50_ns)
+                                               else None)}
                          for i, k in enumerate(r.ranks)] if r.cp_size > 1 else []}
 
 
@@ -137,13 +139,16 @@ def render_ranks(r: ReplayResult, console: Console) -> None:
     if not d["per_rank"]:
         return
     t = Table(title="per DCP rank", title_justify="left")
-    for col in ("rank", "local tokens", "max local seq_len", "KV shard KiB", "KV read back", "mismatches"):
+    cols = ["rank", "local tokens", "max local seq_len", "KV shard KiB", "KV read back", "mismatches"]
+    dist = bool(r.rank_broadcast_p50_ns)
+    for col in cols + (["broadcast p50 us"] if dist else []):
         t.add_column(col, justify="right")
     for x in d["per_rank"]:
         t.add_row(str(x["rank"]), f"{x['local_tokens']:,}" if x["local_tokens"] is not None else "",
                   str(x["max_local_seq_len"] or ""), f"{x['kv_bytes'] / 2**10:,.1f}" if x["kv_bytes"] else "",
                   f"{x['kv_checked']:,}" if x["kv_checked"] is not None else "",
-                  str(x["kv_mismatches"]) if x["kv_mismatches"] is not None else "")
+                  str(x["kv_mismatches"]) if x["kv_mismatches"] is not None else "",
+                  *([f"{x['broadcast_p50_us']:.0f}" if x["broadcast_p50_us"] is not None else ""] if dist else []))
     console.print(t)
 
 

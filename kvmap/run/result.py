@@ -71,6 +71,7 @@ class ReplayResult:
     rank_kv_mismatches: list[int] = field(default_factory=list)  # [ranks]
     rank_max_local_seq_len: list[int] = field(default_factory=list)  # [ranks] largest dcp_local_seq_len
     kernel_block_sizes: list[int] = field(default_factory=list)  # [groups], when some group splits
+    rank_broadcast_p50_ns: list[int] = field(default_factory=list)  # [ranks] distributed: median broadcast per step
     machine: dict = field(default_factory=lambda: {"python": platform.python_version(),
                                                     "machine": platform.machine(),
                                                     "processor": platform.processor() or platform.machine()})
