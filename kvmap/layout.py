@@ -10,7 +10,11 @@ Rules:
   and is what the attention kernel sees.
 - `readable_start` is the one window rule (vLLM's skipped-token rule): the first position a step starting at
   `num_computed_tokens` may read; `readable_lo` is the same rule for a batch.
-- Padding and tokens another rank holds are `PAD_SLOT_ID` (-1), never slot 0.
+- Padding and tokens another rank holds are `PAD_SLOT_ID` (-1), never slot 0; so is every token of a group
+  without a slot mapping (`uses_slot_mapping` false: Mamba state groups, whose rows hold state indices).
+- Kernel blocks: manager id `b` is kernel ids `b*k .. b*k+k-1` (`k = block_size // kernel_block_size`);
+  `kernel_slot` over the expanded row gives the same value as `slot` (tests/test_layout.py). The virtual block
+  is always taken from `block_size * cp_size`, never from the kernel block size (vllm#51031).
 """
 
 from __future__ import annotations
@@ -35,12 +39,32 @@ class GroupLayout:
     cp_size: int = 1  # decode context parallel world size (1 for a replicated group)
     cp_rank: int = 0  # this rank, 0 .. cp_size - 1
     interleave: int = 1  # cp_kv_cache_interleave_size: consecutive tokens per rank
+    uses_slot_mapping: bool = True  # False: a state group (slots all PAD_SLOT_ID, rows hold state indices)
 
     @classmethod
     def of(cls, group, cp_size: int = 1, cp_rank: int = 0, interleave: int = 1) -> GroupLayout:
-        """The layout of a trace header's `KVCacheGroup` on DCP rank `cp_rank`."""
+        """The layout of a trace header's `KVCacheGroup` on DCP rank `cp_rank` (a replicated group,
+        `dcp_sharded` false, sees cp = 1 on every rank)."""
+        sharded = getattr(group, "dcp_sharded", True)
         return cls(group.block_size, group.kind, group.sliding_window, group.attention_chunk_size,
-                   cp_size=cp_size, cp_rank=cp_rank, interleave=interleave)
+                   kernel_block_size=getattr(group, "kernel_block_size", None),
+                   cp_size=cp_size if sharded else 1, cp_rank=cp_rank if sharded else 0,
+                   interleave=interleave if sharded else 1,
+                   uses_slot_mapping=getattr(group, "uses_slot_mapping", group.kind != "mamba"))
+
+    @property
+    def kernel_size(self) -> int:
+        """Block size the attention kernel sees (K)."""
+        return self.kernel_block_size or self.block_size
+
+    @property
+    def kernel_blocks_per_block(self) -> int:
+        """k = block_size // kernel_block_size: kernel block ids per manager block id."""
+        return self.block_size // self.kernel_size
+
+    @property
+    def has_slots(self) -> bool:
+        return self.uses_slot_mapping and self.kind != "mamba"
 
     @property
     def virtual_block_size(self) -> int:
@@ -66,10 +90,34 @@ class GroupLayout:
     def slot(self, block_row: Sequence[int], position: int) -> int:
         """`block_row[pos // block_size] * block_size + pos % block_size` (cp = 1), or the per-rank rule:
         PAD_SLOT_ID where another rank holds the token."""
-        if self.kind == "mamba" or not self.is_local(position):
+        if not self.has_slots or not self.is_local(position):
             return PAD_SLOT_ID
         vb, _ = self.block_of(position)
         return block_row[vb] * self.block_size + self.local_offset(position)
+
+    def local_position(self, position: int) -> int:
+        """Position in this rank's own store of the request: vb * block_size + local_offset (a local token)."""
+        return position // self.virtual_block_size * self.block_size + self.local_offset(position)
+
+    def kernel_row(self, block_row: Sequence[int]) -> list[int]:
+        """The expanded row handed to attention: manager id b -> kernel ids b*k .. b*k+k-1."""
+        k = self.kernel_blocks_per_block
+        return [b * k + j for b in block_row for j in range(k)]
+
+    def kernel_slot(self, kernel_row: Sequence[int], position: int) -> int:
+        """The slot through the kernel row: `krow[lp // K] * K + lp % K`, lp the local position (equals
+        `slot`)."""
+        if not self.has_slots or not self.is_local(position):
+            return PAD_SLOT_ID
+        K = self.kernel_size
+        kb, ko = divmod(self.local_position(position), K)
+        return kernel_row[kb] * K + ko
+
+    def dcp_local_seq_len(self, seq_len: int) -> int:
+        """Tokens of a `seq_len`-token request this rank holds:
+        (seq_len // (cp * I)) * I + clamp(seq_len % (cp * I) - rank * I, 0, I)."""
+        I, cp = self.interleave, self.cp_size
+        return seq_len // (cp * I) * I + min(max(seq_len % (cp * I) - self.cp_rank * I, 0), I)
 
     def readable_start(self, num_computed_tokens: int) -> int:
         """First position a step starting at `num_computed_tokens` may read."""
@@ -93,14 +141,57 @@ class GroupLayout:
         return np.zeros_like(num_computed_tokens)
 
     def slots(self, block_ids: np.ndarray, positions: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Vectorized `slot` for cp = 1: `block_ids` [n] are the row entries at `positions // block_size`."""
-        assert self.cp_size == 1
+        """Vectorized `slot`: `block_ids` [n] are the row entries at `positions // virtual_block_size`."""
         bs = self.block_size
+        if not self.has_slots:
+            if out is None:
+                return np.full(len(positions), PAD_SLOT_ID, dtype=np.int64)
+            out[:] = PAD_SLOT_ID
+            return out
         out = np.multiply(block_ids, bs, out=out, dtype=np.int64, casting="unsafe")
-        out += positions % bs
+        if self.cp_size == 1:
+            out += positions % bs
+            return out
+        out += self.local_offsets(positions)
+        out[~self.local_mask(positions)] = PAD_SLOT_ID
         return out
+
+    def local_mask(self, positions: np.ndarray) -> np.ndarray:
+        """Vectorized `is_local`: [n] positions -> [n] bool."""
+        if self.cp_size == 1:
+            return np.ones(len(positions), dtype=bool)
+        return positions % self.virtual_block_size // self.interleave % self.cp_size == self.cp_rank
+
+    def local_offsets(self, positions: np.ndarray) -> np.ndarray:
+        """Vectorized `local_offset`: [n] positions -> [n] rows inside the physical block."""
+        off = positions % self.virtual_block_size
+        I = self.interleave
+        return off // (I * self.cp_size) * I + off % I
+
+    def dcp_local_seq_lens(self, seq_lens: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Vectorized `dcp_local_seq_len`: [n] seq_lens -> [n] int32 local lengths on this rank."""
+        I, cp = self.interleave, self.cp_size
+        s = seq_lens.astype(np.int64)
+        v = s // (cp * I) * I + np.clip(s % (cp * I) - self.cp_rank * I, 0, I)
+        if out is None:
+            return v.astype(np.int32)
+        out[:] = v
+        return out
+
+    def kernel_rows(self, table: np.ndarray) -> np.ndarray:
+        """Vectorized `kernel_row`: [n, W] manager ids -> [n, W * k] int32 kernel ids."""
+        k = self.kernel_blocks_per_block
+        return (table[:, :, None].astype(np.int32) * k + np.arange(k, dtype=np.int32)).reshape(
+            len(table), table.shape[1] * k)
 
 
 def group_layouts(header, cp_rank: int = 0) -> list[GroupLayout]:
-    """Every KV cache group's layout on one rank."""
-    return [GroupLayout.of(g, cp_rank=cp_rank) for g in header.kv_cache_groups]
+    """Every KV cache group's layout on one DCP rank."""
+    cp = getattr(header, "decode_context_parallel_size", 1)
+    interleave = getattr(header, "cp_kv_cache_interleave_size", 1)
+    return [GroupLayout.of(g, cp, cp_rank, interleave) for g in header.kv_cache_groups]
+
+
+def rank_layouts(header, ranks: Sequence[int]) -> list[list[GroupLayout]]:
+    """[len(ranks)][num_groups] layouts: every group on each of the given DCP ranks."""
+    return [group_layouts(header, r) for r in ranks]

@@ -1,7 +1,8 @@
 """One command for a machine with an NVIDIA GPU: `python scripts/gpu_check.py [--device cuda]`.
 
 1. Runs the GPU tests (tests/test_gpu.py): torch and Triton device workers equal the reference on every
-   bundled trace, fixed buffer addresses, CUDA-event timings, KV read-back.
+   bundled trace (the multi-rank ones on every DCP rank), fixed buffer addresses, CUDA-event timings, KV
+   read-back, and with 2 GPUs or more the distributed replay on NCCL (`kvmap replay --nproc 2 --device cuda`).
 2. Replays the bundled long trace with the CPU worker (numba) and the device workers (torch, triton), KV write
    on: median host time per step and for the mapping phases, median device time per phase (CUDA events), and
    bytes copied host-to-device per step.

@@ -83,7 +83,9 @@ CASES = {
     "new id still live": (_still_live, "request 'B', field scheduled_new_reqs: scheduled as a new request while"),
     "group count": (lambda L: so(L, 0)["scheduled_new_reqs"][0].update(block_ids=[[37], [12]]),
                     "declares 1 KV cache groups"),
-    "mamba group": (lambda L: L[0]["kv_cache_groups"][0].update(kind="mamba"), "mamba"),
+    "kernel block size": (lambda L: L[0]["kv_cache_groups"][0].update(kernel_block_size=5), "must divide"),
+    "interleave": (lambda L: L[0].update(decode_context_parallel_size=2, cp_kv_cache_interleave_size=5),
+                   "must divide the block_size"),
 }
 
 

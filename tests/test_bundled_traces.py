@@ -19,6 +19,8 @@ def test_the_bundled_set_covers_the_hard_cases():
     names = {p.name.split(".")[0] for p in TRACES}
     assert {"worked_example", "chunked_prefill", "prefix_caching", "preemption_v1", "preemption_v2",
             "hybrid_sliding_window", "spec_decode", "long_mixed"} <= names
+    # multi-rank (issue 14), recorded from vLLM 0.33's scheduler
+    assert {"dcp2", "dcp4_interleave8", "kernel_block_split", "vllm51031", "dcp2_mamba"} <= names
 
 
 EXAMPLE = str(ROOT / "scripts" / "example_backend.py") + ":V1StyleWorker"
@@ -37,6 +39,9 @@ def _dump(path, backend) -> list[str]:
 def test_dump_bytes_equal_the_reference_every_step(path, backend):
     if backend == "numba":
         pytest.importorskip("numba")
+    h = Trace(path).header
+    if backend == EXAMPLE and (h.decode_context_parallel_size > 1 or h.has_kernel_split):
+        pytest.skip("the example backend is single-rank V1 code (no DCP slot rule, no kernel block rows)")
     got = _dump(path, backend)
     if path not in _REFERENCE:
         _REFERENCE[path] = _dump(path, "reference")

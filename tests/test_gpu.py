@@ -43,3 +43,19 @@ def test_buffers_keep_their_addresses(backend):
         w.append_sampled()
     torch.cuda.synchronize()
     assert {n: getattr(w, n).data_ptr() for n in names} == before
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL across ranks needs one GPU per rank (2)")
+def test_nccl_processes_equal_the_emulation(tmp_path):
+    """The distributed replay on NCCL, one GPU per rank, Triton workers: the dump equals the emulation."""
+    from kvmap.run.distributed import launch
+    from kvmap.workers.mappings import dump_line
+
+    path = TRACES / "dcp2.jsonl"
+    dump = tmp_path / "nccl.jsonl"
+    r = launch(path, 2, backend="triton", device="cuda", verify_kv=True, dump_mappings=dump, timeout=300)
+    want: list[str] = []
+    replay(Trace(path), backend="reference", on_mappings=lambda d: want.append(dump_line(d)), write_kv=False,
+           nvtx=False)
+    assert dump.read_text() == "".join(want)
+    assert r.kv_mismatches == 0 and r.world_size == 2

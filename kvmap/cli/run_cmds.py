@@ -55,6 +55,13 @@ def replay(
     nvtx_capture: Annotated[bool, typer.Option("--nvtx-capture", hidden=True,
                                                help="Wrap the measured steps in the kvmap_capture range.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no summary.")] = False,
+    rank: Annotated[Optional[int], typer.Option("--rank", help="DCP traces: compute only this decode context "
+                                                "parallel rank (default: every rank, in this process).",
+                                                min=0)] = None,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Run one process per rank on "
+                                                 "torch.distributed (gloo on CPU, NCCL on cuda), launched with "
+                                                 "torchrun; the dump equals the one-process replay.",
+                                                 min=1)] = None,
 ) -> None:
     """Replay a trace step by step: every index mapping, a real paged KV cache, a timing summary."""
     from kvmap.kv.cache import KVGeometry
@@ -78,6 +85,29 @@ def replay(
     check_outputs(outputs, [trace])
     t = Trace(trace)
     geometry = KVGeometry(kv_heads, head_size, kv_dtype).check()
+    if rank is not None and rank >= t.header.decode_context_parallel_size:
+        raise KvmapError(f"the trace has {t.header.decode_context_parallel_size} DCP rank(s): --rank must be "
+                         f"below that", field="--rank")
+    if nproc is not None:
+        from kvmap.run.distributed import launch
+
+        if rank is not None:
+            raise KvmapError("--rank and --nproc exclude each other: with --nproc every process is a rank",
+                             field="--rank")
+
+        result = launch(trace, nproc, backend=backend, device=device, verify_kv=verify_kv, write_kv=not no_kv,
+                        kv_geometry=geometry, dump_mappings=dump_mappings, start=start, stop=stop, warmup=warmup)
+        if not quiet:
+            render_summary(result, out)
+        if json_out:
+            write_json(json_out, {"summary": summary_dict(result), "result": result.to_json()})
+        if csv_out:
+            write_text(csv_out, to_csv(result))
+        if trace_out:
+            write_json(trace_out, to_chrome_trace(result))
+        if result.kv_mismatches:
+            raise typer.Exit(1)
+        return
     with ExitStack() as stack:  # the dump is renamed into place only if the whole replay succeeds
         dump_file = stack.enter_context(atomic_open(dump_mappings)) if dump_mappings else None
 
@@ -90,7 +120,7 @@ def replay(
                                 verify_kv=verify_kv, write_kv=not no_kv, kv_geometry=geometry, nvtx=nvtx,
                                 on_mappings=on_mappings if dump_file else None, on_step=advance,
                                 capture=nvtx_capture, batch_order=batch_order,
-                                reorder_batch_threshold=reorder_threshold)
+                                reorder_batch_threshold=reorder_threshold, ranks=None if rank is None else [rank])
     if not quiet:
         render_summary(result, err if to_stdout else out)
     if json_out:

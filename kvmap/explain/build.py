@@ -13,7 +13,7 @@ import numpy as np
 
 from kvmap.errors import KvmapError
 from kvmap.kv.cache import KVGeometry
-from kvmap.layout import GroupLayout
+from kvmap.layout import PAD_SLOT_ID, GroupLayout, rank_layouts
 from kvmap.trace import Trace
 from kvmap.workers.host import NumpyWorker
 
@@ -114,7 +114,7 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
                  "input_ids": m.input_ids[qsl[b]:qsl[b + 1]].tolist(), "seq_len": nc + n, "block_tables": []}
     for g in groups:
         grp = h.kv_cache_groups[g]
-        bs = grp.block_size
+        bs = st.block_spans[g]  # positions one block id spans: block_size * cp
         nb = int(st.num_blocks[g, row])
         ids = st.block_tables[g][row, :nb].tolist()
         lo = GroupLayout.of(grp).readable_start(nc) // bs
@@ -132,7 +132,9 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
             else:
                 state = "allocated ahead"
             entries.append({"logical_block": j, "block": blk, "state": state})
-        req["block_tables"].append({"group": g, "kind": grp.kind, "block_size": bs, "entries": entries})
+        if not grp.uses_slot_mapping:
+            entries = [dict(e, state="state index") for e in entries]
+        req["block_tables"].append({"group": g, "kind": grp.kind, "block_size": grp.block_size, "entries": entries})
     out["request"] = req
     if token is None:
         return out
@@ -151,8 +153,12 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
              ], "groups": []}
     H, D = geometry.num_kv_heads, geometry.head_size
     elem = geometry.bytes_per_token // geometry.lanes
+    multirank = h.decode_context_parallel_size > 1 or h.has_kernel_split or len(st.kv_groups) < h.num_groups
     for g in groups:
         grp = h.kv_cache_groups[g]
+        if multirank:
+            chain["groups"].append(_rank_chain(worker, m, g, b, row, t, p, geometry))
+            continue
         bs = grp.block_size
         layout = GroupLayout.of(grp)
         lb, off = layout.block_of(p)
@@ -173,3 +179,80 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
             ]})
     out["token"] = chain
     return out
+
+
+def _rank_chain(worker: NumpyWorker, m, g: int, b: int, row: int, t: int, p: int, geometry: KVGeometry) -> dict:
+    """One group's chain on every DCP rank: the virtual block and offset, which rank holds the token, its
+    local position and slot on that rank, the kernel block it lands in; each link with its arithmetic."""
+    h, st = worker.header, worker.state
+    grp = h.kv_cache_groups[g]
+    lays = [x[g] for x in rank_layouts(h, range(h.decode_context_parallel_size))]
+    lay = lays[0]
+    bs, cp, I, vbs = lay.block_size, lay.cp_size, lay.interleave, lay.virtual_block_size
+    K, k = lay.kernel_size, lay.kernel_blocks_per_block
+    vb, off = lay.block_of(p)
+    nb = int(st.num_blocks[g, row])
+    blk = int(st.block_tables[g][row, vb]) if vb < nb else None
+    d: dict = {"group": g, "kind": grp.kind, "block_size": bs, "kernel_block_size": K, "cp_size": cp,
+               "interleave": I, "logical_block": vb, "offset": off, "block": blk, "ranks": [], "links": []}
+    links = d["links"]
+    if not lay.has_slots:
+        row_ids = st.block_tables[g][row, :nb].tolist()
+        links.append(f"a state group (uses_slot_mapping false): block_table[{row}] = {row_ids} holds state "
+                     f"indices, not KV blocks")
+        links.append(f"slot {PAD_SLOT_ID} (PAD_SLOT_ID) on every rank; not read back as KV")
+        d["slot"] = PAD_SLOT_ID
+        d["ranks"] = [{"rank": r, "holds": False, "slot": PAD_SLOT_ID, "links": []} for r in range(len(lays))]
+        return d
+    if cp > 1:
+        links.append(f"position {p} -> virtual block {p} // ({bs} * {cp}) = {vb}, offset {p} % {vbs} = {off} "
+                     f"(a block id spans block_size * cp = {vbs} positions)")
+        links.append(f"block_table[{row}][{vb}] = {blk} (the same id on every rank)")
+        owner = off // I % cp
+        links.append(f"held by rank ({off} // {I}) % {cp} = {owner} (interleave {I})")
+    else:
+        owner = 0
+        links.append(f"position {p} -> block {p} // {bs} = {vb}, offset {p} % {bs} = {off}")
+        links.append(f"block_table[{row}][{vb}] = {blk}"
+                     + (" (replicated on every DCP rank: dcp_sharded false)" if h.decode_context_parallel_size > 1
+                        else ""))
+    seq_len = int(m.seq_lens[b])
+    H, D = geometry.tp_shard(h.tensor_parallel_size).num_kv_heads, geometry.head_size
+    elem = geometry.bytes_per_token // geometry.lanes
+    for i, rl in enumerate(lays):
+        r = rl.cp_rank
+        got = int(m.rank_slot_mapping[i, g, t]) if m.rank_slot_mapping is not None else int(m.slot_mapping[g, t])
+        want = rl.slot(st.block_tables[g][row], p)
+        assert got == want, (got, want)
+        rd: dict = {"rank": r, "holds": want != PAD_SLOT_ID, "slot": want, "links": []}
+        rlinks = rd["links"]
+        if m.dcp_local_seq_lens is not None:
+            q, rem = divmod(seq_len, cp * I)
+            rd["dcp_local_seq_len"] = int(m.dcp_local_seq_lens[i, b])
+            rlinks.append(f"dcp_local_seq_len ({seq_len} // ({cp} * {I})) * {I} + clamp({rem} - {r} * {I}, 0, {I}) "
+                          f"= {q * I} + {min(max(rem - r * I, 0), I)} = {rd['dcp_local_seq_len']}")
+        if want == PAD_SLOT_ID:
+            rlinks.append(f"not local: ({off} // {I}) % {cp} = {owner} != {r} -> slot {PAD_SLOT_ID} (PAD_SLOT_ID)")
+            d["ranks"].append(rd)
+            continue
+        lo = rl.local_offset(p)
+        lp = rl.local_position(p)
+        if cp > 1:
+            rlinks.append(f"local offset ({off} // ({I} * {cp})) * {I} + {off} % {I} = {lo}")
+            rlinks.append(f"local position {vb} * {bs} + {lo} = {lp}")
+        rlinks.append(f"slot {blk} * {bs} + {lo} = {want}")
+        if k > 1:
+            kb, ko = divmod(lp, K)
+            kid = blk * k + (kb - vb * k)
+            rd.update(kernel_block=kid, kernel_logical_block=kb, kernel_offset=ko)
+            rlinks.append(f"kernel block: {lp} // {K} = {kb} -> kernel_block_table[{row}][{kb}] = {blk} * {k} + "
+                          f"{kb - vb * k} = {kid}, offset {lp} % {K} = {ko}; slot {kid} * {K} + {ko} = {kid * K + ko}")
+        plane = h.num_gpu_blocks * bs * H * D * elem
+        k0 = want * H * D * elem
+        rlinks.append(f"bytes (rank {r}'s shard, one layer, [2, {h.num_gpu_blocks}, {bs}, {H}, {D}] "
+                      f"{geometry.dtype}; {H} of the KV heads per TP rank): K at {k0}..{k0 + H * D * elem - 1}, "
+                      f"V at {plane + k0}..{plane + k0 + H * D * elem - 1}")
+        d["ranks"].append(rd)
+    d["slot"] = d["ranks"][owner]["slot"]
+    d["rank"] = owner
+    return d

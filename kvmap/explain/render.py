@@ -86,4 +86,10 @@ def render_explain(d: dict, console: Console) -> None:
             gn = node.add(Text(f"group {g['group']} ({g['kind']})", style="cyan"))
             for link in g["links"]:
                 gn = gn.add(Text(safe(link), style="bold green" if link.startswith("slot") else ""))
+            for rk in g.get("ranks", []):
+                rn = gn.add(Text(f"rank {rk['rank']}: " + (f"holds it, slot {rk['slot']}" if rk["holds"]
+                                                           else f"does not hold it, slot {rk['slot']}"),
+                                 style="bold green" if rk["holds"] else "dim"))
+                for link in rk["links"]:
+                    rn.add(Text(safe(link)))
         console.print(tree)

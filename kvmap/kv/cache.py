@@ -52,6 +52,12 @@ class KVGeometry:
     def bytes_per_token(self) -> int:
         return self.lanes * np.dtype(KV_DTYPES[self.dtype][1]).itemsize
 
+    def tp_shard(self, tp: int) -> KVGeometry:
+        """One TP rank's share: num_kv_heads // tp heads, replicated (one each) when tp > num_kv_heads."""
+        if tp <= 1:
+            return self
+        return KVGeometry(max(1, self.num_kv_heads // tp), self.head_size, self.dtype)
+
     def check(self) -> KVGeometry:
         if self.dtype not in KV_DTYPES:
             raise KvmapError(f"unknown KV dtype {self.dtype!r}; choose one of {', '.join(KV_DTYPES)}",
@@ -70,6 +76,7 @@ class KVMismatch:
     slot: int
     expected_token: int  # token id the request has at this position
     found: str  # what the slot holds: "bits of another token or position", or "never written"
+    rank: int = 0  # DCP rank whose shard was read
 
 
 @dataclass(slots=True)
@@ -78,6 +85,8 @@ class KVCheckResult:
     mismatches: int = 0
     examples: list[KVMismatch] = field(default_factory=list)
     max_examples: int = 20
+    rank_checked: dict[int, int] = field(default_factory=dict)  # DCP rank -> positions read back (cp > 1)
+    rank_mismatches: dict[int, int] = field(default_factory=dict)
 
     def room(self) -> int:
         return max(self.max_examples - len(self.examples), 0)
@@ -96,7 +105,9 @@ class PagedKVCache:
         self._tdtype = tdtype
         H, D = geometry.num_kv_heads, geometry.head_size
         self.block_sizes = [g.block_size for g in header.kv_cache_groups]
-        shapes = [(2, header.num_gpu_blocks * bs, H * D) for bs in self.block_sizes]
+        # a group without a slot mapping (a state group) holds no per-token KV here: no slots, never read back
+        shapes = [(2, header.num_gpu_blocks * bs if getattr(grp, "uses_slot_mapping", True) else 0, H * D)
+                  for bs, grp in zip(self.block_sizes, header.kv_cache_groups)]
         self.on_torch = device != "cpu" or torch_storage
         if device == "cpu":  # a pool too big for this machine: one located error, not a MemoryError
             check_fits(header, kv_memory(header, geometry.bytes_per_token + 1))
@@ -168,12 +179,20 @@ class PagedKVCache:
                 bits[:, slots] = vals
             self.written[g][slots] = True
 
-    def write_device(self, input_ids, positions, slot_mapping) -> None:
+    def write_device(self, input_ids, positions, slot_mapping, skip_pad: bool = False) -> None:
         """Write from device tensors, on the device (torch ops; no host sync). Padding slots must not occur
-        before the step's token count, which the caller slices to."""
+        before the step's token count, which the caller slices to, unless `skip_pad` (DCP ranks, state groups:
+        -1 for tokens this rank does not hold; the mask costs a sync)."""
         values = self.values_torch(input_ids, positions)  # [2, T, H*D]
         for g, bits in enumerate(self.bits):
-            bits[:, slot_mapping[g]] = values
+            slots = slot_mapping[g]
+            if skip_pad:
+                keep = slots >= 0
+                if bits.shape[1] == 0:
+                    continue
+                bits[:, slots[keep]] = values[:, keep]
+            else:
+                bits[:, slots] = values
 
     # ---------------------------------------------------------------------------------------- read-back
 
@@ -196,12 +215,18 @@ class PagedKVCache:
                                             self.describe(g, int(slots[i]))))
 
     def verify_rows(self, g: int, step: int, req_ids, idx_mapping: np.ndarray, lo: np.ndarray,
-                    seq_lens: np.ndarray, token_ids: np.ndarray, table: np.ndarray, into: KVCheckResult) -> None:
+                    seq_lens: np.ndarray, token_ids: np.ndarray, table: np.ndarray, into: KVCheckResult,
+                    cp: tuple[int, int, int] | None = None) -> None:
         """The compiled read-back: positions lo[b] .. seq_lens[b] - 1 of batch request b through row
-        idx_mapping[b] of the persistent `token_ids` and block `table` (needs `use_kernels`)."""
+        idx_mapping[b] of the persistent `token_ids` and block `table` (needs `use_kernels`). `cp`:
+        (cp_size, cp_rank, interleave) of the DCP rank this shard belongs to (only its local positions)."""
         assert self.kernels is not None
-        checked, bad = self.kernels.kv_verify(idx_mapping, lo, seq_lens, token_ids, table, self.block_sizes[g],
-                                              self._ubits[g], self._mask, self._bad)
+        if cp is not None and cp[0] > 1:
+            checked, bad = self.kernels.kv_verify_dcp(idx_mapping, lo, seq_lens, token_ids, table,
+                                                      self.block_sizes[g], *cp, self._ubits[g], self._mask, self._bad)
+        else:
+            checked, bad = self.kernels.kv_verify(idx_mapping, lo, seq_lens, token_ids, table, self.block_sizes[g],
+                                                  self._ubits[g], self._mask, self._bad)
         into.checked += checked
         into.mismatches += bad
         for b, p, s in self._bad[: min(bad, into.room(), len(self._bad))].tolist():
@@ -212,3 +237,26 @@ class PagedKVCache:
         if not self.written[g][slot]:
             return "never written"
         return "bits of another token or position"
+
+
+class RankedKVCache:
+    """Every computed DCP rank's KV shard in one process: shard i is rank ranks[i]'s cache, holding only
+    the tokens local to that rank (its slots are that rank's `slot_mapping`)."""
+
+    def __init__(self, ranks: tuple[int, ...], shards: list[PagedKVCache]) -> None:
+        self.ranks = ranks
+        self.shards = shards
+        self.geometry = shards[0].geometry
+        self.bytes = sum(s.bytes for s in shards)
+        self.bytes_per_rank = shards[0].bytes
+        self.kernels = None  # a shard may have kernels; the container is read back shard by shard (`verify`)
+
+    def verify(self, into: KVCheckResult, check) -> None:
+        """`check(i, shard)` reads back shard i; the outcome is also counted per rank, examples named by rank."""
+        for i, (r, shard) in enumerate(zip(self.ranks, self.shards)):
+            c, m, e = into.checked, into.mismatches, len(into.examples)
+            check(i, shard)
+            into.rank_checked[r] = into.rank_checked.get(r, 0) + into.checked - c
+            into.rank_mismatches[r] = into.rank_mismatches.get(r, 0) + into.mismatches - m
+            for ex in into.examples[e:]:
+                ex.rank = r

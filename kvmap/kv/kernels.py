@@ -70,3 +70,35 @@ def kv_verify(idx_mapping, lo, seq_lens, token_ids, table, block_size, bits, mas
                     mismatches += 1
                     break
     return checked, mismatches
+
+
+@_jit
+def kv_verify_dcp(idx_mapping, lo, seq_lens, token_ids, table, block_size, cp_size, cp_rank, interleave, bits,
+                  mask, bad):
+    """`kv_verify` on one DCP rank's shard: only the positions the rank holds, at the per-rank slot
+    (layout.GroupLayout.slot): vb = p // (block_size * cp), off = p % that, local iff (off // I) % cp == rank,
+    slot = row[vb] * block_size + off // (I * cp) * I + off % I."""
+    half = bits.shape[2]
+    vbs = np.int64(block_size) * cp_size
+    checked = 0
+    mismatches = 0
+    for b in range(idx_mapping.shape[0]):
+        row = idx_mapping[b]
+        for p in range(lo[b], seq_lens[b]):
+            vb = p // vbs
+            off = p - vb * vbs
+            if (off // interleave) % cp_size != cp_rank:
+                continue
+            s = np.int64(table[row, vb]) * block_size + off // (interleave * cp_size) * interleave + off % interleave
+            tok = token_ids[row, p]
+            checked += 1
+            for l in range(2 * half):
+                kv = 0 if l < half else 1
+                if bits[kv, s, l - kv * half] != (canary(tok, p, l) & mask):
+                    if mismatches < bad.shape[0]:
+                        bad[mismatches, 0] = b
+                        bad[mismatches, 1] = p
+                        bad[mismatches, 2] = s
+                    mismatches += 1
+                    break
+    return checked, mismatches

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 from dataclasses import asdict
 
 import numpy as np
@@ -30,6 +31,14 @@ from kvmap.run.result import PHASES, ReplayResult, empty_window_error, warmup_wi
 from kvmap.trace import Trace
 from kvmap.workers.contract import Worker
 from kvmap.workers.registry import make_worker
+
+
+class StepSource(Protocol):
+    """Where a distributed replay's steps come from: rank 0 reads them, every rank receives them."""
+
+    def read(self) -> object: ...  # rank 0: the next step (None at the end); other ranks: None
+
+    def broadcast(self, obj: object): ...  # every rank: the step rank 0 read, or None at the end
 
 
 def replay(
@@ -50,22 +59,32 @@ def replay(
     capture: bool = False,
     batch_order: str = "mrv2",
     reorder_batch_threshold: int | None = None,
+    ranks: Sequence[int] | None = None,
+    source: StepSource | None = None,
+    cross_rank: Callable[[Worker], None] | None = None,
 ) -> ReplayResult:
     """Replay `trace` (backend None: the default); `worker` (an instance) overrides `backend`, for benchmarks
     of other mapping code. `capture`: wrap the measured steps (window minus warm-up) in the NVTX capture
-    range for nsys."""
-    prewarm = start == 0 and warmup > 0 and worker is None
+    range for nsys. `batch_order`: "mrv2" or "v1" (workers/order.py). `ranks`: the DCP ranks to compute (None:
+    every rank, in this process). Distributed (run/distributed.py): `source` reads (rank 0) and broadcasts each
+    step, timed as `read_step` and `broadcast`; `cross_rank(worker)` checks the cross-rank invariants after the
+    step (`cross_rank`)."""
+    prewarm = start == 0 and warmup > 0 and worker is None and source is None
     record_from, measure_from = warmup_window(start, stop, warmup, prewarm=prewarm)
     if prewarm:
         _prewarm(trace, warmup, backend=backend, device=device, verify_kv=verify_kv, write_kv=write_kv,
-                 kv_geometry=kv_geometry, batch_order=batch_order, reorder_batch_threshold=reorder_batch_threshold)
+                 kv_geometry=kv_geometry, batch_order=batch_order, reorder_batch_threshold=reorder_batch_threshold,
+                 ranks=ranks)
     header = trace.header
     worker = worker if worker is not None else make_worker(backend, header, device, batch_order,
                                                            reorder_batch_threshold)
+    if ranks is not None:
+        worker.set_ranks(ranks)
     geometry = (kv_geometry or KVGeometry()).check()
     kv = worker.make_kv_cache(geometry) if (write_kv or verify_kv) else None
     phases = [p for p in PHASES if (p != "kv_verify" or verify_kv) and (not p.startswith("kv_") or kv)
-              and (p != "h2d" or worker.has_h2d)]
+              and (p != "h2d" or worker.has_h2d) and (p != "broadcast" or source)
+              and (p != "cross_rank" or cross_rank)]
     markers = Markers(phases, enabled=nvtx)
     result = ReplayResult(
         trace=trace.name, backend=worker.name, protocol=header.model_runner_protocol,
@@ -76,6 +95,19 @@ def replay(
         kv_bytes=kv.bytes if kv else 0, kv_geometry=asdict(geometry) if kv else {}, kv_verified=verify_kv,
     )
     check = KVCheckResult(max_examples=defaults.MAX_KV_EXAMPLES)
+    cp = header.decode_context_parallel_size
+    multirank = cp > 1
+    result.cp_size, result.tp_size = cp, header.tensor_parallel_size
+    result.interleave = header.cp_kv_cache_interleave_size
+    result.ranks = list(worker.ranks)
+    if header.has_kernel_split:
+        result.kernel_block_sizes = [g.kernel_block_size or g.block_size for g in header.kv_cache_groups]
+    if multirank:
+        nr = len(worker.ranks)
+        rank_tokens = np.zeros(nr, dtype=np.int64)
+        rank_max_local = np.zeros(nr, dtype=np.int64)
+        kv_group = next((g for g, grp in enumerate(header.kv_cache_groups) if grp.uses_slot_mapping), 0)
+        result.rank_kv_bytes = [kv.bytes_per_rank] * nr if kv is not None else []
 
     # every phase after update_states is a call with no arguments: the worker holds the current step
     stages = [(name, fn) for name, fn in (
@@ -87,6 +119,7 @@ def replay(
         ("kv_write", lambda: worker.write_kv(kv)),
         ("kv_verify", lambda: worker.verify_kv(kv, check)),
         ("post_update", worker.append_sampled),
+        ("cross_rank", lambda: cross_rank(worker)),
     ) if name in phases]
     clock = time.perf_counter_ns
     push, pop = markers.push, markers.pop
@@ -119,8 +152,18 @@ def replay(
             if events:
                 events.mark()
             t0 = clock()
-            step = next(steps, None)
-            ts = [t0, clock()]
+            if source is None:
+                step = next(steps, None)
+                ts = [t0, clock()]
+            else:  # rank 0 reads, then every rank takes part in the broadcast
+                obj = source.read()
+                ts = [t0, clock()]
+                if events:
+                    events.mark()
+                pop()
+                push("broadcast")
+                step = source.broadcast(obj)
+                ts.append(clock())
             if events:
                 events.mark()
             pop()
@@ -163,6 +206,12 @@ def replay(
             result.tokens_scheduled += so.total_num_scheduled_tokens
             for nr in so.scheduled_new_reqs:
                 seen.add(nr.req_id)
+            if multirank:
+                m = worker.mappings()
+                if m.rank_slot_mapping is not None and m.num_tokens:
+                    rank_tokens += (m.rank_slot_mapping[:, kv_group] >= 0).sum(axis=1)
+                if m.dcp_local_seq_lens is not None and m.num_reqs:
+                    np.maximum(rank_max_local, m.dcp_local_seq_lens.max(axis=1), out=rank_max_local)
             if on_mappings is not None:
                 on_mappings(worker.mappings_dict())
             if on_step is not None:
@@ -175,6 +224,12 @@ def replay(
         raise e.located(path=trace.name) from None
     result.kv_checked, result.kv_mismatches = check.checked, check.mismatches
     result.kv_examples = [asdict(e) for e in check.examples]
+    if multirank:
+        result.rank_tokens = rank_tokens.tolist()
+        result.rank_max_local_seq_len = rank_max_local.tolist()
+        if verify_kv:
+            result.rank_kv_checked = [check.rank_checked.get(r, 0) for r in worker.ranks]
+            result.rank_kv_mismatches = [check.rank_mismatches.get(r, 0) for r in worker.ranks]
     result.steps, result.num_reqs, result.num_tokens, result.step_start_ns = (
         np.frombuffer(a, dtype=np.int64) if len(a) else np.zeros(0, np.int64)
         for a in (rec_steps, rec_reqs, rec_tokens, rec_start))

@@ -159,6 +159,7 @@ def summary_dict(r: ReplayResult) -> dict:
                             "min_us": s.min_us, "max_us": s.max_us, "total_ms": s.total_ms, "share": s.share}
                    for s in phase_stats(r)},
         "warnings": warnings(r),
+        **({"ranks": rank_dict(r)} if r.cp_size > 1 or r.kernel_block_sizes or r.world_size > 1 else {}),
     }
 
 
@@ -174,6 +175,47 @@ def safe(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def rank_dict(r: ReplayResult) -> dict:
+    """Per-rank figures of a multi-rank replay (decode context parallelism, kernel block splits)."""
+    return {"decode_context_parallel_size": r.cp_size, "cp_kv_cache_interleave_size": r.interleave,
+            "tensor_parallel_size": r.tp_size, "processes": r.world_size, "kernel_block_sizes": r.kernel_block_sizes,
+            "per_rank": [{"rank": k, "local_tokens": _at(r.rank_tokens, i), "kv_bytes": _at(r.rank_kv_bytes, i),
+                          "kv_checked": _at(r.rank_kv_checked, i), "kv_mismatches": _at(r.rank_kv_mismatches, i),
+                          "max_local_seq_len": _at(r.rank_max_local_seq_len, i),
+                          "broadcast_p50_us": (r.rank_broadcast_p50_ns[i] / 1e3 if i < len(r.rank_broadcast_p50_ns)
+                                               else None)}
+                         for i, k in enumerate(r.ranks)] if r.cp_size > 1 else []}
+
+
+def _at(xs: list, i: int):
+    return xs[i] if i < len(xs) else None
+
+
+def render_ranks(r: ReplayResult, console: Console) -> None:
+    d = rank_dict(r)
+    line = (f"DCP {r.cp_size} (interleave {r.interleave}), TP {r.tp_size}, "
+            + (f"{r.world_size} processes" if r.world_size > 1 else
+               "every rank in this process" if len(r.ranks) == r.cp_size else
+               f"rank {', '.join(map(str, r.ranks))} of {r.cp_size} in this process"))
+    if r.kernel_block_sizes:
+        line += ", kernel blocks " + "/".join(map(str, r.kernel_block_sizes))
+    say(console, Text.assemble((f"{'ranks':<12}", "bold"), line))
+    if not d["per_rank"]:
+        return
+    t = fit_table(console, "per DCP rank")
+    cols = ["rank", "local tokens", "max local seq_len", "KV shard KiB", "KV read back", "mismatches"]
+    dist = bool(r.rank_broadcast_p50_ns)
+    for col in cols + (["broadcast p50 us"] if dist else []):
+        t.add_column(col, justify="right", no_wrap=col == "rank")
+    for x in d["per_rank"]:
+        t.add_row(str(x["rank"]), f"{x['local_tokens']:,}" if x["local_tokens"] is not None else "",
+                  str(x["max_local_seq_len"] or ""), f"{x['kv_bytes'] / 2**10:,.1f}" if x["kv_bytes"] else "",
+                  f"{x['kv_checked']:,}" if x["kv_checked"] is not None else "",
+                  str(x["kv_mismatches"]) if x["kv_mismatches"] is not None else "",
+                  *([f"{x['broadcast_p50_us']:.0f}" if x["broadcast_p50_us"] is not None else ""] if dist else []))
+    console.print(t)
 
 
 def render_summary(r: ReplayResult, console: Console) -> None:
@@ -196,6 +238,8 @@ def render_summary(r: ReplayResult, console: Console) -> None:
         verdict = ("0 mismatches", "green") if not r.kv_mismatches else (f"{r.kv_mismatches} mismatches", "red")
         say(console, Text.assemble((f"{'KV verify':<12}", "bold"), f"{r.kv_checked:,} positions read back over "
                                    f"all {r.steps_replayed} replayed steps, ", verdict))
+    if r.cp_size > 1 or r.kernel_block_sizes or r.world_size > 1:
+        render_ranks(r, console)
     console.print(_phase_table(r, console))
     if r.device_phase_ns.size:
         console.print(_device_table(r, console))
@@ -203,7 +247,8 @@ def render_summary(r: ReplayResult, console: Console) -> None:
         say(console, f"host-to-device: {s['h2d_bytes_per_step']:,.0f} bytes per measured step in one staged copy")
     for e in r.kv_examples[:5]:
         say(console, Text.assemble(("KV mismatch", "red"), safe(
-            f" step {e['step']}, request {e['req_id']!r}, group {e['group']}, position {e['position']}, slot "
+            f" step {e['step']}, request {e['req_id']!r}, " + (f"rank {e.get('rank', 0)}, " if r.cp_size > 1 else "")
+            + f"group {e['group']}, position {e['position']}, slot "
             f"{e['slot']}: expected token {e['expected_token']}, found {e['found']}")))
     for w in s["warnings"]:
         say(console, Text.assemble(("warning:", "yellow"), " " + safe(w)))

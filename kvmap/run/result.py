@@ -23,6 +23,7 @@ from kvmap.errors import KvmapError
 
 PHASES = (
     "read_step",  # read and decode one trace line into records
+    "broadcast",  # distributed: rank 0 sends the step to every rank (as vLLM's executor sends SchedulerOutput)
     "update_states",  # finish/preempt/add requests, num_computed_tokens, block ids, staged drafts
     "batch_order",  # MRV2 batch order -> idx_mapping order
     "h2d",  # device workers: one staged non-blocking host-to-device copy of what changed
@@ -32,6 +33,7 @@ PHASES = (
     "kv_write",  # write the canary K/V through slot_mapping
     "kv_verify",  # read back the readable context and compare bits (--verify-kv)
     "post_update",  # append sampled tokens to the token rows
+    "cross_rank",  # distributed: the cross-rank invariants, checked with collectives
 )
 MAPPING_PHASES = ("batch_order", "prepare_inputs", "block_tables", "slot_mappings")
 
@@ -96,6 +98,19 @@ class ReplayResult:
     kv_mismatches: int = 0
     kv_examples: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
+    # multi-rank (decode context parallelism): per computed DCP rank, empty when cp = 1
+    cp_size: int = 1
+    tp_size: int = 1
+    interleave: int = 1
+    ranks: list[int] = field(default_factory=list)  # DCP ranks computed
+    world_size: int = 1  # processes (1: every rank emulated in this process)
+    rank_tokens: list[int] = field(default_factory=list)  # [ranks] scheduled tokens local to the rank (KV writes)
+    rank_kv_bytes: list[int] = field(default_factory=list)  # [ranks] bytes of each rank's KV shard
+    rank_kv_checked: list[int] = field(default_factory=list)  # [ranks]
+    rank_kv_mismatches: list[int] = field(default_factory=list)  # [ranks]
+    rank_max_local_seq_len: list[int] = field(default_factory=list)  # [ranks] largest dcp_local_seq_len
+    kernel_block_sizes: list[int] = field(default_factory=list)  # [groups], when some group splits
+    rank_broadcast_p50_ns: list[int] = field(default_factory=list)  # [ranks] distributed: median broadcast per step
     machine: dict = field(default_factory=lambda: {"python": platform.python_version(),
                                                     "machine": platform.machine(),
                                                     "processor": platform.processor() or platform.machine()})

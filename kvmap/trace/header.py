@@ -68,9 +68,6 @@ def parse_header(obj: object, where: Where) -> TraceHeader:
         kind = g.get("kind")
         if kind not in GROUP_KINDS:
             raise where.error(f"kind must be one of {GROUP_KINDS}, got {kind!r}", field=f"{name}.kind")
-        if kind == "mamba":
-            raise where.error("mamba groups hold state, not per-token KV; kvmap does not replay them yet",
-                              field=f"{name}.kind")
         gid = int_field(g.get("group_id", i), where, f"{name}.group_id")
         if gid != i:
             raise where.error(f"group_id {gid} must equal its index {i}", field=f"{name}.group_id")
@@ -85,6 +82,7 @@ def parse_header(obj: object, where: Where) -> TraceHeader:
         if kind == "chunked_local":
             chunk = int_field(chunk, where, f"{name}.attention_chunk_size", minimum=1)
         groups.append(KVCacheGroup(gid, kind, bs, window, chunk))
+    groups, multirank = _multirank_fields(obj, where, groups)
     spec_raw = obj.get("kv_cache_spec") or {}
     spec_raw = dict_field(spec_raw, where, "kv_cache_spec")
     spec = KVCacheSpec(**{k: spec_raw.get(k) for k in ("num_layers", "num_kv_heads", "head_size", "dtype")})
@@ -120,8 +118,9 @@ def parse_header(obj: object, where: Where) -> TraceHeader:
         **_engine_keys(obj, where),
         scheduling_policy=obj.get("scheduling_policy"),
         kv_cache_spec=spec,
-        extra={k: v for k, v in obj.items() if k not in known},
+        extra={k: v for k, v in obj.items() if k not in known | set(multirank)},
         source=where.path,
+        **multirank,
     )
 
 
@@ -212,3 +211,35 @@ def check_fits(h: TraceHeader, parts: list[tuple[str, int]] | None = None, path:
         raise TraceError(f"replaying this header needs {_gib(need)}, mostly {parts[0][0]} ({_gib(parts[0][1])}); "
                          f"{_gib(have)} is the {what}", path=path or h.source, line=1, field=field,
                          kind="header")
+
+
+MULTIRANK_KEYS = ("decode_context_parallel_size", "cp_kv_cache_interleave_size", "tensor_parallel_size")
+
+
+def _multirank_fields(obj: dict, where: Where, groups: list[KVCacheGroup]) -> tuple[list[KVCacheGroup], dict]:
+    """trace-format.md, "Extensions for vLLM as deployed today": DCP, interleave, TP and per-group kernel
+    block sizes, `dcp_sharded`, `uses_slot_mapping`. Every key defaults to today's behaviour."""
+    fields = {k: int_field(obj.get(k, 1), where, k, minimum=1) for k in MULTIRANK_KEYS}
+    interleave = fields["cp_kv_cache_interleave_size"]
+    out = []
+    for i, g in enumerate(groups):
+        raw = obj["kv_cache_groups"][i]
+        name = f"kv_cache_groups[{i}]"
+        kbs = raw.get("kernel_block_size")
+        if kbs is not None:
+            kbs = int_field(kbs, where, f"{name}.kernel_block_size", minimum=1)
+            if g.block_size % kbs:
+                raise where.error(f"kernel_block_size {kbs} must divide the group's block_size {g.block_size}",
+                                  field=f"{name}.kernel_block_size")
+        flags = {}
+        for key, default in (("dcp_sharded", True), ("uses_slot_mapping", g.kind != "mamba")):
+            v = raw.get(key, default)
+            if type(v) is not bool:
+                raise where.error(f"expected true or false, got {v!r:.40}", field=f"{name}.{key}")
+            flags[key] = v
+        if flags["dcp_sharded"] and fields["decode_context_parallel_size"] > 1 and g.block_size % interleave:
+            raise where.error(f"cp_kv_cache_interleave_size {interleave} must divide the block_size "
+                              f"{g.block_size} of group {i}", field="cp_kv_cache_interleave_size")
+        out.append(KVCacheGroup(g.group_id, g.kind, g.block_size, g.sliding_window, g.attention_chunk_size,
+                                kbs, **flags))
+    return out, fields

@@ -23,6 +23,9 @@ class KVCacheGroup:
     block_size: int  # tokens per block in this group
     sliding_window: int | None = None  # tokens, sliding_window groups only
     attention_chunk_size: int | None = None  # tokens, chunked_local groups only
+    kernel_block_size: int | None = None  # tokens per attention-kernel block; None: block_size (no split)
+    dcp_sharded: bool = True  # False: replicated on every DCP rank (cp = 1 for this group)
+    uses_slot_mapping: bool = True  # False (mamba): slots all PAD_SLOT_ID, rows hold state indices
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +59,22 @@ class TraceHeader:
     kv_cache_spec: KVCacheSpec = field(default_factory=KVCacheSpec)
     extra: dict[str, Any] = field(default_factory=dict)  # informational keys kvmap does not interpret
     source: str | None = field(default=None, compare=False, repr=False)  # the file it came from, for errors
+    decode_context_parallel_size: int = 1  # DCP world size: every request's KV spread over cp ranks by token
+    cp_kv_cache_interleave_size: int = 1  # consecutive tokens on one DCP rank before the next
+    tensor_parallel_size: int = 1  # KV heads split over TP ranks; mappings identical on TP ranks
 
     @property
     def num_groups(self) -> int:
         return len(self.kv_cache_groups)
+
+    @property
+    def cp_size(self) -> int:
+        return self.decode_context_parallel_size
+
+    @property
+    def has_kernel_split(self) -> bool:
+        """Some group hands the attention kernel blocks smaller than the manager's."""
+        return any(g.kernel_block_size not in (None, g.block_size) for g in self.kv_cache_groups)
 
     @property
     def token_budget(self) -> int:

@@ -11,6 +11,7 @@ from dataclasses import asdict
 
 from kvmap.errors import KvmapError
 from kvmap.trace import Trace
+from kvmap.validate import multirank
 from kvmap.validate.problems import Problem
 
 
@@ -20,6 +21,9 @@ def first_difference(got: dict, want: dict) -> dict:
     where: dict = {"field": key}
     g_val, w_val = got.get(key), want[key]
     qsl = want["query_start_loc"]
+    if key == "slot_mapping" and "dcp_local_seq_lens" in want and len(g_val) == len(w_val):  # [cp][G][T]
+        where["rank"] = next(r for r in range(len(w_val)) if g_val[r] != w_val[r])
+        g_val, w_val = g_val[where["rank"]], w_val[where["rank"]]
     if key in ("slot_mapping", "block_tables") and isinstance(g_val, list) and len(g_val) == len(w_val):
         where["group"] = next(g for g in range(len(w_val)) if g_val[g] != w_val[g])
         g_val, w_val = g_val[where["group"]], w_val[where["group"]]
@@ -79,14 +83,21 @@ def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: i
             what += f": {where['got']!r} where the reference has {where['want']!r}"
         if "token" in where:
             what += f" (token {where['token']} of the request)"
+        if "rank" in where:
+            what += f" on DCP rank {where['rank']}"
         chain = _chain(trace, w["step"], where) if diffs == 1 else []
         if chain:
             what += "; the reference chain: " + "; ".join(chain)
         problems.append(asdict(Problem("conformance", what, None, w["step"], where.get("req_id"), where.get("group"),
                                        where["field"])))
+    for d in got:  # the cross-rank invariants on every step of this backend's dump
+        for msg, req_id, group, fld in multirank.dump_problems(trace.header, d, backend)[:1]:
+            problems.append(asdict(Problem("cross_rank", msg, None, d["step"], req_id, group, fld)))
+    multi = trace.header.decode_context_parallel_size > 1
     for e in kv.kv_examples[:max_problems]:
+        rank = f" on DCP rank {e['rank']}" if multi else ""
         problems.append(asdict(Problem("kv_mismatch", f"{backend}: KV read-back at position {e['position']} "
-                                       f"slot {e['slot']} found {e['found']}", None, e["step"], e["req_id"],
+                                       f"slot {e['slot']}{rank} found {e['found']}", None, e["step"], e["req_id"],
                                        e["group"])))
     return {"steps": len(got), "differing_steps": diffs, "kv_checked": kv.kv_checked,
             "kv_mismatches": kv.kv_mismatches}, problems

@@ -19,7 +19,6 @@ KINDS = {
     "block_range": "a block id is outside the pool",
     "budget_tokens": "more tokens than the header's token budget",
     "budget_seqs": "more requests than max_num_seqs (scheduled, or holding worker rows)",
-    "row_width": "a block row longer than max_model_len (plus drafts) allows",
     "max_model_len": "a position beyond max_model_len",
     "unknown_request": "a cached request the worker does not know",
     "scheduled_after_finish": "a request scheduled after it finished",
@@ -43,6 +42,9 @@ KINDS = {
     "header": "header values contradict each other",
     "conformance": "a backend's mappings differ from the reference (validate --deep)",
     "kv_mismatch": "a backend's KV read-back found another token's bits (validate --deep)",
+    "row_width": "a block-table row wider than cdiv(max_model_len, block_size * cp)",
+    "cross_rank": "a cross-rank invariant fails: a token local on no DCP rank or several, local lengths that do "
+                  "not sum to seq_len, a kernel row that is not its manager row expanded (validate --deep)",
 }
 
 

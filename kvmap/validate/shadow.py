@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from kvmap.trace import Step, TraceHeader
 from kvmap.validate.blocks import BlockOwners
+from kvmap.validate import multirank
 from kvmap.validate.problems import KINDS, Problem
 from kvmap.validate.salvage import salvage
 
@@ -50,11 +51,13 @@ class Validator:
         self.blind = False  # the line before was not JSON: unknown requests now may have been added there
         self.full = [g.kind == "full_attention" for g in header.kv_cache_groups]
         self.null = header.null_block_id if header.null_block_id is not None else 0
+        self.spans = multirank.block_spans(header)  # [G] positions per block id (block_size * cp), None: state
         # full-attention groups: block id -> {req_id: logical block index}
-        self.owners = [BlockOwners(g.block_size, self.null) if f else None
-                       for g, f in zip(header.kv_cache_groups, self.full)]
+        self.owners = [BlockOwners(s or g.block_size, self.null) if f else None
+                       for g, f, s in zip(header.kv_cache_groups, self.full, self.spans)]
         width = header.max_model_len + header.num_speculative_tokens
-        self.row_width = [-(-width // g.block_size) for g in header.kv_cache_groups]  # the worker's row width
+        # the worker's row width, in blocks of block_size * cp
+        self.row_width = [-(-width // (s or g.block_size)) for g, s in zip(header.kv_cache_groups, self.spans)]
         self._check_header()
 
     # ------------------------------------------------------------------ reporting
@@ -72,8 +75,10 @@ class Validator:
 
     def _check_header(self) -> None:
         h = self.h
+        for msg, grp, fld in multirank.header_problems(h):
+            self.add("header", msg, line=1, group=grp, field=fld)
         for i, g in enumerate(h.kv_cache_groups):
-            if h.block_size % g.block_size:
+            if h.block_size % g.block_size and g.uses_slot_mapping:
                 self.add("header", f"scheduler block_size {h.block_size} is not a multiple of group {i}'s "
                          f"block_size {g.block_size}", line=1, group=i, field="kv_cache_groups.block_size")
         if h.max_model_len < h.block_size:
@@ -96,7 +101,7 @@ class Validator:
         """Register req's blocks of group g from logical index `start`; check against other live holders."""
         if len(req.blocks[g]) > self.row_width[g]:
             self.add("row_width", f"{len(req.blocks[g])} blocks exceed the row width {self.row_width[g]} "
-                     "(max_model_len plus drafts)", step, req_id=req_id, group=g, field=field_name)
+                     "(cdiv(max_model_len + drafts, block_size * cp))", step, req_id=req_id, group=g, field=field_name)
         owners = self.owners[g]
         if owners is None:
             return
@@ -297,7 +302,9 @@ class Validator:
                 self.add("tokens_unknown", f"positions {len(req.tokens)}..{end - len(drafts) - 1} are past the "
                          f"request's {len(req.tokens)} known tokens", step, req_id=r, field="num_scheduled_tokens")
             for g, grp in enumerate(h.kv_cache_groups):
-                bs = grp.block_size
+                bs = self.spans[g]
+                if bs is None:  # a state group: its row holds state indices, not positions
+                    continue
                 row = req.blocks[g]
                 need = -(-end // bs)
                 if len(row) < need:

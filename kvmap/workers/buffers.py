@@ -49,6 +49,17 @@ class InputBuffers:
         self.slot_mapping = np.full((G, T), PAD_SLOT_ID, dtype=np.int64)  # [G, T]
         self.block_tables = [np.zeros((N, w), dtype=np.int32) for w in state.max_num_blocks]  # [G] x [N, W_g]
         self.num_blocks = np.zeros((G, N), dtype=np.int32)  # [G, N]
+        # multi-rank (allocated only when used): [cp, G, T] every DCP rank's slots, [cp, N] local lengths,
+        # [G] x [N, W_g * k_g] kernel block rows
+        h = state.header
+        cp = h.decode_context_parallel_size
+        self.rank_slot_mapping = np.full((cp, G, T), PAD_SLOT_ID, dtype=np.int64) if cp > 1 else None
+        self.dcp_local_seq_lens = np.zeros((cp, N), dtype=np.int32) if cp > 1 else None
+        self.kernel_blocks_per_block = tuple(g.block_size // (g.kernel_block_size or g.block_size)
+                                             for g in h.kv_cache_groups)
+        self.kernel_block_tables = ([np.zeros((N, w * k), dtype=np.int32) for w, k in
+                                     zip(state.max_num_blocks, self.kernel_blocks_per_block)]
+                                    if h.has_kernel_split else None)
         # scratch
         self.arange = np.arange(max(T, N + 1), dtype=np.int64)  # [T] 0, 1, 2, ...
         self.tmp_tok = np.zeros(T, dtype=np.int64)  # [T]
@@ -119,6 +130,9 @@ def compute_slot_mappings(state: WorkerState, buf: InputBuffers, B: int, T: int)
     for g, table in enumerate(state.block_tables):
         bs = state.block_sizes[g]
         out = buf.slot_mapping[g, :T]
+        if g not in state.kv_groups:  # a state group: no slot mapping
+            out.fill(PAD_SLOT_ID)
+            continue
         np.multiply(idx, table.shape[1], out=rowbase)
         if T == B:
             blk[:] = rowbase
@@ -141,6 +155,33 @@ def compute_slot_mappings(state: WorkerState, buf: InputBuffers, B: int, T: int)
             out += off
 
 
+def compute_rank_slot_mappings(state: WorkerState, buf: InputBuffers, layouts, B: int, T: int) -> None:
+    """Every computed DCP rank's `slot_mapping` (layouts: [num_ranks][G] `GroupLayout`): the row entry at
+    `pos // (block_size * cp)` read through `idx_mapping`, then the layout's per-rank rule (PAD_SLOT_ID where
+    another rank holds the token)."""
+    idx = buf.idx_mapping[:B].astype(np.int64)
+    n = buf.num_scheduled_tokens[:B]
+    pos = buf.positions[:T]
+    rows = idx if T == B else np.repeat(idx, n)
+    for g, table in enumerate(state.block_tables):
+        flat = rows * table.shape[1] + pos // state.block_spans[g]
+        ids = np.take(table.reshape(-1), flat, mode="clip")
+        for i, lays in enumerate(layouts):
+            lays[g].slots(ids, pos, out=buf.rank_slot_mapping[i, g, :T])
+
+
+def dcp_local_seq_lens(buf: InputBuffers, seq_layouts, B: int) -> None:
+    """[num_ranks, B] local lengths of every computed rank (seq_layouts: one sharded layout per rank)."""
+    for i, lay in enumerate(seq_layouts):
+        lay.dcp_local_seq_lens(buf.seq_lens[:B], out=buf.dcp_local_seq_lens[i, :B])
+
+
+def kernel_block_tables(buf: InputBuffers, layouts, B: int) -> None:
+    """The gathered rows expanded to kernel block ids (manager id b -> b*k .. b*k+k-1), every group."""
+    for g, lay in enumerate(layouts):
+        buf.kernel_block_tables[g][:B] = lay.kernel_rows(buf.block_tables[g][:B])
+
+
 def view(buf: InputBuffers, req_ids: BatchReqIds | list[str], B: int, T: int) -> BatchMappings:
     """This step's slices of the buffers as a `BatchMappings` (views, no copies)."""
     return BatchMappings(
@@ -156,3 +197,17 @@ def view(buf: InputBuffers, req_ids: BatchReqIds | list[str], B: int, T: int) ->
         num_blocks=buf.num_blocks[:, :B],
         slot_mapping=buf.slot_mapping[:, :T],
     )
+
+
+def view_ranks(m: BatchMappings, buf: InputBuffers, ranks: tuple[int, ...], B: int, T: int) -> BatchMappings:
+    """Add the multi-rank slices of the buffers to a `BatchMappings` (cp > 1 or a kernel split)."""
+    if buf.rank_slot_mapping is not None:
+        m.cp_size = buf.rank_slot_mapping.shape[0]
+        m.ranks = ranks
+        m.rank_slot_mapping = buf.rank_slot_mapping[: len(ranks), :, :T]
+        m.slot_mapping = m.rank_slot_mapping[0]
+        m.dcp_local_seq_lens = buf.dcp_local_seq_lens[: len(ranks), :B]
+    if buf.kernel_block_tables is not None:
+        m.kernel_block_tables = [t[:B] for t in buf.kernel_block_tables]
+        m.kernel_blocks_per_block = buf.kernel_blocks_per_block
+    return m

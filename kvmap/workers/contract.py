@@ -22,7 +22,7 @@ from typing import ClassVar
 import numpy as np
 
 from kvmap.errors import KvmapError
-from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache
+from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers.mappings import BatchMappings, BatchReqIds
 from kvmap.workers.order import BATCH_ORDERS, V1PersistentBatch
@@ -61,6 +61,17 @@ class Worker(ABC):
         self.device = device
         self.batch: StepBatch | None = None
         self.v1_batch: V1PersistentBatch | None = None  # None: Model Runner V2's batch order
+        # DCP ranks this worker computes (trace-format.md, per-rank slot rule): all of them by default (the
+        # one-process emulation), one with `--rank R` or one process per rank
+        self.ranks: tuple[int, ...] = tuple(range(header.decode_context_parallel_size))
+
+    def set_ranks(self, ranks) -> None:
+        """Compute only these DCP ranks (ascending); call before the first step."""
+        ranks = tuple(sorted(set(int(r) for r in ranks)))
+        cp = self.header.decode_context_parallel_size
+        if not ranks or ranks[0] < 0 or ranks[-1] >= cp:
+            raise ValueError(f"DCP ranks must be in 0..{cp - 1}, got {list(ranks)}")
+        self.ranks = ranks
 
     def use_batch_order(self, name: str, reorder_batch_threshold: int | None = None) -> None:
         """`mrv2` (the default) or `v1`: V1's persistent batch, with the 4-region reorder when the attention
@@ -138,8 +149,9 @@ class Worker(ABC):
     # ---------------------------------------------------------------------------------------- KV cache
 
     def make_kv_cache(self, geometry: KVGeometry) -> PagedKVCache:
-        """The KV cache this worker writes: host memory, vectorized writes."""
-        return PagedKVCache(self.header, geometry)
+        """The KV cache this worker writes: host memory, vectorized writes (one shard per computed DCP rank
+        when cp > 1, each of this TP rank's share of the heads)."""
+        return make_rank_caches(self, geometry, lambda g: PagedKVCache(self.header, g))
 
     @abstractmethod
     def write_kv(self, kv: PagedKVCache) -> None: ...
@@ -157,3 +169,12 @@ class Worker(ABC):
     def mappings_dict(self) -> dict:
         """The `--dump-mappings` record."""
         return self.mappings().to_dict(self.current_step)
+
+
+def make_rank_caches(worker: Worker, geometry: KVGeometry, make) -> PagedKVCache | RankedKVCache:
+    """`make(geometry)` once per computed DCP rank (a `RankedKVCache` when cp > 1), with the TP share of the
+    heads: num_kv_heads // tp per rank, replicated (at least one) when tp > heads."""
+    geometry = geometry.tp_shard(worker.header.tensor_parallel_size)
+    if worker.header.decode_context_parallel_size == 1:
+        return make(geometry)
+    return RankedKVCache(worker.ranks, [make(geometry) for _ in worker.ranks])

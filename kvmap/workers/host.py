@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvmap.errors import TraceError
-from kvmap.kv.cache import KVCheckResult, PagedKVCache
-from kvmap.layout import group_layouts
+from kvmap.kv.cache import KVCheckResult, PagedKVCache, RankedKVCache
+from kvmap.layout import GroupLayout, rank_layouts
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers import buffers as B
 from kvmap.workers.contract import StepBatch, Worker
@@ -32,9 +32,34 @@ class HostWorker(Worker):
         self.state = WorkerState(header)
         self.buffers = B.InputBuffers(self.state, max(header.max_num_batched_tokens,
                                                       header.max_num_scheduled_tokens or 0))
-        self.layouts = group_layouts(header)
+        self.multirank = header.decode_context_parallel_size > 1
+        self.kernel_split = header.has_kernel_split
+        self._set_layouts()
         self._mappings: BatchMappings | None = None
         self._no_drafts = np.zeros(header.max_num_seqs, dtype=np.int32)
+
+    def set_ranks(self, ranks) -> None:
+        super().set_ranks(ranks)
+        self._set_layouts()
+
+    def _set_layouts(self) -> None:
+        h = self.header
+        self.rank_layouts = rank_layouts(h, self.ranks)  # [num_ranks][G]
+        self.layouts = self.rank_layouts[0]  # the first computed rank's (the only one when cp = 1)
+        # dcp_local_seq_lens: one sharded layout per computed rank
+        self.seq_layouts = [GroupLayout(h.block_size, cp_size=h.decode_context_parallel_size, cp_rank=r,
+                                        interleave=h.cp_kv_cache_interleave_size) for r in self.ranks]
+
+    def multirank_block_tables(self) -> None:
+        """After the gather: the kernel block rows (a kernel split only)."""
+        if self.kernel_split:
+            B.kernel_block_tables(self.buffers, self.layouts, self.batch.num_reqs)
+
+    def multirank_slot_mappings(self) -> None:
+        """Every computed DCP rank's slots and local lengths (cp > 1 only)."""
+        b = self.batch
+        B.compute_rank_slot_mappings(self.state, self.buffers, self.rank_layouts, b.num_reqs, b.num_tokens)
+        B.dcp_local_seq_lens(self.buffers, self.seq_layouts, b.num_reqs)
 
     @property
     def num_standin_tokens(self) -> int:
@@ -83,29 +108,45 @@ class HostWorker(Worker):
 
     # ---------------------------------------------------------------------------------------- KV cache
 
-    def write_kv(self, kv: PagedKVCache) -> None:
+    def write_kv(self, kv: PagedKVCache | RankedKVCache) -> None:
         buf, T = self.buffers, self.batch.num_tokens
+        if isinstance(kv, RankedKVCache):  # each rank's shard through its own slots
+            for i, shard in enumerate(kv.shards):
+                shard.write(buf.input_ids[:T], buf.positions[:T], buf.rank_slot_mapping[i, :, :T])
+            return
         kv.write(buf.input_ids[:T], buf.positions[:T], buf.slot_mapping[:, :T])
 
-    def verify_kv(self, kv: PagedKVCache, into: KVCheckResult) -> None:
+    def verify_kv(self, kv: PagedKVCache | RankedKVCache, into: KVCheckResult) -> None:
         req_ids = self.mappings().req_ids
-        for g in range(self.header.num_groups):
-            kv.verify_context(g, self.current_step, req_ids, *self.readable_context(g), into=into)
 
-    def readable_context(self, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(batch_idx, position, slot, token id) arrays over every position this step's requests may read."""
-        lay = self.layouts[group]
-        buf, st = self.buffers, self.state
+        def check(i: int, shard: PagedKVCache) -> None:
+            for g in self.state.kv_groups:  # state groups hold no per-token KV
+                shard.verify_context(g, self.current_step, req_ids, *self.readable_context(g, i), into=into)
+
+        if isinstance(kv, RankedKVCache):
+            kv.verify(into, check)
+        else:
+            check(0, kv)
+
+    def readable_context(self, group: int, rank_index: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                           np.ndarray]:
+        """(batch_idx, position, slot, token id) arrays over every position this step's requests may read that
+        the `rank_index`-th computed DCP rank holds (every position when cp = 1)."""
+        lay = self.rank_layouts[rank_index][group]
+        m, st = self.mappings(), self.state
         n = self.batch.num_reqs
-        idx = buf.idx_mapping[:n].astype(np.int64)
-        nc = buf.num_computed_tokens[:n].astype(np.int64)
-        hi = buf.seq_lens[:n].astype(np.int64)
+        idx = m.idx_mapping[:n].astype(np.int64)
+        nc = m.num_computed_tokens[:n].astype(np.int64)
+        hi = m.seq_lens[:n].astype(np.int64)
         lo = lay.readable_lo(nc)
         counts = hi - lo
         breq = np.repeat(np.arange(n), counts)
         pos = ragged_columns(lo, counts)
+        if lay.cp_size > 1:
+            keep = lay.local_mask(pos)
+            breq, pos = breq[keep], pos[keep]
         rows = idx[breq]
-        blocks = st.block_tables[group][rows, pos // lay.block_size]
+        blocks = st.block_tables[group][rows, pos // lay.virtual_block_size]
         return breq, pos, lay.slots(blocks, pos), st.token_ids[rows, pos]
 
     # ----------------------------------------------------------------------------------------- results
@@ -114,6 +155,8 @@ class HostWorker(Worker):
         if self._mappings is None:
             b = self.batch
             self._mappings = B.view(self.buffers, b.batch_req_ids(), b.num_reqs, b.num_tokens)
+            if self.multirank or self.kernel_split:
+                B.view_ranks(self._mappings, self.buffers, self.ranks, b.num_reqs, b.num_tokens)
         return self._mappings
 
 
@@ -128,6 +171,10 @@ class NumpyWorker(HostWorker):
 
     def gather_block_tables(self) -> None:
         B.gather_block_tables(self.state, self.buffers, self.batch.num_reqs)
+        if self.kernel_split:
+            self.multirank_block_tables()
 
     def compute_slot_mappings(self) -> None:
+        if self.multirank:
+            return self.multirank_slot_mappings()
         B.compute_slot_mappings(self.state, self.buffers, self.batch.num_reqs, self.batch.num_tokens)

@@ -154,6 +154,38 @@ def slot_mapping(idx_mapping, num_scheduled_tokens, num_computed_tokens, table, 
 
 
 @_jit
+def slot_mapping_dcp(idx_mapping, num_scheduled_tokens, num_computed_tokens, table, block_size, cp_size, cp_rank,
+                     interleave, has_slots, out):
+    """One DCP rank's slots (layout.GroupLayout.slot): virtual block pos // (block_size * cp), offset
+    off = pos % that; local iff (off // I) % cp == rank, slot = row[vb] * block_size + off // (I * cp) * I
+    + off % I, else -1. A group without a slot mapping gets -1 everywhere."""
+    vbs = np.int64(block_size) * cp_size
+    t = 0
+    for b in range(idx_mapping.shape[0]):
+        trow = table[idx_mapping[b]]
+        p0 = np.int64(num_computed_tokens[b])
+        for q in range(num_scheduled_tokens[b]):
+            p = p0 + q
+            vb = p // vbs
+            off = p - vb * vbs
+            if has_slots and (off // interleave) % cp_size == cp_rank:
+                out[t] = np.int64(trow[vb]) * block_size + off // (interleave * cp_size) * interleave \
+                    + off % interleave
+            else:
+                out[t] = -1
+            t += 1
+
+
+@_jit
+def dcp_local_seq_lens(seq_lens, cp_size, cp_rank, interleave, out):
+    """out[b] = (s // (cp * I)) * I + clamp(s % (cp * I) - rank * I, 0, I), s = seq_lens[b]."""
+    ci = cp_size * interleave
+    for b in range(seq_lens.shape[0]):
+        s = seq_lens[b]
+        out[b] = s // ci * interleave + min(max(s % ci - cp_rank * interleave, 0), interleave)
+
+
+@_jit
 def scatter(dst, idx, values):
     """dst[idx[i]] = values[i]."""
     for i in range(idx.shape[0]):

@@ -15,7 +15,9 @@ import json
 import numpy as np
 
 DUMP_KEYS = ("step", "req_ids", "idx_mapping", "query_start_loc", "seq_lens", "positions", "input_ids",
-             "block_tables", "slot_mapping")
+             "block_tables", "kernel_block_tables", "slot_mapping", "dcp_ranks", "dcp_local_seq_lens")
+# multi-rank keys (trace-format.md, mapping dump): only present when cp > 1 or a kernel split exists, so dumps of
+# every other trace are unchanged; `dcp_ranks` only when a replay computes some of the ranks (--rank R)
 
 
 class BatchReqIds(Sequence):
@@ -66,6 +68,14 @@ class BatchMappings:
     block_tables: list[np.ndarray]  # [num_groups] x [num_reqs, width_g] int32, batch_idx -> block ids
     num_blocks: np.ndarray  # [num_groups, num_reqs] int32, valid entries of each block-table row
     slot_mapping: np.ndarray  # [num_groups, num_tokens] int64, flat token -> KV slot (PAD_SLOT_ID pads)
+    # multi-rank (cp > 1): every computed DCP rank's slots; `slot_mapping` is then rank ranks[0]'s
+    cp_size: int = 1
+    ranks: tuple[int, ...] = (0,)  # DCP ranks computed, ascending
+    rank_slot_mapping: np.ndarray | None = None  # [len(ranks), num_groups, num_tokens] int64
+    dcp_local_seq_lens: np.ndarray | None = None  # [len(ranks), num_reqs] int32
+    # kernel block split: [num_groups] x [num_reqs, width_g * k_g] int32 expanded rows (k_g = 1: the manager row)
+    kernel_block_tables: list[np.ndarray] | None = None
+    kernel_blocks_per_block: tuple[int, ...] | None = None  # [num_groups] k_g
 
     @property
     def num_reqs(self) -> int:
@@ -77,6 +87,22 @@ class BatchMappings:
 
     def to_dict(self, step: int) -> dict:
         """The `--dump-mappings` record (trace-format.md): plain lists, block rows without padding."""
+        d = self._to_dict(step)
+        if self.kernel_block_tables is not None:
+            d["kernel_block_tables"] = [[t[b, : nb[b] * k].tolist() for b in range(len(nb))] for t, nb, k in
+                                        zip(self.kernel_block_tables, self.num_blocks, self.kernel_blocks_per_block)]
+        if self.cp_size > 1:
+            d["slot_mapping"] = self.rank_slot_mapping.tolist()
+            d["dcp_local_seq_lens"] = self.dcp_local_seq_lens.tolist()
+            if len(self.ranks) != self.cp_size:
+                d["dcp_ranks"] = list(self.ranks)
+        return d
+
+    def rank_slots(self, i: int) -> np.ndarray:
+        """[num_groups, num_tokens] slots of the i-th computed rank."""
+        return self.slot_mapping if self.rank_slot_mapping is None else self.rank_slot_mapping[i]
+
+    def _to_dict(self, step: int) -> dict:
         return {
             "step": step,
             "req_ids": list(self.req_ids),
@@ -91,8 +117,30 @@ class BatchMappings:
         }
 
 
-def mappings_from_dict(d: dict, num_groups: int):
+def mappings_from_dict(d: dict, num_groups: int, cp_size: int = 1, kernel_blocks_per_block=None):
     """A plain-list mappings record -> `BatchMappings` (block rows right-padded with 0)."""
+    m = _mappings_from_dict(d, num_groups, cp_size)
+    if cp_size > 1:
+        m.ranks = tuple(d.get("dcp_ranks", range(cp_size)))
+        m.rank_slot_mapping = np.array(d["slot_mapping"], dtype=np.int64).reshape(len(m.ranks), num_groups,
+                                                                                  m.num_tokens)
+        m.slot_mapping = m.rank_slot_mapping[0]
+        m.dcp_local_seq_lens = np.array(d["dcp_local_seq_lens"], dtype=np.int32).reshape(len(m.ranks), -1)
+    if "kernel_block_tables" in d:
+        m.kernel_blocks_per_block = tuple(kernel_blocks_per_block)
+        m.kernel_block_tables = [_pad(rows, m.num_reqs) for rows in d["kernel_block_tables"]]
+    return m
+
+
+def _pad(rows: list[list[int]], B: int) -> np.ndarray:
+    w = max((len(r) for r in rows), default=0)
+    t = np.zeros((B, w), dtype=np.int32)
+    for b, r in enumerate(rows):
+        t[b, : len(r)] = r
+    return t
+
+
+def _mappings_from_dict(d: dict, num_groups: int, cp_size: int):
     B = len(d["req_ids"])
     tables, nbs = [], []
     for rows in d["block_tables"]:
@@ -116,5 +164,7 @@ def mappings_from_dict(d: dict, num_groups: int):
         input_ids=np.array(d["input_ids"], dtype=np.int32),
         block_tables=tables,
         num_blocks=np.array(nbs, dtype=np.int32).reshape(num_groups, B),
-        slot_mapping=np.array(d["slot_mapping"], dtype=np.int64).reshape(num_groups, -1),
+        slot_mapping=(np.array(d["slot_mapping"], dtype=np.int64).reshape(num_groups, -1) if cp_size == 1
+                      else np.zeros((num_groups, len(d["positions"])), dtype=np.int64)),
+        cp_size=cp_size,
     )

@@ -8,9 +8,10 @@ Importing this module imports numba: the registry imports it lazily.
 
 from __future__ import annotations
 
-from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache
+from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
 from kvmap.trace import TraceHeader
 from kvmap.workers import kernels_cpu
+from kvmap.workers.contract import make_rank_caches
 from kvmap.workers.host import HostWorker
 from kvmap.workers.state_ops import CompiledOps
 
@@ -41,22 +42,49 @@ class NumbaWorker(HostWorker):
         idx = buf.idx_mapping[: self.batch.num_reqs]
         for g, table in enumerate(st.block_tables):
             self.k.gather_block_table(idx, st.num_blocks[g], table, buf.block_tables[g], buf.num_blocks[g])
+        if self.kernel_split:
+            self.multirank_block_tables()
 
     def compute_slot_mappings(self) -> None:
         buf, st = self.buffers, self.state
         n = self.batch.num_reqs
         idx, ns, nc = buf.idx_mapping[:n], buf.num_scheduled_tokens[:n], buf.num_computed_tokens[:n]
+        if self.multirank:
+            return self._rank_slot_mappings(idx, ns, nc, n)
         for g, table in enumerate(st.block_tables):
-            self.k.slot_mapping(idx, ns, nc, table, self.layouts[g].block_size, buf.slot_mapping[g])
+            if g in st.kv_groups:
+                self.k.slot_mapping(idx, ns, nc, table, self.layouts[g].block_size, buf.slot_mapping[g])
+            else:  # a state group: no slot mapping
+                buf.slot_mapping[g, : self.batch.num_tokens] = -1
+
+    def _rank_slot_mappings(self, idx, ns, nc, n) -> None:
+        buf, st = self.buffers, self.state
+        for i, lays in enumerate(self.rank_layouts):
+            for g, table in enumerate(st.block_tables):
+                lay = lays[g]
+                self.k.slot_mapping_dcp(idx, ns, nc, table, lay.block_size, lay.cp_size, lay.cp_rank,
+                                        lay.interleave, lay.has_slots, buf.rank_slot_mapping[i, g])
+            self.k.dcp_local_seq_lens(buf.seq_lens[:n], self.seq_layouts[i].cp_size, self.seq_layouts[i].cp_rank,
+                                      self.seq_layouts[i].interleave, buf.dcp_local_seq_lens[i])
 
     def make_kv_cache(self, geometry: KVGeometry) -> PagedKVCache:
-        return PagedKVCache(self.header, geometry, use_kernels=True)
+        return make_rank_caches(self, geometry, lambda g: PagedKVCache(self.header, g, use_kernels=True))
 
-    def verify_kv(self, kv: PagedKVCache, into: KVCheckResult) -> None:
-        if kv.kernels is None:  # a cache made elsewhere without kernels
+    def verify_kv(self, kv: PagedKVCache | RankedKVCache, into: KVCheckResult) -> None:
+        shards = kv.shards if isinstance(kv, RankedKVCache) else [kv]
+        if any(s.kernels is None for s in shards):  # a cache made elsewhere without kernels
             return super().verify_kv(kv, into)
         m, st = self.mappings(), self.state
         nc = m.num_computed_tokens.astype("int64")
-        for g, lay in enumerate(self.layouts):
-            kv.verify_rows(g, self.current_step, m.req_ids, m.idx_mapping, lay.readable_lo(nc), m.seq_lens,
-                           st.token_ids, st.block_tables[g], into)
+
+        def check(i: int, shard: PagedKVCache) -> None:
+            for g, lay in enumerate(self.rank_layouts[i]):
+                if g not in st.kv_groups:  # state groups hold no per-token KV
+                    continue
+                shard.verify_rows(g, self.current_step, m.req_ids, m.idx_mapping, lay.readable_lo(nc), m.seq_lens,
+                                  st.token_ids, st.block_tables[g], into, (lay.cp_size, lay.cp_rank, lay.interleave))
+
+        if isinstance(kv, RankedKVCache):
+            kv.verify(into, check)
+        else:
+            check(0, kv)

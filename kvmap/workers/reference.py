@@ -12,8 +12,8 @@ import numpy as np
 
 from kvmap.defaults import STANDIN_TOKEN_ID
 from kvmap.errors import TraceError
-from kvmap.kv.cache import KVCheckResult, PagedKVCache
-from kvmap.layout import PAD_SLOT_ID, group_layouts
+from kvmap.kv.cache import KVCheckResult, PagedKVCache, RankedKVCache
+from kvmap.layout import PAD_SLOT_ID, GroupLayout, rank_layouts
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers.contract import Worker
 from kvmap.workers.mappings import DUMP_KEYS, BatchMappings, mappings_from_dict
@@ -34,7 +34,7 @@ class ReferenceWorker(Worker):
 
     def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
         super().__init__(header, device)
-        self.layouts = group_layouts(header)
+        self._set_layouts()
         self.free_rows = list(range(header.max_num_seqs))
         self.requests: dict[str, ReferenceRequest] = {}
         self.missing_samples = False
@@ -42,6 +42,19 @@ class ReferenceWorker(Worker):
         self._out: dict | None = None
         self._step: Step | None = None
         self._step_ids: dict[str, tuple[int, list[int]]] = {}  # req_id -> (first position, this step's ids)
+
+    def set_ranks(self, ranks) -> None:
+        super().set_ranks(ranks)
+        self._set_layouts()
+
+    def _set_layouts(self) -> None:
+        h = self.header
+        self.rank_layouts = rank_layouts(h, self.ranks)  # [num_ranks][G]
+        self.layouts = self.rank_layouts[0]
+        self.cp_size = h.decode_context_parallel_size
+        self.kernel_split = h.has_kernel_split
+        self.seq_layouts = [GroupLayout(h.block_size, cp_size=self.cp_size, cp_rank=r,
+                                        interleave=h.cp_kv_cache_interleave_size) for r in self.ranks]
 
     @property
     def current_step(self) -> int:
@@ -115,9 +128,12 @@ class ReferenceWorker(Worker):
             batch = [(r, so.num_scheduled_tokens[r]) for r in self.v1_order(step)]
         else:  # Python's sort is stable
             batch = sorted(sched, key=lambda e: mrv2_key(e[1], len(so.scheduled_spec_decode_tokens.get(e[0], [])), k))
+        G = len(self.header.kv_cache_groups)
         out: dict = {"req_ids": [], "idx_mapping": [], "query_start_loc": [0], "seq_lens": [], "positions": [],
-                     "input_ids": [], "block_tables": [[] for _ in self.header.kv_cache_groups],
-                     "slot_mapping": [[] for _ in self.header.kv_cache_groups]}
+                     "input_ids": [], "block_tables": [[] for _ in range(G)],
+                     "kernel_block_tables": [[] for _ in range(G)]}
+        slots = [[[] for _ in range(G)] for _ in self.ranks]  # [num_ranks][G][T]
+        kernel_rows: list[list[int]] = [[] for _ in range(G)]  # this request's kernel rows
         for req_id, n in batch:
             req = self.requests[req_id]
             drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
@@ -126,8 +142,10 @@ class ReferenceWorker(Worker):
             out["idx_mapping"].append(req.row)  # batch row -> request-state row
             out["query_start_loc"].append(out["query_start_loc"][-1] + n)
             out["seq_lens"].append(start + n)
-            for g in range(len(self.header.kv_cache_groups)):
+            for g in range(G):
                 out["block_tables"][g].append(list(req.block_ids[g]))
+                kernel_rows[g] = self.layouts[g].kernel_row(req.block_ids[g])
+                out["kernel_block_tables"][g].append(kernel_rows[g])
             real = n - len(drafts)
             first_input = len(out["input_ids"])
             while len(req.tokens) < start + real:  # tokens the trace never recorded
@@ -148,30 +166,54 @@ class ReferenceWorker(Worker):
                     if d < 0:
                         self._standins += 1
                     out["input_ids"].append(d if d >= 0 else STANDIN_TOKEN_ID)
-                for g, layout in enumerate(self.layouts):
-                    logical_block, _ = layout.block_of(position)
-                    if logical_block >= len(req.block_ids[g]):
-                        out["slot_mapping"][g].append(PAD_SLOT_ID)  # the vectorized worker rejects this first
-                        continue
-                    out["slot_mapping"][g].append(layout.slot(req.block_ids[g], position))
+                for i, layouts in enumerate(self.rank_layouts):
+                    for g, layout in enumerate(layouts):
+                        logical_block, _ = layout.block_of(position)
+                        if logical_block >= len(req.block_ids[g]):
+                            slots[i][g].append(PAD_SLOT_ID)  # the vectorized worker rejects this first
+                        elif self.kernel_split:  # through the kernel row, as the attention kernel sees it
+                            slots[i][g].append(layout.kernel_slot(kernel_rows[g], position))
+                        else:
+                            slots[i][g].append(layout.slot(req.block_ids[g], position))
             self._step_ids[req_id] = (start, out["input_ids"][first_input:])
         out["step"] = step.step
-        self._out = {k: out[k] for k in DUMP_KEYS}
+        if self.cp_size > 1:
+            out["slot_mapping"] = slots
+            out["dcp_local_seq_lens"] = [[lay.dcp_local_seq_len(s) for s in out["seq_lens"]]
+                                         for lay in self.seq_layouts]
+            if len(self.ranks) != self.cp_size:
+                out["dcp_ranks"] = list(self.ranks)
+        else:
+            out["slot_mapping"] = slots[0]
+        if not self.kernel_split:
+            del out["kernel_block_tables"]
+        self._out = {k: out[k] for k in DUMP_KEYS if k in out}
 
     def mappings_dict(self) -> dict:
         assert self._out is not None
         return self._out
 
     def mappings(self) -> BatchMappings:
-        return mappings_from_dict(self.mappings_dict(), len(self.header.kv_cache_groups))
+        return mappings_from_dict(self.mappings_dict(), len(self.header.kv_cache_groups), self.cp_size,
+                                  [lay.kernel_blocks_per_block for lay in self.layouts])
 
-    def write_kv(self, kv: PagedKVCache) -> None:
+    def write_kv(self, kv: PagedKVCache | RankedKVCache) -> None:
         m = self.mappings()
-        kv.write(m.input_ids, m.positions, m.slot_mapping)
+        shards = kv.shards if isinstance(kv, RankedKVCache) else [kv]
+        for i, shard in enumerate(shards):
+            shard.write(m.input_ids, m.positions, m.rank_slots(i))
 
-    def verify_kv(self, kv: PagedKVCache, into: KVCheckResult) -> None:
-        for g in range(self.header.num_groups):
-            kv.verify_context(g, self.current_step, self._out["req_ids"], *self.readable_context(g), into=into)
+    def verify_kv(self, kv: PagedKVCache | RankedKVCache, into: KVCheckResult) -> None:
+        def check(i: int, shard: PagedKVCache) -> None:
+            for g, grp in enumerate(self.header.kv_cache_groups):
+                if grp.uses_slot_mapping:  # state groups hold no per-token KV
+                    shard.verify_context(g, self.current_step, self._out["req_ids"], *self.readable_context(g, i),
+                                         into=into)
+
+        if isinstance(kv, RankedKVCache):
+            kv.verify(into, check)
+        else:
+            check(0, kv)
 
     def append_sampled(self) -> None:
         step = self._step
@@ -182,15 +224,19 @@ class ReferenceWorker(Worker):
         for r, toks in step.sampled_token_ids.items():
             self.requests[r].tokens.extend(toks)
 
-    def readable_context(self, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(batch_idx, position, slot, token id) of every position the scheduled requests may read."""
+    def readable_context(self, group: int, rank_index: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                           np.ndarray]:
+        """(batch_idx, position, slot, token id) of every position the scheduled requests may read that the
+        `rank_index`-th computed DCP rank holds."""
         out: list[tuple[int, int, int, int]] = []
-        layout = self.layouts[group]
+        layout = self.rank_layouts[rank_index][group]
         assert self._out is not None
         for b, (req_id, seq_len) in enumerate(zip(self._out["req_ids"], self._out["seq_lens"])):
             req = self.requests[req_id]
             start, step_ids = self._step_ids[req_id]
             for p in range(layout.readable_start(req.num_computed_tokens), seq_len):
+                if not layout.is_local(p):
+                    continue
                 token = step_ids[p - start] if p >= start else req.tokens[p]
                 out.append((b, p, layout.slot(req.block_ids[group], p), token))
         cols = np.array(out, dtype=np.int64).reshape(-1, 4)

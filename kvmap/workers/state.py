@@ -55,7 +55,15 @@ class WorkerState:
         self.total_len = np.zeros(R, dtype=np.int32)  # [R] known tokens (prompt + sampled) per row
         self.num_computed_tokens = np.zeros(R, dtype=np.int32)  # [R] scheduler's value, before this step
         self.block_sizes = [g.block_size for g in header.kv_cache_groups]
-        self.max_num_blocks = [cdiv(self.token_width, bs) for bs in self.block_sizes]
+        # [G] global positions one block id spans: block_size * cp (trace-format.md, "Which block size is
+        # which"); a replicated group (dcp_sharded false) spans block_size
+        cp = header.decode_context_parallel_size
+        self.block_spans = [g.block_size * (cp if g.dcp_sharded else 1) for g in header.kv_cache_groups]
+        # groups whose rows address KV by position (state groups' rows hold state indices: no capacity)
+        self.kv_groups = [g for g, grp in enumerate(header.kv_cache_groups) if grp.uses_slot_mapping]
+        self.max_num_blocks = [cdiv(self.token_width, span) if grp.uses_slot_mapping
+                               else max(cdiv(self.token_width, span), 1 + k)
+                               for span, grp in zip(self.block_spans, header.kv_cache_groups)]
         # [num_groups] x [R, max_num_blocks_g] int32: row -> physical block ids (valid up to num_blocks)
         self.block_tables = [np.zeros((R, w), dtype=np.int32) for w in self.max_num_blocks]
         self.num_blocks = np.zeros((header.num_groups, R), dtype=np.int32)  # [G, R] valid entries per row
@@ -110,9 +118,9 @@ class WorkerState:
         self._refresh_capacity(row)
 
     def _refresh_capacity(self, rows) -> None:
-        cap = np.minimum(self.num_blocks[0, rows] * self.block_sizes[0], self.header.max_model_len)
-        for g in range(1, len(self.block_sizes)):
-            cap = np.minimum(cap, self.num_blocks[g, rows] * self.block_sizes[g])
+        cap = np.full_like(self.num_blocks[0, rows], self.header.max_model_len)
+        for g in self.kv_groups:
+            cap = np.minimum(cap, self.num_blocks[g, rows] * self.block_spans[g])
         self.capacity[rows] = cap
 
     # ------------------------------------------------------------------ step
@@ -220,7 +228,7 @@ class WorkerState:
             if not sel:
                 return
         if len(sel) <= ROW_WRITES_MAX:  # the usual step: a few rows cross into a new block
-            num_blocks, sizes = self.num_blocks, self.block_sizes
+            num_blocks, sizes, kv_groups = self.num_blocks, self.block_spans, self.kv_groups
             for i in sel:
                 row = int(crows[i])
                 cap = self.header.max_model_len
@@ -235,7 +243,8 @@ class WorkerState:
                         self.writes.write_row(g, row, have, ids)
                         have += len(ids)
                         num_blocks[g, row] = have
-                    cap = min(cap, have * sizes[g])
+                    if g in kv_groups:
+                        cap = min(cap, have * sizes[g])
                 self.capacity[row] = cap
             return
         rows = crows[sel]
@@ -288,7 +297,8 @@ class WorkerState:
             raise TraceError(f"positions up to {int(end[j]) - 1} exceed max_model_len {h.max_model_len}",
                              line=step.line, step=step.step, req_id=req_ids[j], field="num_scheduled_tokens",
                              kind="max_model_len")
-        for g, bs in enumerate(self.block_sizes):
+        for g in self.kv_groups:
+            bs = self.block_spans[g]
             have = self.num_blocks[g, rows].astype(np.int64) * bs
             if len(rows) and bool((have < end).any()):
                 j = int(np.argmax(have < end))

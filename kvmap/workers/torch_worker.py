@@ -20,9 +20,10 @@ import numpy as np
 
 from kvmap._torch import torch
 from kvmap.errors import KvmapError
-from kvmap.kv.cache import KVCheckResult, KVGeometry, KVMismatch, PagedKVCache
+from kvmap.kv.cache import KVCheckResult, KVGeometry, KVMismatch, PagedKVCache, RankedKVCache
 from kvmap.layout import PAD_SLOT_ID
 from kvmap.trace import TraceHeader
+from kvmap.workers.contract import make_rank_caches
 from kvmap.workers.host import NumpyWorker
 from kvmap.workers.mappings import BatchMappings
 from kvmap.workers.writes import TOKENS, ragged_columns
@@ -115,6 +116,14 @@ class TorchWorker(NumpyWorker):
         self.o_block_tables = [t.zeros(b.shape, dtype=t.int32, device=dev) for b in st.block_tables]
         self.o_num_blocks = t.zeros((G, R), dtype=t.int32, device=dev)  # [G, R]
         self.o_slot_mapping = t.full((G, T), PAD_SLOT_ID, dtype=t.int64, device=dev)  # [G, T]
+        # multi-rank, only when used: [cp, G, T] every computed DCP rank's slots, [cp, R] local lengths,
+        # [G] x [R, W_g * k_g] kernel block rows
+        cp = header.decode_context_parallel_size
+        self.o_rank_slot_mapping = (t.full((cp, G, T), PAD_SLOT_ID, dtype=t.int64, device=dev) if cp > 1
+                                    else None)
+        self.o_dcp_local_seq_lens = t.zeros((cp, R), dtype=t.int32, device=dev) if cp > 1 else None
+        self.o_kernel_block_tables = ([t.zeros(b.shape, dtype=t.int32, device=dev) for b in
+                                       self.buffers.kernel_block_tables] if self.kernel_split else None)
         self.arange = t.arange(max(T, R + 1), dtype=t.int64, device=dev)
         self.t_token_req = t.zeros(T, dtype=t.int64, device=dev)  # [T] flat token -> batch_idx
         self.t_row = t.zeros(T, dtype=t.int64, device=dev)  # [T] flat token -> req_state_idx
@@ -200,14 +209,57 @@ class TorchWorker(NumpyWorker):
         for g, table in enumerate(self.d_block_tables):
             t.index_select(table, 0, idx, out=self.o_block_tables[g][:B])
             t.index_select(self.d_num_blocks[g], 0, idx, out=self.o_num_blocks[g, :B])
+        if self.kernel_split:
+            self.device_kernel_block_tables()
+
+    def device_kernel_block_tables(self) -> None:
+        """The gathered rows expanded to kernel ids: manager id b -> b*k .. b*k+k-1 (layout.kernel_row)."""
+        t = torch()
+        B = self.batch.num_reqs
+        for g, lay in enumerate(self.layouts):
+            k = lay.kernel_blocks_per_block
+            rows = self.o_block_tables[g][:B]
+            ar = t.arange(k, dtype=t.int32, device=rows.device)
+            self.o_kernel_block_tables[g][:B].copy_((rows[:, :, None] * k + ar).reshape(B, rows.shape[1] * k))
+
+    def device_rank_slot_mappings(self) -> None:
+        """Every computed DCP rank's slots with tensor ops (layout.GroupLayout.slot), and the local lengths."""
+        t = torch()
+        B, T = self.batch.num_reqs, self.batch.num_tokens
+        pos, row = self.o_positions[:T], self.t_row[:T]
+        for g, table in enumerate(self.d_block_tables):
+            span = self.state.block_spans[g]
+            ids = table.view(-1).index_select(0, row * table.shape[1] + t.div(pos, span, rounding_mode="floor"))
+            ids = ids.to(t.int64)
+            for i, lays in enumerate(self.rank_layouts):
+                lay = lays[g]
+                out = self.o_rank_slot_mapping[i, g, :T]
+                if not lay.has_slots:
+                    out.fill_(PAD_SLOT_ID)
+                    continue
+                off = pos % lay.virtual_block_size
+                I, cp = lay.interleave, lay.cp_size
+                local = t.div(off, I, rounding_mode="floor") % cp == lay.cp_rank
+                slot = ids * lay.block_size + t.div(off, I * cp, rounding_mode="floor") * I + off % I
+                out.copy_(t.where(local, slot, t.full_like(slot, PAD_SLOT_ID)))
+        seq = self.o_seq_lens[:B]
+        for i, lay in enumerate(self.seq_layouts):
+            I, cp = lay.interleave, lay.cp_size
+            rem = (seq % (cp * I) - lay.cp_rank * I).clamp(0, I)
+            self.o_dcp_local_seq_lens[i, :B].copy_(t.div(seq, cp * I, rounding_mode="floor") * I + rem)
 
     def compute_slot_mappings(self) -> None:
         t = torch()
         T = self.batch.num_tokens
+        if self.multirank:
+            return self.device_rank_slot_mappings()
         pos, row = self.o_positions[:T], self.t_row[:T]
         for g, table in enumerate(self.d_block_tables):
             bs = self.state.block_sizes[g]
             out = self.o_slot_mapping[g, :T]
+            if g not in self.state.kv_groups:  # a state group: no slot mapping
+                out.fill_(PAD_SLOT_ID)
+                continue
             t.mul(row, table.shape[1], out=out)
             out += t.div(pos, bs, rounding_mode="floor")
             ids = table.view(-1).index_select(0, out)
@@ -219,14 +271,23 @@ class TorchWorker(NumpyWorker):
     # ------------------------------------------------------------------ KV cache
 
     def make_kv_cache(self, geometry: KVGeometry) -> PagedKVCache:
-        return PagedKVCache(self.header, geometry, device=str(self.torch_device), torch_storage=True)
+        return make_rank_caches(self, geometry, lambda g: PagedKVCache(self.header, g, device=str(self.torch_device),
+                                                                       torch_storage=True))
 
-    def write_kv(self, kv: PagedKVCache) -> None:
+    def write_kv(self, kv: PagedKVCache | RankedKVCache) -> None:
         T = self.batch.num_tokens
-        kv.write_device(self.o_input_ids[:T], self.o_positions[:T], self.o_slot_mapping[:, :T])
+        if isinstance(kv, RankedKVCache):
+            for i, shard in enumerate(kv.shards):
+                shard.write_device(self.o_input_ids[:T], self.o_positions[:T], self.o_rank_slot_mapping[i, :, :T],
+                                   skip_pad=True)
+            return
+        kv.write_device(self.o_input_ids[:T], self.o_positions[:T], self.o_slot_mapping[:, :T],
+                        skip_pad=len(self.state.kv_groups) < self.header.num_groups)
 
-    def verify_kv(self, kv: PagedKVCache, into: KVCheckResult) -> None:
+    def verify_kv(self, kv: PagedKVCache | RankedKVCache, into: KVCheckResult) -> None:
         """Read back on the device; one host sync per group for the mismatch count (a check, not a step)."""
+        if isinstance(kv, RankedKVCache) or len(self.state.kv_groups) < self.header.num_groups:
+            return NumpyWorker.verify_kv(self, kv, into)  # per rank, from the host mirror of the state
         t = torch()
         B = self.batch.num_reqs
         nc_h, end_h = self.host_batch()
@@ -280,4 +341,13 @@ class TorchWorker(NumpyWorker):
                 num_blocks=self.o_num_blocks[:, :B].cpu().numpy(),
                 slot_mapping=self.o_slot_mapping[:, :T].cpu().numpy(),
             )
+            m = self._mappings
+            if self.multirank:
+                m.cp_size, m.ranks = self.header.decode_context_parallel_size, self.ranks
+                m.rank_slot_mapping = self.o_rank_slot_mapping[: len(self.ranks), :, :T].cpu().numpy()
+                m.slot_mapping = m.rank_slot_mapping[0]
+                m.dcp_local_seq_lens = self.o_dcp_local_seq_lens[: len(self.ranks), :B].cpu().numpy()
+            if self.kernel_split:
+                m.kernel_block_tables = [k[:B].cpu().numpy() for k in self.o_kernel_block_tables]
+                m.kernel_blocks_per_block = self.buffers.kernel_blocks_per_block
         return self._mappings

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvmap._torch import torch
 from kvmap.kv import canary as C
-from kvmap.kv.cache import KVCheckResult, KVMismatch, PagedKVCache
+from kvmap.kv.cache import KVCheckResult, KVMismatch, PagedKVCache, RankedKVCache
 from kvmap.layout import PAD_SLOT_ID
 from kvmap.workers.torch_worker import TorchWorker
 
@@ -85,6 +85,33 @@ _MUL_LANE = tl.constexpr(C.MUL_LANE)
 _MIX_1 = tl.constexpr(C.MIX_1)
 _MIX_2 = tl.constexpr(C.MIX_2)
 _MASK_32 = tl.constexpr(C.MASK_32)
+
+
+@triton.jit
+def _slot_mapping_dcp_kernel(idx_ptr, n_ptr, qsl_ptr, nc_ptr, table_ptr, table_stride, block_size, cp_size,
+                             cp_rank, interleave, out_ptr, num_reqs, num_tokens, pad_end, BLOCK: tl.constexpr):
+    """One DCP rank's slots, as vLLM's kernel: block_indices = pos // (block_size * CP_SIZE); tokens another
+    rank holds get PAD_SLOT_ID."""
+    b = tl.program_id(0)
+    if b == num_reqs:
+        for i in range(num_tokens, pad_end, BLOCK):
+            offs = i + tl.arange(0, BLOCK)
+            tl.store(out_ptr + offs, tl.full((BLOCK,), -1, tl.int64), mask=offs < pad_end)
+    else:
+        row = tl.load(idx_ptr + b)
+        n = tl.load(n_ptr + b)
+        start = tl.load(qsl_ptr + b)
+        nc = tl.load(nc_ptr + b)
+        vbs = block_size * cp_size
+        for i in range(0, n, BLOCK):
+            offs = i + tl.arange(0, BLOCK)
+            mask = offs < n
+            pos = (nc + offs).to(tl.int64)
+            blk = tl.load(table_ptr + row * table_stride + pos // vbs, mask=mask, other=0)
+            off = pos % vbs
+            local = (off // interleave) % cp_size == cp_rank
+            slot = blk.to(tl.int64) * block_size + (off // (interleave * cp_size)) * interleave + off % interleave
+            tl.store(out_ptr + start + offs, tl.where(local, slot, -1), mask=mask)
 
 
 @triton.jit
@@ -188,29 +215,62 @@ class TritonWorker(TorchWorker):
             out = self.o_block_tables[g]
             _gather_block_table_kernel[(B,)](self.o_idx_mapping, self.d_num_blocks[g], table, table.stride(0), out,
                                              out.stride(0), self.o_num_blocks[g], BLOCK=BLOCK)
+        if self.kernel_split:
+            self.device_kernel_block_tables()
 
     def compute_slot_mappings(self) -> None:
         B, T = self.batch.num_reqs, self.batch.num_tokens
         pad_end = max(self._prev_T, T)
+        if self.multirank or len(self.state.kv_groups) < self.header.num_groups:
+            return self._rank_slot_mappings(B, T, pad_end)
         for g, table in enumerate(self.d_block_tables):
             _slot_mapping_kernel[(B + 1,)](self.o_idx_mapping, self.o_num_scheduled, self.o_query_start_loc,
                                            self.o_num_computed, table, table.stride(0), self.state.block_sizes[g],
                                            self.o_slot_mapping[g], B, T, pad_end, BLOCK=BLOCK)
         self._prev_T = T
 
+    def _rank_slot_mappings(self, B: int, T: int, pad_end: int) -> None:
+        """Every computed DCP rank's slots (cp = 1 too when a state group needs -1), then the local lengths."""
+        out = self.o_rank_slot_mapping if self.multirank else self.o_slot_mapping[None]
+        for i, lays in enumerate(self.rank_layouts):
+            for g, table in enumerate(self.d_block_tables):
+                lay = lays[g]
+                if not lay.has_slots:
+                    out[i, g, :pad_end].fill_(PAD_SLOT_ID)
+                    continue
+                _slot_mapping_dcp_kernel[(B + 1,)](self.o_idx_mapping, self.o_num_scheduled, self.o_query_start_loc,
+                                                   self.o_num_computed, table, table.stride(0), lay.block_size,
+                                                   lay.cp_size, lay.cp_rank, lay.interleave, out[i, g], B, T,
+                                                   pad_end, BLOCK=BLOCK)
+        if self.multirank:
+            t = torch()
+            seq = self.o_seq_lens[:B]
+            for i, lay in enumerate(self.seq_layouts):
+                I, cp = lay.interleave, lay.cp_size
+                rem = (seq % (cp * I) - lay.cp_rank * I).clamp(0, I)
+                self.o_dcp_local_seq_lens[i, :B].copy_(t.div(seq, cp * I, rounding_mode="floor") * I + rem)
+        self._prev_T = T
+
     # ------------------------------------------------------------------ KV canary
 
-    def write_kv(self, kv: PagedKVCache) -> None:
+    def write_kv(self, kv: PagedKVCache | RankedKVCache) -> None:
         B = self.batch.num_reqs
         if not B:
             return
-        half = kv.geometry.lanes // 2
-        for g, bits in enumerate(kv.bits):
-            _kv_write_kernel[(B,)](self.o_input_ids, self.o_positions, self.o_slot_mapping[g], self.o_query_start_loc,
-                                   bits, bits.stride(0), HALF=half, LANES=triton.next_power_of_2(half),
-                                   WIDTH=8 * bits.element_size(), BLOCK=32)
+        shards = kv.shards if isinstance(kv, RankedKVCache) else [kv]
+        for i, shard in enumerate(shards):
+            half = shard.geometry.lanes // 2
+            slots = self.o_rank_slot_mapping[i] if isinstance(kv, RankedKVCache) else self.o_slot_mapping
+            for g, bits in enumerate(shard.bits):
+                if bits.shape[1] == 0:  # a state group holds no per-token KV
+                    continue
+                _kv_write_kernel[(B,)](self.o_input_ids, self.o_positions, slots[g], self.o_query_start_loc,
+                                       bits, bits.stride(0), HALF=half, LANES=triton.next_power_of_2(half),
+                                       WIDTH=8 * bits.element_size(), BLOCK=32)
 
-    def verify_kv(self, kv: PagedKVCache, into: KVCheckResult) -> None:
+    def verify_kv(self, kv: PagedKVCache | RankedKVCache, into: KVCheckResult) -> None:
+        if isinstance(kv, RankedKVCache) or len(self.state.kv_groups) < self.header.num_groups:
+            return TorchWorker.verify_kv(self, kv, into)
         t = torch()
         B = self.batch.num_reqs
         if not B:
