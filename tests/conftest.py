@@ -32,8 +32,12 @@ def _is_dcp(p: Path) -> bool:
 
 
 def bundled_traces() -> list[Path]:
-    """The bundled traces kvmap's worker replays. Issue 14: DCP traces are left out until the worker implements
-    per-rank slot mappings (kvmap rejects them at step 0); tests/test_against_vllm_dcp.py checks them meanwhile."""
+    """Every bundled trace, single- and multi-rank."""
+    return _all_traces()
+
+
+def single_rank_traces() -> list[Path]:
+    """The bundled traces without decode context parallelism (for checks that are single-rank by nature)."""
     return [p for p in _all_traces() if not _is_dcp(p)]
 
 
