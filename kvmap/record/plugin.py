@@ -4,8 +4,10 @@ Enable it by installing kvmap next to vLLM and naming an output file:
 `KVMAP_RECORD_TRACE=/tmp/trace.jsonl.gz vllm serve ...` (`{pid}` in the name is replaced by the engine
 process id, for several engine cores). vLLM calls `register()` in every process through the
 `vllm.general_plugins` entry point; it patches `EngineCore.__init__` so that, once the scheduler exists, it is
-wrapped by `RecordingScheduler` (the same class offline recording uses). The wrapper flushes every line and
-never slows or breaks the engine: any failure is printed once and recording stops.
+wrapped by `RecordingScheduler` (the same class offline recording uses). Under async scheduling (the engine's
+batch queue) each output is matched to its own step; lines are written in step order as their outputs
+arrive, and whatever is pending is written when the process exits. The wrapper flushes every line and never
+breaks the engine: any failure is printed once and recording stops.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import functools
 import os
 import sys
 
-from kvmap.record.recorder import RecordingScheduler, TraceWriter, header_from_config
+from kvmap.record.recorder import RecordingScheduler, TraceWriter, eos_of, header_from_config
 
 ENV = "KVMAP_RECORD_TRACE"
 
@@ -43,9 +45,15 @@ def install(engine_cls: type, path: str) -> None:
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
         try:
-            header = header_from_config(vllm_config, self.scheduler.kv_cache_config)
+            sc = vllm_config.scheduler_config
+            spec = vllm_config.speculative_config
+            is_async = bool(sc.async_scheduling) or int(getattr(self, "batch_queue_size", 1) or 1) > 1
+            # under async scheduling a validator needs the stop ids to tell a discarded output from a fault
+            header = header_from_config(vllm_config, self.scheduler.kv_cache_config,
+                                        **(eos_of(vllm_config) if is_async else {}))
             writer = TraceWriter(path.replace("{pid}", str(os.getpid())), header)
-            self.scheduler = RecordingScheduler(self.scheduler, writer)
+            self.scheduler = RecordingScheduler(self.scheduler, writer, async_scheduling=is_async,
+                                                num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
             atexit.register(self.scheduler.close)
         except Exception as e:  # noqa: BLE001
             print(f"kvmap record: not recording ({type(e).__name__}: {e})", file=sys.stderr)
