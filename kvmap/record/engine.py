@@ -122,7 +122,10 @@ def build_scheduler(w: Workload):
         vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                         device_config=DeviceConfig(device="cpu"), **kw)
     except ValueError as e:  # e.g. async scheduling with the V1 runner and ngram drafts
-        raise KvmapError(f"vLLM refuses this configuration: {str(e).splitlines()[0]}",
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        why = next((x.split("Value error, ", 1)[1] for x in lines if "Value error, " in x), lines[0] if lines else e)
+        why = str(why).split(" [type=")[0]
+        raise KvmapError(f"vLLM refuses this configuration: {why}",
                          field="async_scheduling" if w.async_scheduling else None) from None
     groups, n = [], 0
     for g in w.kv_cache_groups:

@@ -253,6 +253,8 @@ class RecordingScheduler:
             self._fifo.popleft()
             if e is self._last_output:
                 self._last_output = None
+            if not e.has_output and not e.line["scheduler_output"].get("num_scheduled_tokens"):
+                e.line["sampled_token_ids"] = {}  # an empty step (it only frees): nothing to sample
             try:
                 self._finish(e)
             except Exception as ex:  # noqa: BLE001
@@ -328,6 +330,13 @@ class RecordingScheduler:
         self._drain()
         self.overhead_s += perf_counter() - t0
         return result
+
+    def step_of(self, scheduler_output: Any) -> int | None:
+        """The trace step of a SchedulerOutput still pending here (for a hooked worker), else None."""
+        for e in self._fifo:
+            if e.so is scheduler_output:
+                return e.line["step"]
+        return None
 
     def note_spec_drafts(self, scheduler_output: Any, drafts: dict) -> None:
         """For a driver that sees the real drafts behind async `-1` placeholders (the offline fake model, a
