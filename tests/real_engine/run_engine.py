@@ -42,6 +42,12 @@ WORKLOADS: dict[str, dict] = {
     "spec_ngram": {"engine": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
                                                      "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
                    "async": False, "repetitive": True},
+    "async_spec_ngram": {"engine": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                                           "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
+                         "async": True, "repetitive": True},
+    "async_spec_ngram_gpu": {"engine": {"speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": 3,
+                                                               "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
+                             "async": True, "repetitive": True},
     "async_stop": {"engine": {}, "async": True, "stop": True},
 }
 
@@ -245,7 +251,7 @@ def main() -> None:
                "engine_steps": timing["engine_steps"], "recorder_s": rec.overhead_s, "recorder_calls": rec.calls,
                "recorder_steps": rec._writer.steps, "unmatched_outputs": rec.unmatched_outputs,
                "captured_steps": len(capture),
-               "outputs": [list(o.outputs[0].token_ids) for o in outs]}
+               "outputs": {o.request_id: list(o.outputs[0].token_ids) for o in outs}}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(json.dumps({k: v for k, v in summary.items() if k != "outputs"}))
