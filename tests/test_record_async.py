@@ -383,3 +383,35 @@ def test_validate_names_a_wrong_rejection_count_at_its_step_and_request(tmp_path
     assert not v["valid"]
     assert (v["problems"][0]["step"], v["problems"][0]["req_id"]) == (step, req)
     assert v["problems"][0]["field"] == "num_rejected_tokens"
+
+
+def test_plugin_writes_pending_lines_when_the_engine_shuts_down(tmp_path, monkeypatch):
+    """The plugin wraps EngineCore.shutdown: a step still in the batch queue is written, not lost."""
+    from kvmap.record import plugin
+
+    monkeypatch.setattr(plugin, "header_from_config", lambda *a, **k: {"kind": "header"})
+
+    class Core:
+        def __init__(self, vllm_config):
+            self.scheduler = _Sched([_SO(0, {"a": 1}), _SO(1, {"a": 1})])
+            self.scheduler.kv_cache_config = None
+            self.batch_queue_size = 2
+            self.shut = False
+
+        def shutdown(self):
+            self.shut = True
+
+    class Cfg:
+        scheduler_config = type("S", (), {"async_scheduling": True})()
+        speculative_config = None
+        model_config = None
+
+    plugin.install(Core, str(tmp_path / "t.jsonl"))
+    core = Core(Cfg())
+    s0 = core.scheduler.schedule()
+    core.scheduler.schedule()
+    core.scheduler.update_from_output(s0, _mro(s0, {"a": [5]}))
+    core.shutdown()
+    assert core.shut
+    lines = _lines(tmp_path / "t.jsonl")[1:]
+    assert [x["sampled_token_ids"] for x in lines] == [{"a": [5]}, None]

@@ -59,4 +59,16 @@ def install(engine_cls: type, path: str) -> None:
             print(f"kvmap record: not recording ({type(e).__name__}: {e})", file=sys.stderr)
 
     engine_cls.__init__ = __init__
+    shutdown = getattr(engine_cls, "shutdown", None)
+    if callable(shutdown):
+        @functools.wraps(shutdown)
+        def _shutdown(self, *args, **kwargs):
+            try:
+                return shutdown(self, *args, **kwargs)
+            finally:  # the engine stops: write what is still pending (a step whose output never came too)
+                rec = getattr(self, "scheduler", None)
+                if isinstance(rec, RecordingScheduler):
+                    rec.close()
+
+        engine_cls.shutdown = _shutdown
     engine_cls._kvmap_recording = True

@@ -213,6 +213,7 @@ class RecordingScheduler:
         self.overhead_s = 0.0  # time inside the recorder's own code
         self.calls = 0
         self.unmatched_outputs = 0
+        self._closed = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._scheduler, name)
@@ -347,5 +348,9 @@ class RecordingScheduler:
                 return
 
     def close(self) -> None:
+        """Write what is pending and close the file (idempotent: the plugin calls it at shutdown and exit)."""
+        if self._closed:
+            return
+        self._closed = True
         self.flush()
         self._writer.close()
