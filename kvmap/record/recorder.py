@@ -254,8 +254,6 @@ class RecordingScheduler:
             self._fifo.popleft()
             if e is self._last_output:
                 self._last_output = None
-            if not e.has_output and not e.line["scheduler_output"].get("num_scheduled_tokens"):
-                e.line["sampled_token_ids"] = {}  # an empty step (it only frees): nothing to sample
             try:
                 self._finish(e)
             except Exception as ex:  # noqa: BLE001
