@@ -415,3 +415,22 @@ def test_plugin_writes_pending_lines_when_the_engine_shuts_down(tmp_path, monkey
     assert core.shut
     lines = _lines(tmp_path / "t.jsonl")[1:]
     assert [x["sampled_token_ids"] for x in lines] == [{"a": [5]}, None]
+
+
+@needs_vllm
+@pytest.mark.parametrize("protocol", ["v1", "v2"])
+def test_async_preemption_records_validates_and_replays(tmp_path, protocol):
+    """Async scheduling under KV pressure (preempted requests with a step in flight), both protocols: the
+    recorded trace validates clean and replays with --verify-kv."""
+    w = tmp_path / "w.yaml"
+    w.write_text((WORKLOADS / "preemption_v1.yaml").read_text().replace("protocol: v1", f"protocol: {protocol}")
+                 + "async_scheduling: true\n")
+    out = tmp_path / "t.jsonl"
+    res = _kvmap("record", str(w), "-o", str(out), "--no-progress")
+    assert res.returncode == 0, res.stderr
+    lines = _lines(out)
+    assert sum(len(s["scheduler_output"]["preempted_req_ids"]) for s in lines[1:]) > 0
+    v = _validate(out, tmp_path)
+    assert v["valid"] and not v["problems"], v["problems"][:3]
+    res = _kvmap("replay", str(out), "--verify-kv", "--no-progress", "-q")
+    assert res.returncode == 0, res.stderr
