@@ -4,13 +4,14 @@ the trace must validate with no problem, and kvmap's replay of it must equal the
 (input_ids, positions, query lengths, seq_lens, block-table rows, slot_mapping) per request on every step.
 
 The engine runs in its own environment (vllm-cpu's exact torch pin): tests/real_engine/run_engine.py is executed
-with the Python named by KVMAP_VLLM_CPU_PYTHON (CI: .venv-cpu/bin/python), or with this interpreter when vLLM
-is importable here. kvmap's replay runs here (`python -m kvmap replay --dump-mappings`), and the comparison
-uses only the dump format (tests/real_engine/compare.py). Skipped where no vLLM CPU build is available.
+with the Python named by KVMAP_VLLM_CPU_PYTHON (CI: .venv-cpu/bin/python), or with this interpreter when vLLM's
+CPU build (`vllm-cpu`) is installed here. kvmap's replay runs here (`python -m kvmap replay --dump-mappings`),
+and the comparison uses only the dump format (tests/real_engine/compare.py). Skipped where no vLLM CPU build is available.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -33,9 +34,11 @@ def _engine_python() -> str | None:
     py = os.environ.get("KVMAP_VLLM_CPU_PYTHON")
     if py:
         return py if Path(py).exists() else None
-    if importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("transformers") is not None:
-        return sys.executable
-    return None
+    try:  # this interpreter, if it has vLLM's CPU build (a plain `vllm` here is the scheduler-only one)
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return sys.executable if importlib.util.find_spec("transformers") is not None else None
 
 
 ENGINE_PY = _engine_python()
