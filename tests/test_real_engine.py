@@ -162,6 +162,27 @@ def test_replay_equals_the_real_worker_per_request_every_step(name, workdir):
           f"wall {summary['test_wall_s']:.1f} s")
 
 
+def test_multiprocess_engine_records_through_the_plugin(workdir):
+    """The default engine, as `vllm serve` runs it: the engine core in its own process loads kvmap's plugin from
+    inside EngineCore.__init__; the recorder still wraps the scheduler (on the first step), writes to the
+    `{pid}` file of the engine process, and the trace validates and replays with --verify-kv."""
+    out = _run_engine("multiprocess", workdir)
+    summary = json.loads((out / "summary.json").read_text())
+    trace = out / "trace.jsonl"
+    f = _trace_facts(trace)
+    assert not f["null_outputs"]
+    internal = {r.split("-")[0]: r for r in f["sampled_per_req"]}
+    for r, o in summary["outputs"].items():
+        got = [t for s in f["steps"] for t in (s["sampled_token_ids"] or {}).get(internal[r], [])]
+        assert got[:len(o)] == o, r
+    v = workdir / "multiprocess.validate.json"
+    _kvmap("validate", str(trace), "--json", str(v))
+    rep = json.loads(v.read_text())
+    assert rep["valid"] and not rep["problems"], rep["problems"][:5]
+    res = _kvmap("replay", str(trace), "--verify-kv", "--no-progress", "-q")
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
 @pytest.mark.xfail(strict=False, reason="`kvmap replay --batch-order v1` (issue #13 item 4) is not implemented yet")
 @pytest.mark.parametrize("name", ["sync", "async", "preemption", "chunked_prefill"])
 def test_batch_order_v1_equals_the_v1_cpu_runner(name, workdir):

@@ -179,8 +179,41 @@ def force_async() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
+def main_multiprocess(out: str) -> None:
+    """The default engine (the engine core in its own process, as `vllm serve` runs it): no worker hooks reach
+    it, so this only records, through the plugin loaded in the engine process, to a `{pid}` file name."""
+    import glob
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    os.environ["KVMAP_RECORD_TRACE"] = os.path.join(out, "trace-{pid}.jsonl")
+    model = os.path.abspath(os.path.join(out, "..", "model"))
+    build_model(model)
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    spec = {"num_requests": 6}
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
+              max_num_seqs=8, max_model_len=512, seed=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts(spec)],
+                        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12), use_tqdm=False)
+    llm.llm_engine.engine_core.shutdown()  # the engine process exits: the plugin writes what is pending
+    files = glob.glob(os.path.join(out, "trace-*.jsonl"))
+    if len(files) != 1 or str(os.getpid()) in files[0]:
+        raise SystemExit(f"expected one trace from the engine process, got {files}")
+    os.replace(files[0], os.path.join(out, "trace.jsonl"))
+    summary = {"workload": "multiprocess", "vllm_version": vllm.__version__, "engine_trace": os.path.basename(files[0]),
+               "outputs": {o.request_id: list(o.outputs[0].token_ids) for o in outs}}
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+
+
 def main() -> None:
     name, out = sys.argv[1], sys.argv[2]
+    if name == "multiprocess":
+        os.makedirs(out, exist_ok=True)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        return main_multiprocess(out)
     spec = WORKLOADS[name]
     os.makedirs(out, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
