@@ -8,6 +8,16 @@ Rules (vllm-on-cpu.md):
   true next tokens, each wrong with probability `draft_error_rate` (seeded per request and step).
 - The loop is `EngineCore.step`'s: add arrived requests, `schedule()`, model output, `update_from_output()`,
   drafts; and one last `schedule()` to deliver the final finished ids.
+- With `async_scheduling: true` the loop is `EngineCore.step_with_batch_queue`'s (vLLM 0.33, the
+  `AsyncScheduler`): schedule while the batch queue (depth `max_concurrent_batches`) has room, block on the
+  oldest batch only when it is full or nothing more can be scheduled, then `update_from_output()` that batch.
+  The fake worker executes batches in schedule order, as the real one does, keeping its own view of each
+  request (tokens, worker-true computed count, its drafts): under async spec decoding the scheduler sends
+  `-1` placeholders and an optimistic `num_computed_tokens`; the worker verifies its own drafts (told to the
+  recorder as `spec_draft_token_ids`) and starts from its own count.
+- Early stops (`stop_rate`): the token at an output position is a stop token when a second hash of
+  (seed, request, position) falls below `stop_rate`; under async scheduling a request that stops at step N is
+  often already scheduled in N+1, whose output vLLM then discards.
 """
 
 from __future__ import annotations
@@ -42,6 +52,28 @@ class RecordSummary:
 def _true_token(seed: int, req_id: str, position: int, vocab: int) -> int:
     h = hashlib.blake2b(f"{seed}/{req_id}/{position}".encode(), digest_size=8).digest()
     return 1 + int.from_bytes(h, "little") % (vocab - 1)
+
+
+def _model_token(w: Workload, req_id: str, position: int) -> int:
+    """The fake model's token at `position`: `_true_token`, or a stop token with probability `stop_rate`."""
+    if w.stop_rate > 0:
+        h = int.from_bytes(hashlib.blake2b(f"{w.seed}/stop/{req_id}/{position}".encode(), digest_size=8).digest(),
+                           "little")
+        if (h % 1_000_000) / 1_000_000 < w.stop_rate:
+            stops = ([w.eos_token_id] if w.eos_token_id is not None else []) + list(w.stop_token_ids)
+            return stops[(h // 1_000_000) % len(stops)]
+    return _true_token(w.seed, req_id, position, w.vocab_size)
+
+
+def _sampling_params(w: Workload, max_tokens: int):
+    from vllm.sampling_params import SamplingParams
+
+    if w.eos_token_id is None and not w.stop_token_ids:
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_tokens, stop_token_ids=list(w.stop_token_ids))
+    if w.eos_token_id is not None:
+        sp.update_from_generation_config({}, eos_token_id=w.eos_token_id)
+    return sp
 
 
 def require_vllm() -> None:
@@ -80,7 +112,7 @@ def build_scheduler(w: Workload):
     mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=w.max_model_len)
     sc = SchedulerConfig(max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens,
                          max_model_len=w.max_model_len, enable_chunked_prefill=w.enable_chunked_prefill,
-                         async_scheduling=False, is_encoder_decoder=False)
+                         async_scheduling=w.async_scheduling, is_encoder_decoder=False)
     cc = CacheConfig(block_size=w.block_size, enable_prefix_caching=w.enable_prefix_caching)
     kw = {}
     if w.num_speculative_tokens:
@@ -93,8 +125,15 @@ def build_scheduler(w: Workload):
         kw["parallel_config"] = ParallelConfig(tensor_parallel_size=w.tensor_parallel_size,
                                                decode_context_parallel_size=w.decode_context_parallel_size,
                                                cp_kv_cache_interleave_size=w.cp_kv_cache_interleave_size)
-    vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, device_config=DeviceConfig(device="cpu"),
-                    **kw)
+    try:
+        vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
+                        device_config=DeviceConfig(device="cpu"), **kw)
+    except ValueError as e:  # e.g. async scheduling with the V1 runner and ngram drafts
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        why = next((x.split("Value error, ", 1)[1] for x in lines if "Value error, " in x), lines[0] if lines else e)
+        why = str(why).split(" [type=")[0]
+        raise KvmapError(f"vLLM refuses this configuration: {why}",
+                         field="async_scheduling" if w.async_scheduling else None) from None
     groups, n = [], 0
     for g in w.kv_cache_groups:
         names = [f"model.layers.{n + i}.self_attn" for i in range(g.num_layers)]
@@ -129,11 +168,20 @@ def build_scheduler(w: Workload):
 def record(w: Workload, out_path: str, on_step: Callable[[int], None] | None = None) -> RecordSummary:
     """Record workload `w` to `out_path` through `RecordingScheduler`."""
     vc, kvc, scheduler, hasher = build_scheduler(w)
-    header = header_from_config(vc, kvc, [g.kernel_block_size for g in w.kv_cache_groups], workload=w.name,
+    stops = {}
+    if w.eos_token_id is not None:
+        stops["eos_token_id"] = w.eos_token_id
+    if w.stop_token_ids:
+        stops["stop_token_ids"] = list(w.stop_token_ids)
+    header = header_from_config(vc, kvc, [g.kernel_block_size for g in w.kv_cache_groups], **stops, workload=w.name,
                                 description=w.description)
-    rec = RecordingScheduler(scheduler, TraceWriter(out_path, header))
+    rec = RecordingScheduler(scheduler, TraceWriter(out_path, header), async_scheduling=w.async_scheduling,
+                             num_speculative_tokens=w.num_speculative_tokens)
     try:
-        tokens, hits = drive(w, rec, hasher, on_step)
+        if w.async_scheduling:
+            tokens, hits = drive_async(w, rec, hasher, vc.max_concurrent_batches, on_step)
+        else:
+            tokens, hits = drive(w, rec, hasher, on_step)
     finally:
         rec.close()
     return RecordSummary(out_path, rec._writer.steps, len(w.request_list()), tokens, rec.num_preemptions, hits)
@@ -142,7 +190,6 @@ def record(w: Workload, out_path: str, on_step: Callable[[int], None] | None = N
 def drive(w: Workload, rec, hasher, on_step: Callable[[int], None] | None = None) -> tuple[int, int]:
     """The synchronous engine loop over `rec` (a scheduler, normally wrapped by RecordingScheduler).
     Returns (tokens scheduled, prefix-hit tokens)."""
-    from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request
 
@@ -152,8 +199,7 @@ def drive(w: Workload, rec, hasher, on_step: Callable[[int], None] | None = None
     while pending or rec.has_requests():
         while pending and pending[0].arrival_step <= clock:
             r = pending.pop(0)
-            rec.add_request(Request(r.req_id, prompt_tokens(w, r),
-                                    SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), None,
+            rec.add_request(Request(r.req_id, prompt_tokens(w, r), _sampling_params(w, r.max_tokens), None,
                                     block_hasher=hasher))
         clock += 1
         if not rec.has_requests():
@@ -176,11 +222,11 @@ def drive(w: Workload, rec, hasher, on_step: Callable[[int], None] | None = None
             first = req.num_computed_tokens - len(drafts)
             toks = []
             for j, d in enumerate(drafts):
-                true = _true_token(w.seed, r, first + j, w.vocab_size)
+                true = _model_token(w, r, first + j)
                 if d != true:
                     break
                 toks.append(true)
-            toks.append(_true_token(w.seed, r, first + len(toks), w.vocab_size))
+            toks.append(_model_token(w, r, first + len(toks)))
             sampled.append(toks)
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=[list(s) for s in sampled])
@@ -193,7 +239,7 @@ def drive(w: Workload, rec, hasher, on_step: Callable[[int], None] | None = None
                     continue
                 rng = random.Random(f"{w.seed}/{r}/{steps}")
                 nxt = req.num_tokens
-                d = [_true_token(w.seed, r, nxt + j, w.vocab_size) for j in range(k)]
+                d = [_model_token(w, r, nxt + j) for j in range(k)]
                 d = [t if rng.random() >= w.draft_error_rate else 1 + t % (w.vocab_size - 1) for t in d]
                 d_ids.append(r)
                 d_toks.append(d)
@@ -201,4 +247,130 @@ def drive(w: Workload, rec, hasher, on_step: Callable[[int], None] | None = None
         if on_step:
             on_step(steps)
     rec.schedule()  # the last finished ids arrive with one more (empty) step
+    return tokens, hits
+
+
+class FakeWorker:
+    """The worker side of the async loop: executes each scheduled batch in order, with its own view of every
+    request (as a real worker: tokens so far, the worker-true computed count, the drafts it proposed)."""
+
+    def __init__(self, w: Workload) -> None:
+        self.w = w
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.drafts: dict[str, list[int]] = {}
+
+    def execute(self, out, step: int) -> tuple[list[str], list[list[int]], dict[str, list[int]]]:
+        """(req_ids, sampled per request, the real drafts verified) for one SchedulerOutput."""
+        w = self.w
+        for r in out.finished_req_ids:
+            for d in (self.tokens, self.computed, self.drafts):
+                d.pop(r, None)
+        if w.protocol == "v2":
+            for r in out.preempted_req_ids or ():
+                for d in (self.tokens, self.computed, self.drafts):
+                    d.pop(r, None)
+        for nr in out.scheduled_new_reqs:
+            self.tokens[nr.req_id] = list(nr.prefill_token_ids or nr.prompt_token_ids)
+            self.computed[nr.req_id] = nr.num_computed_tokens
+            self.drafts.pop(nr.req_id, None)
+        c = out.scheduled_cached_reqs
+        resumed = set(c.resumed_req_ids)
+        for i, r in enumerate(c.req_ids):
+            if r in resumed:  # v1: the full token list comes with the resume; the count is exact again
+                if r in c.all_token_ids:
+                    self.tokens[r] = list(c.all_token_ids[r])
+                self.computed[r] = c.num_computed_tokens[i]
+                self.drafts.pop(r, None)
+        req_ids = list(out.num_scheduled_tokens)
+        sampled, used = [], {}
+        for r in req_ids:
+            n = out.num_scheduled_tokens[r]
+            d = len(out.scheduled_spec_decode_tokens.get(r, ()))
+            toks, start = self.tokens[r], self.computed[r]
+            if start + n - d < len(toks):  # partial prefill chunk
+                self.computed[r] = start + n
+                sampled.append([])
+                continue
+            drafts = self.drafts.get(r, [])[:d]
+            drafts += [0] * (d - len(drafts))
+            if d:
+                used[r] = drafts
+            first = start + n - d  # position of the first draft (the next token)
+            acc = []
+            for j, t in enumerate(drafts):
+                true = _model_token(w, r, first + j)
+                if t != true:
+                    break
+                acc.append(true)
+            acc.append(_model_token(w, r, first + len(acc)))
+            self.computed[r] = start + n - (d - (len(acc) - 1))
+            toks.extend(acc)
+            sampled.append(acc)
+            k = w.num_speculative_tokens
+            if k:  # propose the next step's drafts (they stay on "the GPU": the scheduler sees -1)
+                rng = random.Random(f"{w.seed}/{r}/{step}")
+                nxt = len(toks)
+                dr = [_model_token(w, r, nxt + j) for j in range(k)]
+                self.drafts[r] = [t if rng.random() >= w.draft_error_rate else 1 + t % (w.vocab_size - 1)
+                                  for t in dr]
+        return req_ids, sampled, used
+
+
+def drive_async(w: Workload, rec, hasher, depth: int,
+                on_step: Callable[[int], None] | None = None) -> tuple[int, int]:
+    """The async engine loop (`EngineCore.step_with_batch_queue`, vLLM 0.33) over `rec`, with a batch queue of
+    `depth`. Returns (tokens scheduled, prefix-hit tokens)."""
+    from collections import deque
+
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    pending = sorted(w.request_list(), key=lambda r: r.arrival_step)
+    clock = tokens = hits = steps = 0
+    worker = FakeWorker(w)
+    queue: deque = deque()
+
+    def step_with_batch_queue() -> None:
+        nonlocal tokens, hits, steps
+        if rec.has_requests():
+            if steps >= w.max_steps:
+                raise KvmapError(f"still running after max_steps={w.max_steps} steps", field="max_steps")
+            out = rec.schedule()
+            step = steps
+            steps += 1
+            tokens += out.total_num_scheduled_tokens
+            hits += sum(nr.num_computed_tokens for nr in out.scheduled_new_reqs)
+            model_executed = out.total_num_scheduled_tokens > 0
+            if model_executed:
+                req_ids, sampled, used = worker.execute(out, step)
+                if used:
+                    rec.note_spec_drafts(out, used)
+                mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                        sampled_token_ids=sampled)
+            else:
+                worker.execute(out, step)  # frees finished requests
+                mro = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+            queue.appendleft((mro, out))
+            if on_step:
+                on_step(steps)
+            if len(queue) < depth and (model_executed or rec.has_requests()):
+                return  # don't block on the worker unless the queue is full or nothing is left to schedule
+        elif not queue:
+            return
+        mro, out = queue.pop()
+        # the scheduler trims sampled lists in place: it gets copies, the recorder saw the originals first
+        rec.update_from_output(out, ModelRunnerOutput(
+            req_ids=mro.req_ids, req_id_to_index=mro.req_id_to_index,
+            sampled_token_ids=[list(s) for s in mro.sampled_token_ids]))
+
+    while pending or rec.has_requests() or queue:
+        while pending and pending[0].arrival_step <= clock:
+            r = pending.pop(0)
+            rec.add_request(Request(r.req_id, prompt_tokens(w, r), _sampling_params(w, r.max_tokens), None,
+                                    block_hasher=hasher))
+        clock += 1
+        if not rec.has_requests() and not queue:
+            continue
+        step_with_batch_queue()
     return tokens, hits

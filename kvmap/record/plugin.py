@@ -4,8 +4,10 @@ Enable it by installing kvmap next to vLLM and naming an output file:
 `KVMAP_RECORD_TRACE=/tmp/trace.jsonl.gz vllm serve ...` (`{pid}` in the name is replaced by the engine
 process id, for several engine cores). vLLM calls `register()` in every process through the
 `vllm.general_plugins` entry point; it patches `EngineCore.__init__` so that, once the scheduler exists, it is
-wrapped by `RecordingScheduler` (the same class offline recording uses). The wrapper flushes every line and
-never slows or breaks the engine: any failure is printed once and recording stops.
+wrapped by `RecordingScheduler` (the same class offline recording uses). Under async scheduling (the engine's
+batch queue) each output is matched to its own step; lines are written in step order as their outputs
+arrive, and whatever is pending is written when the process exits. The wrapper flushes every line and never
+breaks the engine: any failure is printed once and recording stops.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import functools
 import os
 import sys
 
-from kvmap.record.recorder import RecordingScheduler, TraceWriter, header_from_config
+from kvmap.record.recorder import RecordingScheduler, TraceWriter, eos_of, header_from_config
 
 ENV = "KVMAP_RECORD_TRACE"
 
@@ -33,8 +35,33 @@ def register() -> None:
     install(EngineCore, path)
 
 
+def _wrap(core, vllm_config, path: str) -> None:
+    """Wrap `core.scheduler` in a RecordingScheduler (once)."""
+    if getattr(core, "_kvmap_wrapped", False) or getattr(core, "scheduler", None) is None:
+        return
+    core._kvmap_wrapped = True
+    try:
+        sc = vllm_config.scheduler_config
+        spec = vllm_config.speculative_config
+        is_async = bool(sc.async_scheduling) or int(getattr(core, "batch_queue_size", 1) or 1) > 1
+        # under async scheduling a validator needs the stop ids to tell a discarded output from a fault
+        header = header_from_config(vllm_config, core.scheduler.kv_cache_config,
+                                    **(eos_of(vllm_config) if is_async else {}))
+        writer = TraceWriter(path.replace("{pid}", str(os.getpid())), header)
+        core.scheduler = RecordingScheduler(core.scheduler, writer, async_scheduling=is_async,
+                                            num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+        atexit.register(core.scheduler.close)
+    except Exception as e:  # noqa: BLE001
+        print(f"kvmap record: not recording ({type(e).__name__}: {e})", file=sys.stderr)
+
+
 def install(engine_cls: type, path: str) -> None:
-    """Wrap `engine_cls.__init__` so that its `scheduler` records to `path` (idempotent)."""
+    """Wrap `engine_cls.__init__` so that its `scheduler` records to `path` (idempotent).
+
+    vLLM's multiprocess engine core loads the general plugins from inside `EngineCore.__init__` (too late for
+    that call's own wrapper), so the step methods wrap the scheduler too, on their first call, before the first
+    `schedule()`; and `shutdown` writes what is still pending.
+    """
     if getattr(engine_cls, "_kvmap_recording", False):
         return
     original = engine_cls.__init__
@@ -42,13 +69,31 @@ def install(engine_cls: type, path: str) -> None:
     @functools.wraps(original)
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
-        try:
-            header = header_from_config(vllm_config, self.scheduler.kv_cache_config)
-            writer = TraceWriter(path.replace("{pid}", str(os.getpid())), header)
-            self.scheduler = RecordingScheduler(self.scheduler, writer)
-            atexit.register(self.scheduler.close)
-        except Exception as e:  # noqa: BLE001
-            print(f"kvmap record: not recording ({type(e).__name__}: {e})", file=sys.stderr)
+        _wrap(self, vllm_config, path)
 
     engine_cls.__init__ = __init__
+    for name in ("step", "step_with_batch_queue"):
+        step = getattr(engine_cls, name, None)
+        if not callable(step):
+            continue
+
+        def _step(self, *args, _step=step, **kwargs):
+            if not getattr(self, "_kvmap_wrapped", False):
+                _wrap(self, self.vllm_config, path)
+            return _step(self, *args, **kwargs)
+
+        functools.update_wrapper(_step, step)
+        setattr(engine_cls, name, _step)
+    shutdown = getattr(engine_cls, "shutdown", None)
+    if callable(shutdown):
+        @functools.wraps(shutdown)
+        def _shutdown(self, *args, **kwargs):
+            try:
+                return shutdown(self, *args, **kwargs)
+            finally:  # the engine stops: write what is still pending (a step whose output never came too)
+                rec = getattr(self, "scheduler", None)
+                if isinstance(rec, RecordingScheduler):
+                    rec.close()
+
+        engine_cls.shutdown = _shutdown
     engine_cls._kvmap_recording = True

@@ -63,6 +63,13 @@ class Workload:
     num_speculative_tokens: int = 0
     draft_error_rate: float = 0.3  # chance that each draft token is wrong (rejected)
     vocab_size: int = 32000
+    # vLLM's async scheduling: the engine's batch queue (EngineCore.step_with_batch_queue, depth 2)
+    async_scheduling: bool = False
+    # early stops: the fake model emits a stop token at an output position with probability `stop_rate`
+    # (the EOS id, or one of `stop_token_ids`, chosen by the same hash); requests then honour EOS
+    eos_token_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop_rate: float = 0.0
     seed: int = 0
     max_steps: int = 100000
     # multi-rank settings (vLLM ParallelConfig): DCP spreads every request's KV over the ranks by token, so one
@@ -142,6 +149,14 @@ def _value(f, v, path: str, key: str):
         return tuple(_build(RequestSpec, r, path, f"{key}[{i}]") for i, r in enumerate(v))
     if f.name == "generate":
         return _build(GenerateSpec, v, path, key)
+    if f.name == "eos_token_id":
+        if v is not None and (type(v) is not int or v < 0):
+            raise _fail(path, key, f"expected a token id (int >= 0) or null, got {v!r}")
+        return v
+    if f.name == "stop_token_ids":
+        if not (isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)):
+            raise _fail(path, key, f"expected a list of token ids, got {v!r}")
+        return tuple(v)
     if "tuple[int, int]" in str(t):
         if not (isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v) and 0 < v[0] <= v[1]):
             raise _fail(path, key, f"expected [lo, hi] with 0 < lo <= hi, got {v!r}")
@@ -177,6 +192,12 @@ def _check(w: Workload, path: str) -> Workload:
          f"must be >= 1 and a multiple of decode_context_parallel_size {cp} (vLLM: DCP reuses the TP ranks)")
     need(inter >= 1 and w.block_size % inter == 0, "cp_kv_cache_interleave_size",
          f"must be >= 1 and divide block_size {w.block_size}")
+    need(0.0 <= w.stop_rate <= 1.0, "stop_rate", "must be within [0, 1]")
+    need(w.stop_rate == 0 or w.eos_token_id is not None or bool(w.stop_token_ids), "stop_rate",
+         "needs eos_token_id or stop_token_ids")
+    for key, ids in (("eos_token_id", [w.eos_token_id] if w.eos_token_id is not None else []),
+                     ("stop_token_ids", list(w.stop_token_ids))):
+        need(all(t < w.vocab_size for t in ids), key, f"must be below vocab_size {w.vocab_size}")
     for i, g in enumerate(w.kv_cache_groups):
         need(g.kind in ("full_attention", "sliding_window", "mamba"), f"kv_cache_groups[{i}].kind",
              "must be full_attention, sliding_window or mamba")
