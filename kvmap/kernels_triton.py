@@ -195,7 +195,7 @@ class TritonWorker(TorchWorker):
         if not B:
             return
         half = kv.geometry.lanes // 2
-        for g, bits in enumerate(kv.bits):
+        for g, bits in enumerate(kv.torch_bits()):
             _kv_write_kernel[(B,)](self.o_input_ids, self.o_positions, self.o_slot_mapping[g], self.o_query_start_loc,
                                    bits, bits.stride(0), HALF=half, LANES=triton.next_power_of_2(half),
                                    WIDTH=8 * bits.element_size(), BLOCK=32)
@@ -214,7 +214,7 @@ class TritonWorker(TorchWorker):
         for g, grp in enumerate(self.header.kv_cache_groups):
             lo_h = readable_lo(grp, nc_h)
             lo = t.from_numpy(lo_h).to(self.device)
-            table, bits = self.d_block_tables[g], kv.bits[g]
+            table, bits = self.d_block_tables[g], kv.torch_bits()[g]
             _kv_verify_kernel[(B,)](self.o_idx_mapping, lo, self.o_seq_lens, self.d_token_ids,
                                     self.d_token_ids.stride(0), table, table.stride(0), grp.block_size, bits,
                                     bits.stride(0), bad, first, HALF=half, LANES=triton.next_power_of_2(half),

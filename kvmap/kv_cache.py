@@ -1,4 +1,4 @@
-"""The paged KV cache: one torch tensor per KV cache group, written every step through `slot_mapping`.
+"""The paged KV cache: one array per KV cache group, written every step through `slot_mapping`.
 
 Layout (FlashAttention's): `[2, num_gpu_blocks, block_size, num_kv_heads, head_size]`, K then V; a slot
 `s` is `[:, s // block_size, s % block_size]`. All groups draw block ids from the one pool of
@@ -9,6 +9,9 @@ Rules:
   width and stored bit for bit through an integer view of the tensor. So a read-back can tell exactly which
   token and position a slot holds, whatever the dtype (float NaN patterns included).
 - Padding slots (`PAD_SLOT_ID = -1`) are skipped, never written (indexing with -1 would hit the last slot).
+- Host memory is plain numpy (integer arrays of the element width: the host backends never import torch,
+  ~2 s of start-up); `as_torch()` gives typed torch tensors over the same memory for anyone who asks, and
+  device workers on the CPU write through torch views of it. On a GPU the cache is torch tensors.
 - `verify` reads back every scheduled request's readable context (all positions for full attention, the
   window for sliding-window groups, the current chunk for chunked-local ones) through its block table and
   compares bits. Positions past `num_computed_tokens` after a speculative rollback are never read.
@@ -109,25 +112,35 @@ class KVCheckResult:
 class PagedKVCache:
     def __init__(self, header: TraceHeader, geometry: KVGeometry, device: str = "cpu", use_kernels: bool = True,
                  max_examples: int = 20) -> None:
-        """`use_kernels`: write and verify with the compiled CPU kernels when numba is installed (same bits as
-        the torch path, which is used otherwise and tested against them)."""
-        t = torch()
+        """`device`: "cpu" holds the cache in numpy host memory (no torch); a GPU device in torch tensors.
+        `use_kernels`: write and verify with the compiled CPU kernels when numba is installed (same bits as
+        the numpy path, which is used otherwise and tested against them)."""
         geometry.check()
         self.header = header
         self.geometry = geometry
+        self.device = device
         tdtype, self.np_bits, tbits = KV_DTYPES[geometry.dtype]
-        self.caches = []  # [num_groups] x [2, num_blocks, block_size, H, D]
-        self.bits = []  # [num_groups] x [2, num_blocks * block_size, H * D] integer views of the same memory
         H, D = geometry.num_kv_heads, geometry.head_size
+        host = device == "cpu"
+        # [num_groups] x [2, num_blocks, block_size, H, D]: integer-typed on the host (see as_torch), typed on a GPU
+        self.caches = []
+        self.bits = []  # [num_groups] x [2, num_blocks * block_size, H * D] integer views of the same memory
         for g in header.kv_cache_groups:
-            cache = t.zeros((2, header.num_gpu_blocks, g.block_size, H, D), dtype=getattr(t, tdtype),
-                            device=device)
-            self.caches.append(cache)
-            self.bits.append(cache.view(getattr(t, tbits)).view(2, header.num_gpu_blocks * g.block_size, H * D))
+            shape = (2, header.num_gpu_blocks, g.block_size, H, D)
+            if host:
+                cache = np.zeros(shape, dtype=self.np_bits)
+                self.caches.append(cache)
+                self.bits.append(cache.reshape(2, header.num_gpu_blocks * g.block_size, H * D))
+            else:
+                t = torch()
+                cache = t.zeros(shape, dtype=getattr(t, tdtype), device=device)
+                self.caches.append(cache)
+                self.bits.append(cache.view(getattr(t, tbits)).view(2, header.num_gpu_blocks * g.block_size, H * D))
+        self._tbits = None if host else self.bits
         self.written = [np.zeros(header.num_gpu_blocks * g.block_size, dtype=bool) for g in header.kv_cache_groups]
-        self.bytes = sum(c.numel() * c.element_size() for c in self.caches)
+        self.bytes = sum(c.nbytes if host else c.numel() * c.element_size() for c in self.caches)
         self.kernels = None
-        if device == "cpu" and use_kernels:
+        if host and use_kernels:
             try:
                 from kvmap import kernels_cpu
             except ImportError:
@@ -135,20 +148,33 @@ class PagedKVCache:
             else:
                 self.kernels = kernels_cpu
                 udt = np.dtype(f"u{np.dtype(self.np_bits).itemsize}")
-                self.ubits = [b.numpy().view(udt) for b in self.bits]  # same memory, unsigned view
+                self.ubits = [b.view(udt) for b in self.bits]  # same memory, unsigned view
                 self.mask = np.uint64((1 << (8 * udt.itemsize)) - 1)
                 self._bad = np.zeros((max_examples, 3), dtype=np.int64)
 
-    def _values(self, token_ids: np.ndarray, positions: np.ndarray):
+    def as_torch(self) -> list:
+        """[num_groups] x [2, num_blocks, block_size, H, D] torch tensors of the KV dtype, sharing this memory."""
+        if self.device != "cpu":
+            return self.caches
+        t = torch()
+        return [t.from_numpy(c).view(getattr(t, KV_DTYPES[self.geometry.dtype][0])) for c in self.caches]
+
+    def torch_bits(self) -> list:
+        """`bits` as torch tensors (views of the host memory on the CPU): for device workers' torch ops."""
+        if self._tbits is None:
+            self._tbits = [torch().from_numpy(b) for b in self.bits]
+        return self._tbits
+
+    def _values(self, token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         v = canary(token_ids, positions, self.geometry.lanes).astype(f"u{np.dtype(self.np_bits).itemsize}")
         v = v.view(self.np_bits).reshape(len(token_ids), 2, self.geometry.lanes // 2)  # [n, K/V, H*D]
-        return torch().from_numpy(v).permute(1, 0, 2)  # [2, n, H*D]
+        return v.transpose(1, 0, 2)  # [2, n, H*D]
 
     def write_device(self, batch: dict) -> None:
         """Write from a device worker's tensors, on the device (torch ops; no host sync)."""
         ids, pos, slots = batch["input_ids"], batch["positions"], batch["slot_mapping"]
         values = self._values_torch(ids, pos)  # [2, T, H*D]
-        for g, bits in enumerate(self.bits):
+        for g, bits in enumerate(self.torch_bits()):
             bits[:, slots[g]] = values
 
     def _values_torch(self, token_ids, positions):
@@ -157,7 +183,7 @@ class PagedKVCache:
         x = canary_torch(token_ids, positions, lanes)  # [n, lanes] int64 in [0, 2**32)
         half = 1 << (width - 1)
         x = ((x + half) & ((1 << width) - 1)) - half  # the low `width` bits, as a signed value
-        return x.to(self.bits[0].dtype).view(len(token_ids), 2, lanes // 2).permute(1, 0, 2)
+        return x.to(self.torch_bits()[0].dtype).view(len(token_ids), 2, lanes // 2).permute(1, 0, 2)
 
     def write(self, m: BatchMappings) -> None:
         self.write_tokens(m.input_ids, m.positions, m.slot_mapping)
@@ -168,16 +194,15 @@ class PagedKVCache:
             for g, ub in enumerate(self.ubits):
                 self.kernels.kv_write(input_ids, positions, slot_mapping[g], ub, self.mask, self.written[g])
             return
-        t = torch()
         values = self._values(input_ids, positions)
         for g, bits in enumerate(self.bits):
             slots = slot_mapping[g]
             if len(slots) and slots.min() < 0:
                 keep = slots >= 0
-                slots, vals = slots[keep], values[:, t.from_numpy(keep)]
+                slots, vals = slots[keep], values[:, keep]
             else:
                 vals = values
-            bits[:, t.from_numpy(slots)] = vals
+            bits[:, slots] = vals
             self.written[g][slots] = True
 
     def verify(self, worker, step: int, req_ids: list[str], into: KVCheckResult | None = None,
@@ -190,14 +215,13 @@ class PagedKVCache:
             return self._verify_device(worker, step, req_ids, res, max_examples)
         if self.kernels is not None and hasattr(worker, "state"):
             return self._verify_kernels(worker, step, req_ids, res, max_examples)
-        t = torch()
         for g, bits in enumerate(self.bits):
             breq, pos, slots, tokens = worker.readable_context(g)
             if not len(pos):
                 continue
             res.checked += len(pos)
-            got = bits[:, t.from_numpy(np.ascontiguousarray(slots))].numpy()  # [2, n, H*D]
-            want = self._values(tokens, pos).numpy()
+            got = bits[:, slots]  # [2, n, H*D]
+            want = self._values(tokens, pos)
             bad = np.flatnonzero((got != want).any(axis=(0, 2)))
             if not len(bad):
                 continue
@@ -231,7 +255,7 @@ class PagedKVCache:
             table = worker.d_block_tables[g]
             slots = table[rows, t.div(pos, bs, rounding_mode="floor")].to(t.int64) * bs + pos % bs
             toks = worker.d_token_ids[rows, pos]
-            got = self.bits[g][:, slots]
+            got = self.torch_bits()[g][:, slots]
             want = self._values_torch(toks, pos)
             bad = (got != want).any(dim=2).any(dim=0)
             res.checked += total
