@@ -651,6 +651,9 @@ class Trace:
             if first is None:
                 raise TraceError("empty file: a trace starts with a header line", path=self.name, line=1)
             self.header = parse_header(self._json(first, 1, None), _Where(self.name, 1, None))
+        from kvmap.trace_typed import typed_decoder
+
+        self._typed = typed_decoder(self.header)  # None without msgspec
 
     @contextmanager
     def _lines(self) -> Iterator[Iterator[str]]:
@@ -660,7 +663,25 @@ class Trace:
         except OSError as e:
             raise TraceError(f"cannot read: {e.strerror or e}", path=self.name) from None
         with f:
-            yield _read_lines(f, self.name)
+            raw = f.buffer.fileobj if hasattr(f.buffer, "fileobj") else f.buffer  # the file's own bytes
+            self._position = raw.tell
+            try:
+                yield _read_lines(f, self.name)
+            finally:
+                self._position = None
+
+    _position = None
+
+    def size_bytes(self) -> int:
+        """The file's size on disk (compressed, for gzip): the unit of `bytes_read`."""
+        return self.path.stat().st_size
+
+    def bytes_read(self) -> int:
+        """How far the pass now open has read into the file (read-ahead included), for progress bars."""
+        try:
+            return self._position() if self._position is not None else 0
+        except (OSError, ValueError):
+            return 0
 
     def _json(self, raw: str, line: int, step: int | None) -> object:
         try:
@@ -673,6 +694,7 @@ class Trace:
     def steps(self, start: int = 0, stop: int | None = None) -> Iterator[Step]:
         """Yield steps `start <= step < stop`. Earlier lines are skipped unparsed: a worker that needs their
         state must read from 0 (replay does, and records only the window)."""
+        typed = self._typed
         with self._lines() as lines:
             next(lines)
             for i, raw in enumerate(lines):
@@ -681,6 +703,11 @@ class Trace:
                 if i < start:
                     continue
                 line = i + 2
+                if typed is not None:  # one pass, every value checked as it is built; None: the checked path
+                    step = typed(raw, line, i)
+                    if step is not None:
+                        yield step
+                        continue
                 where = _Where(self.name, line, i)
                 if not raw.strip():
                     raise where.error("blank line (a trace has one JSON object on every line)")
