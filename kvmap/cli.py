@@ -139,7 +139,7 @@ def replay(
             if d["step"] >= start:
                 dump_file.write(json.dumps(d, separators=(",", ":")) + "\n")
 
-        with _progress(progress, t) as advance:
+        with _progress(progress, t, backend) as advance:
             result = run_replay(t, backend=backend, device=device, start=start, stop=stop, warmup=warmup,
                                 verify_kv=verify_kv, write_kv=not no_kv, kv_geometry=geometry, nvtx=nvtx,
                                 on_mappings=on_mappings if dump_file else None, on_step=advance,
@@ -404,27 +404,47 @@ class _spinner:
 
 
 class _progress:
-    """A Rich progress bar over the trace's steps (counted by lines), updated outside timed regions."""
+    """A Rich progress bar over the trace file (by bytes read: no counting pass), updated outside timed regions.
+    Shown before the slow start (numba's kernels load, or compile once into their cache, inside the first
+    step), saying what is happening."""
 
-    def __init__(self, enabled: bool, trace) -> None:
+    def __init__(self, enabled: bool, trace, backend: str = "") -> None:
         self.enabled = enabled and err.is_terminal
         self.trace = trace
+        self.backend = backend
 
     def __enter__(self):
         if not self.enabled:
             return None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-        total = sum(1 for _ in self.trace.raw_steps())
-        self.bar = Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                            console=err, transient=True)
+        first = ("compiling kernels, once (seconds; cached for later runs)" if not _kernels_cached() else
+                 "loading kernels") if self.backend == "numba" else "starting"
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                            TextColumn("step {task.fields[step]}"), TimeElapsedColumn(), console=err, transient=True)
         self.bar.start()
-        task = self.bar.add_task("replay", total=total)
-        return lambda step: self.bar.advance(task)
+        task = self.bar.add_task(first, total=self.trace.size_bytes(), step="-")
+        update, read = self.bar.update, self.trace.bytes_read
+
+        def advance(step: int) -> None:
+            update(task, completed=read(), step=step, description="replaying")
+
+        return advance
 
     def __exit__(self, *exc):
         if self.enabled:
             self.bar.stop()
+
+
+def _kernels_cached() -> bool:
+    """Whether numba's cache holds kvmap's CPU kernels (index files), looked up without importing numba."""
+    import os
+
+    import kvmap
+
+    where = os.environ.get("NUMBA_CACHE_DIR")
+    folder = Path(where) if where else Path(kvmap.__file__).parent / "__pycache__"
+    return folder.is_dir() and any(folder.rglob("kernels_cpu.*.nbi"))
 
 
 def main() -> None:
