@@ -29,8 +29,6 @@ from itertools import chain, compress
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvmap.errors import TraceError
 
 try:  # orjson decodes a step line about twice as fast; the standard library is the fallback
@@ -190,6 +188,8 @@ def _int_lists(items: list[tuple[str | None, str, int | None, object]], where: _
     """
     if not items:
         return
+    import numpy as np  # here, not at the top: validate and --help stay free of numpy's ~0.1 s import
+
     lists = [v for _, _, _, v in items]
     ok = all(type(v) is list for v in lists)
     if ok:

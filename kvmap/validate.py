@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from kvmap.errors import KvmapError, TraceError, format_location
-from kvmap.trace import Step, Trace, TraceHeader, _loads, _Where, parse_step
+from kvmap.trace import Step, Trace, TraceHeader, _loads, _Where, fast_step, parse_step
 
 KINDS = {
     "json": "line is not JSON or is truncated",
@@ -444,7 +444,8 @@ def validate(trace: Trace, max_problems: int | None = None, deep: bool = False) 
                 v.add("json", f"not JSON ({e.msg} at column {e.colno})", line=line, step_idx=i - 1)
                 continue
             try:
-                step = parse_step(obj, trace.header, where)
+                # fast_step: the same Step on a well-formed line, with builtins only (no numpy import)
+                step = fast_step(obj, trace.header, where) or parse_step(obj, trace.header, where)
             except TraceError as e:
                 v.add(_kind_of(e), e.message, line=line, step_idx=i - 1, req_id=e.req_id, group=e.group,
                       field=e.field)

@@ -42,3 +42,12 @@ def test_numpy_replay_without_kv_imports_neither():  # the KV write uses the num
 
 def test_torch_backend_still_imports_torch():
     assert "torch" in heavy_modules("replay", str(TRACES / "worked_example.jsonl"), "--no-progress", "-b", "torch")
+
+
+NUMPY_PROBE = PROBE.replace('("torch", "numba", "triton")', '("numpy",)')
+
+
+def test_validate_of_a_valid_trace_imports_no_numpy():  # the checked parser imports it only when it must look
+    out = subprocess.run([sys.executable, "-c", NUMPY_PROBE, "validate", str(TRACES / "worked_example.jsonl")],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
