@@ -241,7 +241,10 @@ def main() -> None:
                   f"| {b['median_s']:>8.3f} [{b['min_s']:.3f}-{b['max_s']:.3f}]     | {row['speedup']:>7.2f}x")
         small = str(TRACES / "worked_example.jsonl")
         cmds = {"kvmap --help": kvmap_cmd("--help"), "kvmap replay worked_example": kvmap_cmd("replay", small),
-                "kvmap validate worked_example": kvmap_cmd("validate", small)}
+                "kvmap validate worked_example": kvmap_cmd("validate", small),
+                # references for how busy the machine is: an empty interpreter, and one that imports numpy
+                "(python -c pass)": [sys.executable, "-c", "pass"],
+                "(python -c 'import numpy')": [sys.executable, "-c", "import numpy"]}
         ts = alternate(cmds, args.runs)
         print(f"\nstart-up alone ({args.runs} alternating runs each, warm numba cache): wall seconds")
         for n, t in ts.items():
