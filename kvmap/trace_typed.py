@@ -52,7 +52,7 @@ def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step
         new_block_ids: Union[list[Optional[Groups]], UnsetType] = UNSET
         num_computed_tokens: list[Computed] = []
         all_token_ids: Optional[dict[str, list[Tok]]] = None
-        num_output_tokens: Optional[list[Any]] = None
+        num_output_tokens: Optional[list[int]] = None  # parse_step takes any entries: others go there
         resumed_from_preemption: Any = UNSET  # legacy keys: their presence sends the line to the checked path
         resumed_req_token_ids: Any = UNSET
 
@@ -70,7 +70,7 @@ def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step
         scheduler_output: Sched
         sampled_token_ids: Optional[dict[str, list[Tok]]] = None
         draft_token_ids: Optional[dict[str, list[Tok]]] = None
-        kind: Any = None
+        kind: Union[str, None, UnsetType] = UNSET  # a non-string: the checked path
 
     decode_raw = msgspec.json.Decoder(Line).decode
     empty = Cached()
@@ -125,21 +125,12 @@ def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step
         if sampled is not None and not (sampled.keys() == keys or sampled.keys() <= keys):
             return None
         resumed = c.resumed_req_ids
-        return Step(
-            step=step,
-            line=line,
-            scheduler_output=SchedulerOutput(
-                scheduled_new_reqs=new_reqs,
-                scheduled_cached_reqs=CachedRequestData(req_ids, set(resumed) if resumed else set(), nb, nc_list,
-                                                        c.all_token_ids or {}, c.num_output_tokens),
-                num_scheduled_tokens=nst,
-                total_num_scheduled_tokens=so.total_num_scheduled_tokens,
-                scheduled_spec_decode_tokens=spec,
-                finished_req_ids=so.finished_req_ids or [],
-                preempted_req_ids=so.preempted_req_ids or [],
-            ),
-            sampled_token_ids=sampled,
-            draft_token_ids=d.draft_token_ids,
-        )
+        # positional, in field order: cheaper than keywords on a per-line path
+        return Step(step, line, SchedulerOutput(
+            new_reqs,
+            CachedRequestData(req_ids, set(resumed) if resumed else set(), nb, nc_list, c.all_token_ids or {},
+                              c.num_output_tokens),
+            nst, so.total_num_scheduled_tokens, spec, so.finished_req_ids or [], so.preempted_req_ids or [],
+        ), sampled, d.draft_token_ids)
 
     return decode
