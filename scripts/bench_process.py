@@ -65,6 +65,11 @@ positions = np.zeros(Tmax, np.int64)
 input_ids = np.zeros(Tmax, np.int32)
 slot_mapping = np.zeros((G, Tmax), np.int64)
 kv = [np.zeros((2, nb * bs, half), np.int16) for bs in groups]  # [2, slots, H*D] bits of a 16-bit dtype
+TORCH_KV = len(sys.argv) > 2 and sys.argv[2] == "torch"  # the KV cache as a torch tensor (the issue's baseline)
+if TORCH_KV:
+    import torch
+    torch.set_num_threads(1)
+    kv = [torch.zeros((2, nb * bs, half), dtype=torch.int16) for bs in groups]
 lane = np.arange(2 * half, dtype=np.uint32) * np.uint32(0xC2B2AE3D)
 free = list(range(R))
 row_of = {}
@@ -141,8 +146,13 @@ for line in f:
         np.add(bt.ravel()[idx].astype(np.int64) * bs, pos % bs, out=slot_mapping[g, :T])
         # KV canary write: every scheduled token's K and V lanes, through slot_mapping
         vals = canary(input_ids[:T], pos)
-        kv[g][0, slot_mapping[g, :T]] = vals[:, :half]
-        kv[g][1, slot_mapping[g, :T]] = vals[:, half:]
+        if TORCH_KV:
+            sl, v = torch.from_numpy(slot_mapping[g, :T]), torch.from_numpy(vals)
+            kv[g][0, sl] = v[:, :half]
+            kv[g][1, sl] = v[:, half:]
+        else:
+            kv[g][0, slot_mapping[g, :T]] = vals[:, :half]
+            kv[g][1, slot_mapping[g, :T]] = vals[:, half:]
         checksum += int(slot_mapping[g, :T].sum())
     sampled = d.get("sampled_token_ids") or {}
     for r, toks in sampled.items():  # post-update: append what the model sampled
@@ -214,6 +224,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=7, help="timed runs per command (after one untimed)")
     ap.add_argument("--cold-runs", type=int, default=3, help="first runs with an empty numba cache")
     ap.add_argument("--no-x10", action="store_true", help="skip the 10x longer trace")
+    ap.add_argument("--also", default="numpy", help="other kvmap backends to run as processes too (comma list; "
+                    "'' for none): shown for comparison, the speed-up is the default backend's")
+    ap.add_argument("--torch-baseline", action="store_true", help="also the baseline with its KV cache a torch "
+                    "tensor (as issue #15 measured it: it imports torch)")
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
     out: dict = {"python": sys.version.split()[0], "whole_process": [], "startup": {}, "first_run": None}
@@ -225,20 +239,29 @@ def main() -> None:
             x10 = Path(tmp) / ("x10_" + Path(args.trace).name.replace(".jsonl", "").replace(".gz", "") + ".jsonl.gz")
             longer_trace(Path(args.trace), x10, 10)
             traces.append(x10)
+        also = [b for b in args.also.split(",") if b]
         print(f"whole process: `kvmap replay TRACE` (default backend, KV write on, summary to a pipe) against a "
-              f"V1-style baseline replayer process; {args.runs} alternating runs each, wall seconds")
-        print(f"{'trace':<28} {'steps':>7} | {'kvmap median [min-max]':>24} | {'baseline median [min-max]':>25} "
-              f"| {'speed-up':>8}")
+              f"V1-style baseline replayer process; {args.runs} alternating runs each, wall seconds median "
+              f"[min-max]; speed-up = baseline / kvmap")
         for tr in traces:
             steps = sum(1 for _ in (gzip.open if tr.suffix == ".gz" else open)(tr, "rb")) - 1
-            ts = alternate({"kvmap": kvmap_cmd("replay", str(tr)), "baseline": [sys.executable, str(base), str(tr)]},
-                           args.runs)
-            k, b = summary(ts["kvmap"]), summary(ts["baseline"])
-            row = {"trace": tr.name, "steps": steps, "kvmap": k, "baseline": b,
-                   "speedup": b["median_s"] / k["median_s"]}
+            cmds = {"kvmap": kvmap_cmd("replay", str(tr)),
+                    **{f"kvmap -b {b}": kvmap_cmd("replay", str(tr), "-b", b) for b in also},
+                    "baseline": [sys.executable, str(base), str(tr)]}
+            if args.torch_baseline:
+                cmds["baseline, torch KV"] = [sys.executable, str(base), str(tr), "torch"]
+            ts = alternate(cmds, args.runs)
+            row = {"trace": tr.name, "steps": steps, **{n: summary(t) for n, t in ts.items()}}
+            row["speedup"] = row["baseline"]["median_s"] / row["kvmap"]["median_s"]
             out["whole_process"].append(row)
-            print(f"{tr.name:<28} {steps:>7} | {k['median_s']:>8.3f} [{k['min_s']:.3f}-{k['max_s']:.3f}]    "
-                  f"| {b['median_s']:>8.3f} [{b['min_s']:.3f}-{b['max_s']:.3f}]     | {row['speedup']:>7.2f}x")
+            print(f"  {tr.name} ({steps} steps)")
+            for n in ts:
+                r = row[n]
+                sp = row["baseline"]["median_s"] / r["median_s"]
+                sp_t = (f", {row['baseline, torch KV']['median_s'] / r['median_s']:.2f}x over the torch-KV baseline"
+                        if args.torch_baseline and not n.startswith("baseline") else "")
+                print(f"    {n:<22} {r['median_s']:>7.3f} [{r['min_s']:.3f}-{r['max_s']:.3f}]" +
+                      (f"  speed-up {sp:.2f}x{sp_t}" if not n.startswith("baseline") else ""))
         small = str(TRACES / "worked_example.jsonl")
         cmds = {"kvmap --help": kvmap_cmd("--help"), "kvmap replay worked_example": kvmap_cmd("replay", small),
                 "kvmap validate worked_example": kvmap_cmd("validate", small),
