@@ -184,22 +184,27 @@ def longer_trace(src: Path, dst: Path, times: int) -> int:
     return n
 
 
-def env(**extra: str) -> dict:
+def env(root: Path = ROOT, **extra: str) -> dict:
     e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    e["PYTHONPATH"] = str(root) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
     e.update(NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     e.update(extra)
     return e
 
 
 def wall(cmd: list[str], **extra: str) -> float:
+    """Wall seconds of one run. A command may start with ("root", DIR): kvmap imported from DIR."""
+    root = ROOT
+    if cmd[0] == "root":
+        root, cmd = Path(cmd[1]), cmd[2:]
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env(**extra), cwd=ROOT)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env(root, **extra),
+                   cwd=ROOT)
     return time.perf_counter() - t0
 
 
-def kvmap_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvmap", *args]
+def kvmap_cmd(*args: str, root: str | None = None) -> list[str]:
+    return (["root", root] if root else []) + [sys.executable, "-m", "kvmap", *args]
 
 
 def alternate(cmds: dict[str, list[str]], runs: int) -> dict[str, list[float]]:
@@ -228,6 +233,8 @@ def main() -> None:
                     "'' for none): shown for comparison, the speed-up is the default backend's")
     ap.add_argument("--torch-baseline", action="store_true", help="also the baseline with its KV cache a torch "
                     "tensor (as issue #15 measured it: it imports torch)")
+    ap.add_argument("--compare-root", help="another kvmap checkout (e.g. the previous version) to run beside this "
+                    "one, alternating, in every table")
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
     out: dict = {"python": sys.version.split()[0], "whole_process": [], "startup": {}, "first_run": None}
@@ -247,6 +254,8 @@ def main() -> None:
             steps = sum(1 for _ in (gzip.open if tr.suffix == ".gz" else open)(tr, "rb")) - 1
             cmds = {"kvmap": kvmap_cmd("replay", str(tr)),
                     **{f"kvmap -b {b}": kvmap_cmd("replay", str(tr), "-b", b) for b in also},
+                    **({"kvmap (compare-root)": kvmap_cmd("replay", str(tr), root=args.compare_root)}
+                       if args.compare_root else {}),
                     "baseline": [sys.executable, str(base), str(tr)]}
             if args.torch_baseline:
                 cmds["baseline, torch KV"] = [sys.executable, str(base), str(tr), "torch"]
@@ -265,6 +274,10 @@ def main() -> None:
         small = str(TRACES / "worked_example.jsonl")
         cmds = {"kvmap --help": kvmap_cmd("--help"), "kvmap replay worked_example": kvmap_cmd("replay", small),
                 "kvmap validate worked_example": kvmap_cmd("validate", small),
+                **({"(compare-root) --help": kvmap_cmd("--help", root=args.compare_root),
+                    "(compare-root) replay worked_example": kvmap_cmd("replay", small, root=args.compare_root),
+                    "(compare-root) validate worked_example": kvmap_cmd("validate", small, root=args.compare_root)}
+                   if args.compare_root else {}),
                 # references for how busy the machine is: an empty interpreter, and one that imports numpy
                 "(python -c pass)": [sys.executable, "-c", "pass"],
                 "(python -c 'import numpy')": [sys.executable, "-c", "import numpy"]}
@@ -274,13 +287,21 @@ def main() -> None:
             s = out["startup"][n] = summary(t)
             print(f"  {n:<32} median {s['median_s']:.3f} [{s['min_s']:.3f}-{s['max_s']:.3f}]")
         if args.cold_runs:
-            cold = []
+            roots = {"first run, empty numba cache": None}
+            if args.compare_root:
+                roots["(compare-root) first run"] = args.compare_root
+            cold: dict[str, list[float]] = {n: [] for n in roots}
             for i in range(args.cold_runs):
-                with tempfile.TemporaryDirectory() as cache:
-                    cold.append(wall(kvmap_cmd("replay", small), NUMBA_CACHE_DIR=cache))
-            s = out["first_run"] = summary(cold)
-            print(f"  {'first run, empty numba cache':<32} median {s['median_s']:.3f} "
-                  f"[{s['min_s']:.3f}-{s['max_s']:.3f}] ({args.cold_runs} runs, `kvmap replay` of the worked example)")
+                for n, root in roots.items():
+                    with tempfile.TemporaryDirectory() as cache:
+                        cold[n].append(wall(kvmap_cmd("replay", small, root=root), NUMBA_CACHE_DIR=cache))
+            out["first_run"] = summary(cold["first run, empty numba cache"])
+            for n, t in cold.items():
+                s = summary(t)
+                if n != "first run, empty numba cache":
+                    out["startup"][n] = s
+                print(f"  {n:<32} median {s['median_s']:.3f} [{s['min_s']:.3f}-{s['max_s']:.3f}] "
+                      f"({args.cold_runs} runs, `kvmap replay` of the worked example)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(out, indent=1))
 
