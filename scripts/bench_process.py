@@ -198,8 +198,9 @@ def wall(cmd: list[str], **extra: str) -> float:
     if cmd[0] == "root":
         root, cmd = Path(cmd[1]), cmd[2:]
     t0 = time.perf_counter()
+    # cwd is the checkout too: `python -m` puts the current folder first on sys.path
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env(root, **extra),
-                   cwd=ROOT)
+                   cwd=root)
     return time.perf_counter() - t0
 
 
