@@ -655,9 +655,7 @@ class Trace:
             if first is None:
                 raise TraceError("empty file: a trace starts with a header line", path=self.name, line=1)
             self.header = parse_header(self._json(first, 1, None), _Where(self.name, 1, None))
-        from kvmap.trace_typed import typed_decoder
-
-        self._typed = typed_decoder(self.header)  # None without msgspec
+        self._typed: object = False  # the typed decoder, built on the first steps() (None without msgspec)
 
     @contextmanager
     def _lines(self) -> Iterator[Iterator[str]]:
@@ -698,6 +696,10 @@ class Trace:
     def steps(self, start: int = 0, stop: int | None = None) -> Iterator[Step]:
         """Yield steps `start <= step < stop`. Earlier lines are skipped unparsed: a worker that needs their
         state must read from 0 (replay does, and records only the window)."""
+        if self._typed is False:
+            from kvmap.trace_typed import typed_decoder
+
+            self._typed = typed_decoder(self.header)
         typed = self._typed
         with self._lines() as lines:
             next(lines)
