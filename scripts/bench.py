@@ -9,6 +9,10 @@ from the scheduler's Python lists (rows, tokens per request) to finished arrays 
 seq_lens, positions, input_ids, batch block table, slot_mapping). Implementations alternate step by step after
 a warm-up; every output is checked identical before timing.
 
+Part 3 (scripts/bench_process.py, run as a child): the whole process, `kvmap replay` against a V1-style
+baseline replayer process, on the long trace and one 10x longer; start-up alone; the first run with an empty
+numba cache.
+
 Part 2, the bundled long trace replayed by kvmap's loop: with each kvmap worker, and with kvmap's default
 (numba) worker whose mapping phases are the baseline's code, writing into the same buffers (KV write on, KV
 verify off). Medians per step.
@@ -300,6 +304,8 @@ def main() -> None:
     ap.add_argument("--trace", default=str(Path(__file__).resolve().parent.parent / "traces" / "long_mixed.jsonl.gz"))
     ap.add_argument("--replay-runs", type=int, default=3)
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-RSS and start-up checks")
+    ap.add_argument("--process-runs", type=int, default=7,
+                    help="runs per command of the whole-process benchmark (scripts/bench_process.py); 0 skips it")
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -340,11 +346,27 @@ def main() -> None:
               f"{mem['x10_steps']} steps (10x) {mem['x10_peak_rss_mib']:.0f} MiB ({mem['rss_growth']:+.1%}); "
               f"`kvmap --help` {mem['help_ms']:.0f} ms, `kvmap validate` on the worked example "
               f"{mem['validate_small_ms']:.0f} ms (medians of 10)")
+    proc = bench_process(args.trace, args.process_runs) if args.process_runs else None
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"machine": {"python": platform.python_version(),
                                                                "numpy": np.__version__,
                                                                "processor": platform.processor()},
-                                                   "synthetic": syn, "replay": rep, "memory": mem}, indent=1))
+                                                   "synthetic": syn, "replay": rep, "memory": mem,
+                                                   "process": proc}, indent=1))
+
+
+def bench_process(trace: str, runs: int) -> dict:
+    """scripts/bench_process.py in a child (it knows nothing of kvmap's internals); its tables pass through."""
+    import subprocess
+    import tempfile
+
+    print()
+    sys.stdout.flush()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "process.json"
+        subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "bench_process.py"), "--trace", trace,
+                        "--runs", str(runs), "--json", str(out)], check=True)
+        return json.loads(out.read_text())
 
 
 if __name__ == "__main__":

@@ -25,3 +25,31 @@ def test_replay_baseline_worker_equals_kvmap(name):
     pytest.importorskip("numba")
     out = bench.bench_replay(TRACES / name, runs=1, backends=["numba", "numpy"])
     assert set(out["phases"]) == {"v1_baseline", "numba", "numpy"}
+
+
+bench_process = pytest.importorskip("bench_process")
+
+
+@pytest.mark.parametrize("name", ["worked_example.jsonl", "chunked_prefill.jsonl", "prefix_caching.jsonl",
+                                  "spec_decode.jsonl", "hybrid_sliding_window.jsonl", "preemption_v1.jsonl",
+                                  "preemption_v2.jsonl"])
+def test_process_baseline_maps_what_kvmap_maps(tmp_path, name):
+    """The whole-process baseline replayer (a script of its own) schedules the same tokens into the same slots
+    as kvmap: its token count and slot checksum equal those of kvmap's mappings (any batch order)."""
+    import json
+    import subprocess
+
+    from kvmap.replay import replay
+    from kvmap.trace import Trace
+
+    script = tmp_path / "baseline.py"
+    script.write_text(bench_process.BASELINE)
+    out = subprocess.run([sys.executable, str(script), str(TRACES / name)], capture_output=True, text=True,
+                         check=True).stdout
+    records = []
+    replay(Trace(TRACES / name), backend="numpy", write_kv=False, nvtx=False, on_mappings=records.append)
+    tokens = sum(len(r["positions"]) for r in records)
+    checksum = sum(sum(map(sum, r["slot_mapping"])) if r["slot_mapping"] and isinstance(r["slot_mapping"][0], list)
+                   else sum(r["slot_mapping"]) for r in records)
+    assert out.strip() == f"baseline: {len(records)} steps, {tokens} tokens, slot checksum {checksum}", json.dumps(
+        records[0])[:200]

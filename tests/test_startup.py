@@ -1,5 +1,5 @@
-"""Start-up stays light: `kvmap --help` and `kvmap validate` import neither torch (~2 s) nor numba, and a host
-replay (KV cache in numpy memory) never imports torch."""
+"""Start-up stays light: `kvmap --help` and `kvmap validate` import neither torch (~2 s) nor numba; a host replay
+imports numba (its kernels) but not torch (the KV cache is numpy memory)."""
 
 from __future__ import annotations
 
@@ -40,3 +40,26 @@ def test_host_replay_imports_no_torch():
 
 def test_torch_backend_does_import_torch():  # the probe can see an import
     assert "torch" in heavy_modules("replay", str(TRACES / "worked_example.jsonl"), "--no-progress", "-b", "torch")
+
+
+NUMPY_PROBE = PROBE.replace('("torch", "numba", "triton")', '("numpy",)')
+
+
+def test_validate_of_a_valid_trace_imports_no_numpy():  # the checked parser imports it only when it must look
+    out = subprocess.run([sys.executable, "-c", NUMPY_PROBE, "validate", str(TRACES / "worked_example.jsonl")],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_fast_exit_keeps_output_files_and_exit_codes(tmp_path):
+    """`main()` ends replay/validate without Python's teardown: output is flushed, files complete, codes kept."""
+    out = tmp_path / "r.json"
+    ok = subprocess.run([sys.executable, "-m", "kvmap", "replay", str(TRACES / "worked_example.jsonl"), "--json",
+                         str(out), "--no-progress"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "time per step" in ok.stdout
+    assert '"kvmap-replay-result/1"' in out.read_text()
+    bad = subprocess.run([sys.executable, "-m", "kvmap", "replay", str(tmp_path / "missing.jsonl")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "no such file" in bad.stderr
+    assert subprocess.run([sys.executable, "-m", "kvmap", "validate", str(TRACES / "worked_example.jsonl")],
+                          capture_output=True, text=True).returncode == 0

