@@ -292,7 +292,7 @@ def main() -> None:
             if args.compare_root:
                 roots["(compare-root) first run"] = args.compare_root
             cold: dict[str, list[float]] = {n: [] for n in roots}
-            for i in range(args.cold_runs):
+            for _ in range(args.cold_runs):
                 for n, root in roots.items():
                     with tempfile.TemporaryDirectory() as cache:
                         cold[n].append(wall(kvmap_cmd("replay", small, root=root), NUMBA_CACHE_DIR=cache))

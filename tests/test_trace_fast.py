@@ -1,4 +1,4 @@
-"""The step parser's fast paths (`fast_step`, and the typed decoder of kvmap.trace_typed when msgspec is
+"""The step parser's fast paths (`fast_step`, and the typed decoder of kvmap.trace.typed when msgspec is
 installed) against the checked one (`parse_step`): on every line either a fast path steps aside (None) or it
 gives the same Step; whenever `parse_step` rejects a line, both fast paths step aside, so every problem is
 still named by the checked parser."""
@@ -58,7 +58,7 @@ def test_typed_decoder_takes_every_bundled_line(path):
     data = path.read_bytes()
     raw = (zlib.decompress(data, 31) if data[:2] == b"\x1f\x8b" else data).splitlines()[1:]
     for i, line in enumerate(raw):
-        where = _Where("t.jsonl", i + 2, i)
+        where = Where("t.jsonl", i + 2, i)
         got = dec(line, i + 2, i)
         assert got is not None, f"line {i + 2}: the typed decoder stepped aside"
         assert got == parse_step(json.loads(line), header, where)
