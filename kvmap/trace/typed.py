@@ -13,12 +13,12 @@ Rules:
 - msgspec is optional: without it `typed_decoder` returns None and the checked path does everything.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: msgspec reads the Struct annotations, local to typed_decoder, at once
 from collections.abc import Callable
 from typing import Annotated, Any, Optional, Union
 
-from kvmap.trace.records import TOKEN_ID_LIMIT, CachedRequestData, NewRequestData, SchedulerOutput, Step, TraceHeader
+from kvmap.trace.records import (TOKEN_ID_LIMIT, AsyncSpecDecode, CachedRequestData, NewRequestData,
+                                 SchedulerOutput, Step, TraceHeader)
 
 try:
     import msgspec
@@ -72,10 +72,10 @@ def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step
         sampled_token_ids: Optional[dict[str, list[Tok]]] = None
         draft_token_ids: Optional[dict[str, list[Tok]]] = None
         kind: Union[str, None, UnsetType] = UNSET  # a non-string: the checked path
-        # async speculative decoding's keys: their presence sends the line to fast_step, which reads them
-        spec_draft_token_ids: Any = UNSET
-        num_rejected_tokens: Any = UNSET
-        num_computed_tokens_correction: Any = UNSET
+        # async speculative decoding (trace-format.md): the real drafts, rejections, corrections
+        spec_draft_token_ids: Union[dict[str, list[Tok]], UnsetType] = UNSET
+        num_rejected_tokens: Union[dict[str, Annotated[int, M(ge=0)]], UnsetType] = UNSET
+        num_computed_tokens_correction: Union[dict[str, Annotated[int, M(ge=0)]], UnsetType] = UNSET
 
     decode_raw = msgspec.json.Decoder(Line).decode
     empty = Cached()
@@ -86,8 +86,7 @@ def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step
             d = decode_raw(raw)
         except DecodeError:
             return None
-        if d.step != step or d.kind == "header" or d.spec_draft_token_ids is not UNSET \
-                or d.num_rejected_tokens is not UNSET or d.num_computed_tokens_correction is not UNSET:
+        if d.step != step or d.kind == "header":
             return None
         so = d.scheduler_output
         new_reqs = []
@@ -130,13 +129,32 @@ def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step
         sampled = d.sampled_token_ids
         if sampled is not None and not (sampled.keys() == keys or sampled.keys() <= keys):
             return None
+        async_spec = None
+        if d.spec_draft_token_ids is not UNSET or d.num_rejected_tokens is not UNSET \
+                or d.num_computed_tokens_correction is not UNSET:
+            async_spec = _async_spec(d, spec, req_ids)
+            if async_spec is None:
+                return None
         resumed = c.resumed_req_ids
+        if resumed and not set(resumed).issubset(req_ids):
+            return None  # a resumed id must be one of the cached requests: the checked path names it
         # positional, in field order: cheaper than keywords on a per-line path
         return Step(step, line, SchedulerOutput(
             new_reqs,
             CachedRequestData(req_ids, set(resumed) if resumed else set(), nb, nc_list, c.all_token_ids or {},
                               c.num_output_tokens),
             nst, so.total_num_scheduled_tokens, spec, so.finished_req_ids or [], so.preempted_req_ids or [],
-        ), sampled, d.draft_token_ids)
+        ), sampled, d.draft_token_ids, async_spec)
+
+    def _async_spec(d, spec: dict, req_ids: list[str]) -> AsyncSpecDecode | None:
+        """The checks of parse_step's `_async_spec` that a type cannot state; None when one fails."""
+        real = d.spec_draft_token_ids or {}
+        rejected = d.num_rejected_tokens or {}
+        corr = d.num_computed_tokens_correction or {}
+        if any(r not in spec or len(toks) != len(spec[r]) for r, toks in real.items()):
+            return None
+        if any(k > len(spec.get(r, ())) for r, k in rejected.items()) or not set(req_ids).issuperset(corr):
+            return None
+        return AsyncSpecDecode(real, rejected, corr)
 
     return decode
