@@ -39,7 +39,7 @@ def test_process_baseline_maps_what_kvmap_maps(tmp_path, name):
     import json
     import subprocess
 
-    from kvmap.replay import replay
+    from kvmap.run.replay import replay
     from kvmap.trace import Trace
 
     script = tmp_path / "baseline.py"

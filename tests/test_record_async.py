@@ -299,22 +299,29 @@ def test_async_spec_decode_validates_and_replays_with_verify_kv(tmp_path):
 
 
 def test_async_spec_decode_as_the_worker_saw_it_validates_and_replays(tmp_path):
-    """The async spec rule, shown sufficient: with each num_computed_tokens lowered by its correction (the
-    worker-true start) and the -1 placeholders replaced by spec_draft_token_ids (the real drafts), the trace is
-    an ordinary spec-decoding trace that validates clean and replays with --verify-kv."""
+    """The async spec rule, shown sufficient and applied: with each num_computed_tokens lowered by its correction
+    (the worker-true start) and the -1 placeholders replaced by spec_draft_token_ids (the real drafts), the trace
+    is an ordinary spec-decoding trace that validates clean, replays with --verify-kv, and gives the same mappings,
+    step for step, as kvmap's replay of the async trace itself."""
     lines = _lines(ASYNC_SPEC)
     for s in lines[1:]:
         so, c = s["scheduler_output"], s["scheduler_output"]["scheduled_cached_reqs"]
-        corr = s.get("num_computed_tokens_correction") or {}
+        corr = s.pop("num_computed_tokens_correction", None) or {}
         c["num_computed_tokens"] = [n - corr.get(r, 0) for r, n in zip(c["req_ids"], c["num_computed_tokens"])]
+        real = s.pop("spec_draft_token_ids", None) or {}
+        s.pop("num_rejected_tokens", None)
         for r in so["scheduled_spec_decode_tokens"]:
-            so["scheduled_spec_decode_tokens"][r] = s["spec_draft_token_ids"][r]
+            so["scheduled_spec_decode_tokens"][r] = real[r]
     p = tmp_path / "worker_view.jsonl"
     p.write_text("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines))
     v = _validate(p, tmp_path)
     assert v["valid"] and not v["problems"], v["problems"][:3]
-    res = _kvmap("replay", str(p), "--verify-kv", "--no-progress", "-q")
+    res = _kvmap("replay", str(p), "--verify-kv", "--no-progress", "-q", "--dump-mappings", str(tmp_path / "a.jsonl"))
     assert res.returncode == 0, res.stderr
+    res = _kvmap("replay", str(ASYNC_SPEC), "--verify-kv", "--no-progress", "-q", "--dump-mappings",
+                 str(tmp_path / "b.jsonl"))
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
 
 
 def _planted(tmp_path: Path, edit) -> Path:

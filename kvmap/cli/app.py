@@ -187,7 +187,7 @@ def user_errors(fn):
 
 def safe(text: str) -> str:
     """Control characters shown as escapes (the renderers' one rule, kvmap/run/report.py `safe`)."""
-    from kvmap.run.report import safe as _safe
+    from kvmap.run.text import safe as _safe
 
     return _safe(text)
 

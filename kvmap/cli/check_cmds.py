@@ -107,7 +107,7 @@ def record(
             raise
     written = Path(s.path)
     written.replace(output)
-    from kvmap.run.report import say
+    from kvmap.run.text import say
 
     say(out, f"recorded {output}: {s.steps} steps, {s.requests} requests, {s.tokens} tokens, "
               f"{s.preemptions} preemptions, {s.prefix_hit_tokens} prefix-hit tokens, "
@@ -124,7 +124,7 @@ def traces() -> None:
 
     from kvmap.files import bundled_traces_dir
     from kvmap.run.catalog import catalog
-    from kvmap.run.report import fit_table, safe, say
+    from kvmap.run.text import fit_table, safe, say
 
     rows = catalog()
     if not rows:

@@ -178,7 +178,7 @@ def profile(
     if builtin:
         replay(trace_path, backend=backend, steps=steps, warmup=warmup,
                trace_out=output.with_name(output.name + ".trace.json"), progress=False)
-        from kvmap.run.report import say
+        from kvmap.run.text import say
 
         say(out, f"wrote {output.name}.trace.json (open it in https://ui.perfetto.dev)")
         return

@@ -16,12 +16,12 @@ import io
 from dataclasses import dataclass
 
 import numpy as np
-from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from kvmap.run.result import MAPPING_PHASES, ReplayResult
+from kvmap.run.text import fit_table, safe, say
 
 OUTLIER_Z = 14.0  # modified z-score threshold (hyperfine's)
 NOISE_MAD = 0.25  # MAD / median above this -> noisy
@@ -163,18 +163,7 @@ def summary_dict(r: ReplayResult) -> dict:
     }
 
 
-def say(console: Console, text: str | Text, style: str | None = None) -> None:
-    """One message: never read as markup, control characters escaped, and never wrapped when piped (so that
-    grep finds it whole); at a terminal Rich wraps it at word boundaries."""
-    t = text if isinstance(text, Text) else Text(safe(text), style=style or "")
-    console.print(t, soft_wrap=not console.is_terminal, highlight=False)
 
-
-def safe(text: str) -> str:
-    """Control characters (a newline or an escape in a file name or request id) shown as escapes."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def rank_dict(r: ReplayResult) -> dict:
@@ -252,24 +241,6 @@ def render_summary(r: ReplayResult, console: Console) -> None:
             f"{e['slot']}: expected token {e['expected_token']}, found {e['found']}")))
     for w in s["warnings"]:
         say(console, Text.assemble(("warning:", "yellow"), " " + safe(w)))
-
-
-WIDE = 100  # from this width tables have full borders
-
-
-def fit_box(console: Console):
-    """Full borders where they fit; below WIDE columns only a rule under the header."""
-    return box.HEAVY_HEAD if console.width >= WIDE else box.SIMPLE_HEAD
-
-
-def fit_table(console: Console, title: str | Text, caption: str | Text | None = None) -> Table:
-    """A table that keeps its key columns whole at 80 columns: below WIDE no borders and one space of padding
-    (about 2 columns saved per column); mark key columns `no_wrap=True` and let the others fold."""
-    wide = console.width >= WIDE
-    title = Text(title) if isinstance(title, str) else title  # never markup: `[batch]` is text
-    caption = Text(caption) if isinstance(caption, str) else caption
-    return Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=fit_box(console),
-                 show_edge=wide, pad_edge=wide, padding=(0, 1) if wide else (0, 1, 0, 0))
 
 
 def _phase_table(r: ReplayResult, console: Console) -> Table:
