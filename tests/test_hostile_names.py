@@ -15,11 +15,7 @@ from . import faults as F
 
 runner = CliRunner()
 HOSTILE_IDS = ["[bold red]x[/]", "[/]", "r\x1b[2J\x07\r", "a\nb", "é\u202etxt", "[link=file:///etc]y[/link]"]
-# `a[/]b` crashes validate's renderer in Rich markup today: the renderers' escaping is another branch's work
-MARKUP_CRASH = pytest.mark.xfail(reason="cli renderers escape names on another branch (issue #17 item 4)",
-                                 strict=False)
-HOSTILE_PATHS = ["runs[v2]/trace.jsonl", pytest.param("a[/]b.jsonl", marks=MARKUP_CRASH), "[bold]/t.jsonl",
-                 "sp ace/[red].jsonl"]
+HOSTILE_PATHS = ["runs[v2]/trace.jsonl", "a[/]b.jsonl", "[bold]/t.jsonl", "sp ace/[red].jsonl"]
 
 
 def clean(args: list[str]):
