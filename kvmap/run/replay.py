@@ -86,28 +86,10 @@ def replay(
               and (p != "h2d" or worker.has_h2d) and (p != "broadcast" or source)
               and (p != "cross_rank" or cross_rank)]
     markers = Markers(phases, enabled=nvtx)
-    result = ReplayResult(
-        trace=trace.name, backend=worker.name, protocol=header.model_runner_protocol,
-        prewarm_steps=warmup if prewarm else 0,
-        groups=[{"kind": g.kind, "block_size": g.block_size, "sliding_window": g.sliding_window}
-                for g in header.kv_cache_groups],
-        phases=phases, warmup=warmup, step_window=[start, stop],
-        kv_bytes=kv.bytes if kv else 0, kv_geometry=asdict(geometry) if kv else {}, kv_verified=verify_kv,
-    )
+    result = _new_result(trace, worker, kv, geometry, phases, prewarm_steps=warmup if prewarm else 0,
+                         warmup=warmup, step_window=[start, stop], kv_verified=verify_kv)
     check = KVCheckResult(max_examples=defaults.MAX_KV_EXAMPLES)
-    cp = header.decode_context_parallel_size
-    multirank = cp > 1
-    result.cp_size, result.tp_size = cp, header.tensor_parallel_size
-    result.interleave = header.cp_kv_cache_interleave_size
-    result.ranks = list(worker.ranks)
-    if header.has_kernel_split:
-        result.kernel_block_sizes = [g.kernel_block_size or g.block_size for g in header.kv_cache_groups]
-    if multirank:
-        nr = len(worker.ranks)
-        rank_tokens = np.zeros(nr, dtype=np.int64)
-        rank_max_local = np.zeros(nr, dtype=np.int64)
-        kv_group = next((g for g, grp in enumerate(header.kv_cache_groups) if grp.uses_slot_mapping), 0)
-        result.rank_kv_bytes = [kv.bytes_per_rank] * nr if kv is not None else []
+    ranks_tally = _RankTally(header, worker, kv) if header.decode_context_parallel_size > 1 else None
 
     # every phase after update_states is a call with no arguments: the worker holds the current step
     stages = [(name, fn) for name, fn in (
@@ -122,7 +104,7 @@ def replay(
         ("cross_rank", lambda: cross_rank(worker)),
     ) if name in phases]
     clock = time.perf_counter_ns
-    push, pop = markers.push, markers.pop
+    pop = markers.pop
     events = None  # device time per phase from CUDA events (device workers on a GPU)
     if worker.device.startswith("cuda"):
         import torch as _t
@@ -133,10 +115,10 @@ def replay(
     seen: set[str] = set()
     seen_measured: set[str] = set()
     h2d_before = 0
-    rec_steps, rec_reqs, rec_tokens, rec_ns, rec_start = (array("q") for _ in range(5))
+    rec = _Recorded(len(phases))
     steps = trace.steps(0, stop)
     wall0 = time.perf_counter()
-    origin = clock()
+    rec.origin = clock()
     i = 0
     capture_from = measure_from if capture else None
     capturing = False
@@ -148,25 +130,7 @@ def replay(
                 markers.push_capture()
                 capturing = True
             markers.push_step(i)
-            push("read_step")
-            if events:
-                events.mark()
-            t0 = clock()
-            if source is None:
-                step = next(steps, None)
-                ts = [t0, clock()]
-            else:  # rank 0 reads, then every rank takes part in the broadcast
-                obj = source.read()
-                ts = [t0, clock()]
-                if events:
-                    events.mark()
-                pop()
-                push("broadcast")
-                step = source.broadcast(obj)
-                ts.append(clock())
-            if events:
-                events.mark()
-            pop()
+            step, ts = _read_step(steps, source, markers, events)
             if step is None:
                 pop()
                 if capturing:
@@ -177,19 +141,7 @@ def replay(
                 break
             markers.mark_counts(len(step.scheduler_output.num_scheduled_tokens),
                                 step.scheduler_output.total_num_scheduled_tokens)
-            push("update_states")
-            worker.update_states(step)
-            ts.append(clock())
-            if events:
-                events.mark()
-            pop()
-            for name, fn in stages:
-                push(name)
-                fn()
-                ts.append(clock())
-                if events:
-                    events.mark()
-                pop()
+            _run_phases(worker, step, stages, markers, events, ts)
             pop()  # step
             if events:
                 events.end_step(keep=step.step >= record_from)
@@ -197,21 +149,13 @@ def replay(
             if step.step >= measure_from:
                 seen_measured.update(so.num_scheduled_tokens)
             if step.step >= record_from:
-                rec_steps.append(step.step)
-                rec_reqs.append(len(so.num_scheduled_tokens))
-                rec_tokens.append(so.total_num_scheduled_tokens)
-                rec_ns.extend([ts[j + 1] - ts[j] for j in range(len(phases))])
-                rec_start.append(ts[0] - origin)
+                rec.add(step, ts)
             result.steps_replayed += 1
             result.tokens_scheduled += so.total_num_scheduled_tokens
             for nr in so.scheduled_new_reqs:
                 seen.add(nr.req_id)
-            if multirank:
-                m = worker.mappings()
-                if m.rank_slot_mapping is not None and m.num_tokens:
-                    rank_tokens += (m.rank_slot_mapping[:, kv_group] >= 0).sum(axis=1)
-                if m.dcp_local_seq_lens is not None and m.num_reqs:
-                    np.maximum(rank_max_local, m.dcp_local_seq_lens.max(axis=1), out=rank_max_local)
+            if ranks_tally is not None:
+                ranks_tally.add(worker.mappings())
             if on_mappings is not None:
                 on_mappings(worker.mappings_dict())
             if on_step is not None:
@@ -224,17 +168,9 @@ def replay(
         raise e.located(path=trace.name) from None
     result.kv_checked, result.kv_mismatches = check.checked, check.mismatches
     result.kv_examples = [asdict(e) for e in check.examples]
-    if multirank:
-        result.rank_tokens = rank_tokens.tolist()
-        result.rank_max_local_seq_len = rank_max_local.tolist()
-        if verify_kv:
-            result.rank_kv_checked = [check.rank_checked.get(r, 0) for r in worker.ranks]
-            result.rank_kv_mismatches = [check.rank_mismatches.get(r, 0) for r in worker.ranks]
-    result.steps, result.num_reqs, result.num_tokens, result.step_start_ns = (
-        np.frombuffer(a, dtype=np.int64) if len(a) else np.zeros(0, np.int64)
-        for a in (rec_steps, rec_reqs, rec_tokens, rec_start))
-    result.phase_ns = (np.frombuffer(rec_ns, dtype=np.int64) if len(rec_ns) else np.zeros(0, np.int64)).reshape(
-        -1, len(phases))
+    if ranks_tally is not None:
+        ranks_tally.store(result, check if verify_kv else None)
+    rec.store(result)
     if events:
         result.device_phase_ns = events.finish()
     result.device = worker.device
@@ -248,6 +184,114 @@ def replay(
     if len(result.steps) == result.warmup:
         raise empty_window_error(start, stop, warmup, i)
     return result
+
+
+def _read_step(steps, source: StepSource | None, markers: Markers, events) -> tuple[object, list[int]]:
+    """The `read_step` phase (and `broadcast`, distributed): (the step or None at the end, timestamps)."""
+    clock = time.perf_counter_ns
+    markers.push("read_step")
+    if events:
+        events.mark()
+    t0 = clock()
+    if source is None:
+        step = next(steps, None)
+        ts = [t0, clock()]
+    else:  # rank 0 reads, then every rank takes part in the broadcast
+        obj = source.read()
+        ts = [t0, clock()]
+        if events:
+            events.mark()
+        markers.pop()
+        markers.push("broadcast")
+        step = source.broadcast(obj)
+        ts.append(clock())
+    if events:
+        events.mark()
+    markers.pop()
+    return step, ts
+
+
+def _run_phases(worker: Worker, step, stages, markers: Markers, events, ts: list[int]) -> None:
+    """`update_states(step)`, then every other phase, each in its NVTX range between two clock reads."""
+    clock, push, pop = time.perf_counter_ns, markers.push, markers.pop
+    push("update_states")
+    worker.update_states(step)
+    ts.append(clock())
+    if events:
+        events.mark()
+    pop()
+    for name, fn in stages:
+        push(name)
+        fn()
+        ts.append(clock())
+        if events:
+            events.mark()
+        pop()
+
+
+def _new_result(trace: Trace, worker: Worker, kv, geometry: KVGeometry, phases: list[str], **kw) -> ReplayResult:
+    """The run's record before its first step: what ran, with which phases, KV cache and ranks."""
+    h = trace.header
+    result = ReplayResult(
+        trace=trace.name, backend=worker.name, protocol=h.model_runner_protocol,
+        groups=[{"kind": g.kind, "block_size": g.block_size, "sliding_window": g.sliding_window}
+                for g in h.kv_cache_groups],
+        phases=phases, kv_bytes=kv.bytes if kv else 0, kv_geometry=asdict(geometry) if kv else {}, **kw)
+    result.cp_size, result.tp_size = h.decode_context_parallel_size, h.tensor_parallel_size
+    result.interleave = h.cp_kv_cache_interleave_size
+    result.ranks = list(worker.ranks)
+    if h.has_kernel_split:
+        result.kernel_block_sizes = [g.kernel_block_size or g.block_size for g in h.kv_cache_groups]
+    if h.decode_context_parallel_size > 1 and kv is not None:
+        result.rank_kv_bytes = [kv.bytes_per_rank] * len(worker.ranks)
+    return result
+
+
+class _Recorded:
+    """Per-step figures of the recorded steps, in flat int64 arrays (no per-step objects kept)."""
+
+    def __init__(self, num_phases: int) -> None:
+        self.num_phases = num_phases
+        self.origin = 0  # clock at the start of the run
+        self.steps, self.reqs, self.tokens, self.ns, self.start = (array("q") for _ in range(5))
+
+    def add(self, step, ts: list[int]) -> None:
+        so = step.scheduler_output
+        self.steps.append(step.step)
+        self.reqs.append(len(so.num_scheduled_tokens))
+        self.tokens.append(so.total_num_scheduled_tokens)
+        self.ns.extend([ts[j + 1] - ts[j] for j in range(self.num_phases)])
+        self.start.append(ts[0] - self.origin)
+
+    def store(self, result: ReplayResult) -> None:
+        result.steps, result.num_reqs, result.num_tokens, result.step_start_ns = (
+            np.frombuffer(a, dtype=np.int64) if len(a) else np.zeros(0, np.int64)
+            for a in (self.steps, self.reqs, self.tokens, self.start))
+        ns = np.frombuffer(self.ns, dtype=np.int64) if len(self.ns) else np.zeros(0, np.int64)
+        result.phase_ns = ns.reshape(-1, self.num_phases)
+
+
+class _RankTally:
+    """Per-DCP-rank figures over the replayed steps: local tokens, the largest local length."""
+
+    def __init__(self, header, worker: Worker, kv) -> None:
+        self.ranks = list(worker.ranks)
+        self.tokens = np.zeros(len(self.ranks), dtype=np.int64)  # [ranks] tokens local on each rank
+        self.max_local = np.zeros(len(self.ranks), dtype=np.int64)  # [ranks] largest dcp_local_seq_len
+        self.kv_group = next((g for g, grp in enumerate(header.kv_cache_groups) if grp.uses_slot_mapping), 0)
+
+    def add(self, m) -> None:
+        if m.rank_slot_mapping is not None and m.num_tokens:
+            self.tokens += (m.rank_slot_mapping[:, self.kv_group] >= 0).sum(axis=1)
+        if m.dcp_local_seq_lens is not None and m.num_reqs:
+            np.maximum(self.max_local, m.dcp_local_seq_lens.max(axis=1), out=self.max_local)
+
+    def store(self, result: ReplayResult, check: KVCheckResult | None) -> None:
+        result.rank_tokens = self.tokens.tolist()
+        result.rank_max_local_seq_len = self.max_local.tolist()
+        if check is not None:
+            result.rank_kv_checked = [check.rank_checked.get(r, 0) for r in self.ranks]
+            result.rank_kv_mismatches = [check.rank_mismatches.get(r, 0) for r in self.ranks]
 
 
 def _prewarm(trace: Trace, steps: int, **kw) -> None:
