@@ -65,9 +65,8 @@ def replay(
 ) -> None:
     """Replay a trace step by step: every index mapping, a real paged KV cache, a timing summary."""
     from kvmap.kv.cache import KVGeometry
-    from kvmap.files import atomic_open, check_outputs, resolve_trace, write_json, write_text
+    from kvmap.files import atomic_open, check_outputs, resolve_trace
     from kvmap.run.replay import replay as run_replay
-    from kvmap.run.report import render_summary, summary_dict, to_chrome_trace, to_csv
     from kvmap.trace import Trace
     from kvmap.workers.mappings import dump_line
     from kvmap.workers.registry import default_backend
@@ -94,19 +93,13 @@ def replay(
         if rank is not None:
             raise KvmapError("--rank and --nproc exclude each other: with --nproc every process is a rank",
                              field="--rank")
-
+        cp = t.header.decode_context_parallel_size
+        if nproc % cp:  # said before any process starts (each rank would say it again after seconds)
+            raise KvmapError(f"{nproc} processes cannot form DCP groups of {cp}: use a multiple of {cp}",
+                             field="--nproc")
         result = launch(trace, nproc, backend=backend, device=device, verify_kv=verify_kv, write_kv=not no_kv,
                         kv_geometry=geometry, dump_mappings=dump_mappings, start=start, stop=stop, warmup=warmup)
-        if not quiet:
-            render_summary(result, out)
-        if json_out:
-            write_json(json_out, {"summary": summary_dict(result), "result": result.to_json()})
-        if csv_out:
-            write_text(csv_out, to_csv(result))
-        if trace_out:
-            write_json(trace_out, to_chrome_trace(result))
-        if result.kv_mismatches:
-            raise typer.Exit(1)
+        _finish(result, None if quiet else out, json_out, csv_out, trace_out)
         return
     with ExitStack() as stack:  # the dump is renamed into place only if the whole replay succeeds
         dump_file = stack.enter_context(atomic_open(dump_mappings)) if dump_mappings else None
@@ -121,8 +114,16 @@ def replay(
                                 on_mappings=on_mappings if dump_file else None, on_step=advance,
                                 capture=nvtx_capture, batch_order=batch_order,
                                 reorder_batch_threshold=reorder_threshold, ranks=None if rank is None else [rank])
-    if not quiet:
-        render_summary(result, err if to_stdout else out)
+    _finish(result, None if quiet else (err if to_stdout else out), json_out, csv_out, trace_out)
+
+
+def _finish(result, console, json_out, csv_out, trace_out) -> None:
+    """Render the summary (unless `console` is None), write the outputs asked for; exit 1 on KV mismatches."""
+    from kvmap.files import write_json, write_text
+    from kvmap.run.report import render_summary, summary_dict, to_chrome_trace, to_csv
+
+    if console is not None:
+        render_summary(result, console)
     if json_out:
         write_json(json_out, {"summary": summary_dict(result), "result": result.to_json()})
     if csv_out:

@@ -51,25 +51,7 @@ def kv_write(input_ids, positions, slots, bits, mask, written):
 def kv_verify(idx_mapping, lo, seq_lens, token_ids, table, block_size, bits, mask, bad):
     """Read back positions lo[b] .. seq_lens[b] - 1 of every batch request through its block-table row.
     Writes up to len(bad) mismatches as (batch_idx, position, slot) rows; returns (checked, mismatches)."""
-    half = bits.shape[2]
-    checked = 0
-    mismatches = 0
-    for b in range(idx_mapping.shape[0]):
-        row = idx_mapping[b]
-        for p in range(lo[b], seq_lens[b]):
-            s = np.int64(table[row, p // block_size]) * block_size + p % block_size
-            tok = token_ids[row, p]
-            checked += 1
-            for l in range(2 * half):
-                kv = 0 if l < half else 1
-                if bits[kv, s, l - kv * half] != (canary(tok, p, l) & mask):
-                    if mismatches < bad.shape[0]:
-                        bad[mismatches, 0] = b
-                        bad[mismatches, 1] = p
-                        bad[mismatches, 2] = s
-                    mismatches += 1
-                    break
-    return checked, mismatches
+    return kv_verify_dcp(idx_mapping, lo, seq_lens, token_ids, table, block_size, 1, 0, 1, bits, mask, bad)
 
 
 @_jit

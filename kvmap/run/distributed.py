@@ -260,8 +260,8 @@ def launch(trace: Path, nproc: int, *, backend: str | None = None, device: str =
         if p.returncode or not res.exists():
             lines = (p.stderr or p.stdout).strip().splitlines()
             ours = sorted({x[x.index("kvmap: rank") + 7:] for x in lines if "kvmap: rank" in x})
-            tail = "\n".join(ours or lines[-12:])
-            raise KvmapError(f"the distributed replay failed (exit {p.returncode}):\n{tail}", field="--nproc")
+            tail = "; ".join(ours or lines[-12:])  # one line: the error stays one located line
+            raise KvmapError(f"the distributed replay failed (exit {p.returncode}): {tail}", field="--nproc")
         return ReplayResult.from_json(json.loads(res.read_text()))
 
 
