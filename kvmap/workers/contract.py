@@ -33,7 +33,7 @@ class StepBatch:
     """One step's scheduled requests, in the scheduler's order, plus the batch order once it is known."""
 
     step: Step | None  # None for synthetic batches (benchmarks)
-    req_ids: list[str]  # [num_reqs] scheduler entry -> req_id
+    req_ids: list[str] | None  # [num_reqs] scheduler entry -> req_id (None: synthetic, named by row)
     rows: np.ndarray  # [num_reqs] int32, scheduler entry -> req_state_idx
     num_scheduled_tokens: np.ndarray  # [num_reqs] int32, scheduler entry -> tokens this step (drafts included)
     num_draft_tokens: np.ndarray  # [num_reqs] int32, scheduler entry -> drafts among them
@@ -47,7 +47,8 @@ class StepBatch:
     def batch_req_ids(self) -> BatchReqIds:
         """Request ids in batch order (looked up lazily)."""
         assert self.order is not None
-        return BatchReqIds(self.req_ids, self.order)
+        ids = self.req_ids if self.req_ids is not None else [str(r) for r in self.rows.tolist()]
+        return BatchReqIds(ids, self.order)
 
 
 class Worker(ABC):

@@ -82,8 +82,9 @@ class HostWorker(Worker):
         """A synthetic batch without drafts, in scheduler order (benchmarks)."""
         r = np.array(rows, dtype=np.int32)
         c = np.array(counts, dtype=np.int32)
-        batch = StepBatch(None, req_ids if req_ids is not None else [str(x) for x in rows], r, c,
-                          self._no_drafts[: len(r)], num_tokens=int(c.sum()))
+        # T: host workers count it in prepare_inputs; device workers need it first (a trace carries it)
+        T = int(c.sum()) if self.has_h2d else 0
+        batch = StepBatch(None, req_ids, r, c, self._no_drafts[: len(r)], num_tokens=T)
         self.set_batch(batch)
         return batch
 
