@@ -42,6 +42,7 @@ from kvmap.workers.numba_worker import NumbaWorker  # noqa: E402
 from kvmap.workers.registry import make_worker  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_process import longer_trace  # noqa: E402
 from example_backend import V1Baseline, V1StyleWorker  # noqa: E402
 
 ROWS, MAX_MODEL_LEN, BS = 1024, 8192, 16
@@ -232,26 +233,6 @@ def bench_replay(trace_path: Path, runs: int, backends: list[str], args_device: 
 # ------------------------------------------------------------------------------------------- memory, start-up
 
 
-def longer_trace(src: Path, dst: Path, times: int) -> int:
-    """Write `src` repeated `times` times (request ids suffixed per copy, steps renumbered); returns steps.
-    Each copy starts after the previous one ended (its last step delivers the finished ids), so it is valid."""
-    import gzip as gz
-
-    op = gz.open if src.suffix == ".gz" else open
-    with op(src, "rt") as f:
-        header, *steps = f.read().splitlines()
-    n = 0
-    with gz.open(dst, "wt", compresslevel=1) as out:
-        out.write(header + "\n")
-        for k in range(times):
-            for line in steps:
-                d = json.loads(line)
-                d["step"] = n
-                n += 1
-                out.write(json.dumps(d).replace('"req-', f'"r{k}-req-') + "\n")
-    return n
-
-
 def peak_rss_mib(args: list[str]) -> float:
     """Peak RSS of `python -m kvmap ARGS` run in a fresh child."""
     import subprocess
@@ -281,7 +262,7 @@ def bench_memory(trace: Path) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         long10 = Path(tmp) / "x10.jsonl.gz"
-        steps10 = longer_trace(trace, long10, 10)
+        steps10 = longer_trace(trace, long10, 10)  # the same 10x trace the whole-process benchmark uses
         base = ["replay", "--no-progress", "--quiet", "--no-nvtx"]
         short = peak_rss_mib(base + [str(trace)])
         longer = peak_rss_mib(base + [str(long10)])
