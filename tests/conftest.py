@@ -16,6 +16,10 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
+# The kernels compiled ahead of time (kvmap.aot) trust their arguments' dtypes; under test every call is checked
+# against its declared signature, so a buffer of the wrong dtype fails a test instead of reading wrong memory.
+os.environ.setdefault("KVMAP_CHECK_KERNELS", "1")
+
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "traces"
 

@@ -96,3 +96,15 @@ def test_device_times_are_rendered_when_present():
     text = console.export_text()
     assert "device time per measured step" in text and "CUDA events on cuda:0" in text
     assert summary_dict(r)["device_phases_p50_us"]["prepare_inputs"] == 2.0
+
+
+def test_percentiles_are_numpys_bit_for_bit():
+    import numpy as np
+
+    from kvmap.run.report import median, percentiles
+
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 3, 10, 101, 1919):
+        x = rng.integers(0, 10**7, n) / 1e3
+        assert percentiles(x, (50, 90, 99)) == [float(v) for v in np.percentile(x, [50, 90, 99])]
+        assert median(x) == float(np.median(x))

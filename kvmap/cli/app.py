@@ -280,11 +280,17 @@ class progress_bar:
 
 
 def _kernels_cached() -> bool:
-    """Whether numba's cache holds kvmap's CPU kernels (index files), looked up without importing numba."""
+    """Whether the CPU kernels are compiled: built at install (kvmap.aot's twins; their sources are checked at
+    load), or in numba's cache (index files), looked up without importing numba."""
+    import importlib.util
     import os
 
     import kvmap
+    from kvmap.aot import KERNEL_MODULES, twin_name
 
+    if os.environ.get("KVMAP_AOT", "1") != "0" and all(
+            importlib.util.find_spec(twin_name(m)) is not None for m in KERNEL_MODULES):
+        return True
     where = os.environ.get("NUMBA_CACHE_DIR")
     folder = Path(where) if where else Path(kvmap.__file__).parent / "workers" / "__pycache__"
     return folder.is_dir() and any(folder.rglob("kernels_cpu.*.nbi"))

@@ -122,10 +122,12 @@ class PagedKVCache:
         self.bytes = sum(int(np.prod(s)) * np.dtype(self.np_bits).itemsize for s in shapes)
         self.kernels = None
         if use_kernels and not self.on_torch:
-            from kvmap.kv import kernels
+            from kvmap.aot import load
 
-            self.kernels = kernels
+            self.kernels = load("kvmap.kv.kernels")
             udt = np.dtype(f"u{np.dtype(self.np_bits).itemsize}")
+            self._kv_write = self.kernels.variant("kv_write", udt)  # the export for this dtype, picked once
+            self._kv_verify = self.kernels.variant("kv_verify_dcp", udt)
             self._ubits = [b.view(udt) for b in self.bits]  # same memory, unsigned view
             self._mask = np.uint64((1 << (8 * udt.itemsize)) - 1)
             self._bad = np.zeros((20, 3), dtype=np.int64)
@@ -161,7 +163,7 @@ class PagedKVCache:
         """Write one step's tokens from host arrays: input_ids, positions [T]; slot_mapping [G, T]."""
         if self.kernels is not None:
             for g, ub in enumerate(self._ubits):
-                self.kernels.kv_write(input_ids, positions, slot_mapping[g], ub, self._mask, self.written[g])
+                self._kv_write(input_ids, positions, slot_mapping[g], ub, self._mask, self.written[g])
             return
         values = self.values(input_ids, positions)
         for g, bits in enumerate(self.bits):
@@ -221,12 +223,8 @@ class PagedKVCache:
         idx_mapping[b] of the persistent `token_ids` and block `table` (needs `use_kernels`). `cp`:
         (cp_size, cp_rank, interleave) of the DCP rank this shard belongs to (only its local positions)."""
         assert self.kernels is not None
-        if cp is not None and cp[0] > 1:
-            checked, bad = self.kernels.kv_verify_dcp(idx_mapping, lo, seq_lens, token_ids, table,
-                                                      self.block_sizes[g], *cp, self._ubits[g], self._mask, self._bad)
-        else:
-            checked, bad = self.kernels.kv_verify(idx_mapping, lo, seq_lens, token_ids, table, self.block_sizes[g],
-                                                  self._ubits[g], self._mask, self._bad)
+        checked, bad = self._kv_verify(idx_mapping, lo, seq_lens, token_ids, table, self.block_sizes[g],
+                                       *(cp or (1, 0, 1)), self._ubits[g], self._mask, self._bad)
         into.checked += checked
         into.mismatches += bad
         for b, p, s in self._bad[: min(bad, into.room(), len(self._bad))].tolist():

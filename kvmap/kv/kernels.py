@@ -84,3 +84,19 @@ def kv_verify_dcp(idx_mapping, lo, seq_lens, token_ids, table, block_size, cp_si
                     mismatches += 1
                     break
     return checked, mismatches
+
+
+# The ahead-of-time build (kvmap/aot.py, at install): exported name -> (kernel, signature), one variant per
+# unsigned view of the cache's dtype (u1: fp8, u2: bf16/fp16, u4: fp32), picked once by the cache.
+AOT_EXPORTS = {
+    "kv_write_u1": ("kv_write", "void(i4[::1], i8[::1], i8[::1], u1[:, :, ::1], u8, b1[::1])"),
+    "kv_write_u2": ("kv_write", "void(i4[::1], i8[::1], i8[::1], u2[:, :, ::1], u8, b1[::1])"),
+    "kv_write_u4": ("kv_write", "void(i4[::1], i8[::1], i8[::1], u4[:, :, ::1], u8, b1[::1])"),
+    "kv_verify_dcp_u1": ("kv_verify_dcp", "UniTuple(i8, 2)(i4[::1], i8[::1], i4[::1], i4[:, ::1], i4[:,"
+                              " ::1], i8, i8, i8, i8, u1[:, :, ::1], u8, i8[:, ::1])"),
+    "kv_verify_dcp_u2": ("kv_verify_dcp", "UniTuple(i8, 2)(i4[::1], i8[::1], i4[::1], i4[:, ::1], i4[:,"
+                              " ::1], i8, i8, i8, i8, u2[:, :, ::1], u8, i8[:, ::1])"),
+    "kv_verify_dcp_u4": ("kv_verify_dcp", "UniTuple(i8, 2)(i4[::1], i8[::1], i4[::1], i4[:, ::1], i4[:,"
+                              " ::1], i8, i8, i8, i8, u4[:, :, ::1], u8, i8[:, ::1])"),
+}
+AOT_SOURCES = ("kv/kernels.py", "kv/canary.py")

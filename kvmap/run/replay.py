@@ -234,6 +234,7 @@ def _new_result(trace: Trace, worker: Worker, kv, geometry: KVGeometry, phases: 
     h = trace.header
     result = ReplayResult(
         trace=trace.name, backend=worker.name, protocol=h.model_runner_protocol,
+        backend_detail=getattr(worker, "backend_detail", ""),
         groups=[{"kind": g.kind, "block_size": g.block_size, "sliding_window": g.sliding_window}
                 for g in h.kv_cache_groups],
         phases=phases, kv_bytes=kv.bytes if kv else 0, kv_geometry=asdict(geometry) if kv else {}, **kw)

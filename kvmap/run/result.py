@@ -71,6 +71,7 @@ class ReplayResult:
     protocol: str
     groups: list[dict]  # [{kind, block_size, sliding_window}]
     phases: list[str]
+    backend_detail: str = ""  # how the backend ran, e.g. the numba worker's kernels: ahead-of-time or JIT
     step_window: list[int | None] = field(default_factory=lambda: [0, None])  # [start, stop) as asked
     prewarm_steps: int = 0  # steps 0..N-1 replayed first by a throwaway worker, untimed (a window from 0)
     warmup: int = 0  # recorded steps excluded from statistics: those just before the window (or its first, from 0)

@@ -218,3 +218,22 @@ def append_tokens(token_ids, total_len, rows, counts, flat, max_model_len):
         total_len[row] = start + n
         t += n
     return -1
+
+
+# The ahead-of-time build (kvmap/aot.py, at install): exported name -> (kernel, signature). The signatures are
+# the dtypes of the workers' buffers and state (workers/buffers.py, workers/state.py): C-contiguous int32 rows
+# and counts, int64 positions and slots. AOT_SOURCES: the files this machine code is compiled from.
+AOT_EXPORTS = {
+    "batch_order": ("batch_order", "i8(i4[::1], i4[::1], i8, i4[::1], i8[::1], i4[::1])"),
+    "prepare_inputs": ("prepare_inputs", "i8(i4[::1], i4[::1], i4[::1], i4[::1], i4[:, ::1], i4[::1], i4[::1], "
+                                         "i4[::1], i4[::1], i4[::1], i8[::1], i4[::1])"),
+    "gather_block_table": ("gather_block_table", "void(i4[::1], i4[::1], i4[:, ::1], i4[:, ::1], i4[::1])"),
+    "slot_mapping": ("slot_mapping", "void(i4[::1], i4[::1], i4[::1], i4[:, ::1], i8, i8[::1])"),
+    "slot_mapping_dcp": ("slot_mapping_dcp", "void(i4[::1], i4[::1], i4[::1], i4[:, ::1], i8, i8, i8, i8, b1, "
+                                             "i8[::1])"),
+    "dcp_local_seq_lens": ("dcp_local_seq_lens", "void(i4[::1], i8, i8, i8, i4[::1])"),
+    "scatter": ("scatter", "void(i4[::1], i4[::1], i4[::1])"),
+    "positions_fit": ("positions_fit", "b1(i4[::1], i4[::1], i4[::1], i4[::1], i4[::1], i4[::1])"),
+    "append_tokens": ("append_tokens", "i8(i4[:, ::1], i4[::1], i4[::1], i4[::1], i4[::1], i8)"),
+}
+AOT_SOURCES = ("workers/kernels_cpu.py",)

@@ -2,15 +2,15 @@
 order, the mapping phases, the hot state updates and the KV canary paths as numba kernels.
 
 Rules: one kernel call per phase and group (workers/kernels_cpu.py, kv/kernels.py); the KV cache it makes
-writes and reads back through the compiled kernels, so `--backend numpy` times no compiled code.
-Importing this module imports numba: the registry imports it lazily.
+writes and reads back through the compiled kernels, so `--backend numpy` times no compiled code. The kernels
+come from `kvmap.aot.load`: the ahead-of-time twin built at install (no numba import), or numba's JIT.
 """
 
 from __future__ import annotations
 
 from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
+from kvmap.aot import load
 from kvmap.trace import TraceHeader
-from kvmap.workers import kernels_cpu
 from kvmap.workers.contract import make_rank_caches
 from kvmap.workers.host import HostWorker
 from kvmap.workers.state_ops import CompiledOps
@@ -21,7 +21,9 @@ class NumbaWorker(HostWorker):
 
     def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
         super().__init__(header, device)
-        self.k = kernels_cpu
+        self.k = load("kvmap.workers.kernels_cpu")
+        self.backend_detail = ("kernels compiled ahead of time" if self.k.kind == "ahead-of-time"
+                               else "kernels under numba's JIT, cached")
         self.state.ops = CompiledOps(self.state.writes)
 
     def sort_batch(self) -> None:

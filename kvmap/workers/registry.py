@@ -51,8 +51,11 @@ BACKENDS = tuple(BUILTIN)  # built-in names, in the order they are listed and ch
 
 
 def default_backend() -> str:
-    """The compiled host worker when numba is installed, else vectorized numpy (no import of numba here)."""
-    return "numba" if importlib.util.find_spec("numba") is not None else "numpy"
+    """The compiled host worker when its kernels can load (built at install, or numba to compile them), else
+    vectorized numpy (imports neither numba nor the kernels)."""
+    from kvmap.aot import available
+
+    return "numba" if available() else "numpy"
 
 
 def entry_point_backends() -> dict[str, str]:

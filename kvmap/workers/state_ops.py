@@ -34,10 +34,10 @@ class VectorOps:
 
 class CompiledOps:
     def __init__(self, writes) -> None:
-        from kvmap.workers import kernels_cpu
+        from kvmap.aot import load
 
         assert not writes.record, "compiled appends bypass the staged-write log: host workers only"
-        self.k = kernels_cpu
+        self.k = load("kvmap.workers.kernels_cpu")
 
     def scatter(self, dst: np.ndarray, idx: np.ndarray, values: np.ndarray) -> None:
         self.k.scatter(dst, idx, values)

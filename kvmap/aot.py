@@ -1,0 +1,240 @@
+"""Ahead-of-time compiled kernels: numba's kernels built into an extension module at install, loaded in 1 ms.
+
+A kernel module (`kvmap/workers/kernels_cpu.py`, `kvmap/kv/kernels.py`) stays the one source of its kernels,
+written for numba's JIT. It declares `AOT_EXPORTS` (exported name -> (kernel, signature)) and `AOT_SOURCES`
+(the files its machine code depends on). `build` compiles those exports with `numba.pycc` into a twin
+extension module next to it (`_kernels_aot`): setup.py does it at install, `python -m kvmap.aot` by hand.
+`load` then hands out the twin without importing numba (about 0.2 s of import and 0.2 s of type-system
+set-up saved on every run), or the JIT module when the twin is missing or was built from other sources.
+
+Rules:
+- The twin is used only if its `source_hash()` equals the hash of the sources on disk now: an edited kernel
+  never runs stale machine code (it runs under the JIT, which recompiles it).
+- A compiled export trusts its arguments (dtype, rank, contiguity are not checked: a wrong one reads the
+  wrong memory). The signatures are the dtypes the workers' preallocated buffers have by construction;
+  `KVMAP_CHECK_KERNELS=1` (set by the test suite) wraps every export in a check of its declared signature.
+- An export with a dtype in its name (`kv_write_u16`) is one variant of a kernel that the JIT specializes
+  per dtype; `Kernels.variant(name, dtype)` picks it once, outside the hot path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import zlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent  # the kvmap package folder
+AOT_SUFFIX = "_aot"
+
+
+def source_hash(sources: tuple[str, ...]) -> int:
+    """A signed 64-bit fingerprint of the source files (paths relative to the kvmap package): CRC-32 and
+    Adler-32 of their bytes (zlib is loaded anyway; hashlib would add 6 ms to every start). It tells an edited
+    kernel from the one compiled; it is not a defence against a crafted file."""
+    data = b"".join(rel.encode() + b"\0" + (ROOT / rel).read_bytes() + b"\0" for rel in sources)
+    value = (zlib.crc32(data) << 32) | zlib.adler32(data)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def twin_name(module: str) -> str:
+    """kvmap.kv.kernels -> kvmap.kv._kernels_aot"""
+    pkg, _, leaf = module.rpartition(".")
+    return f"{pkg}._{leaf}{AOT_SUFFIX}"
+
+
+# -------------------------------------------------------------------------------------------- signatures
+
+_DTYPES = {"i4": "int32", "i8": "int64", "u1": "uint8", "u2": "uint16", "u4": "uint32", "u8": "uint64",
+           "b1": "bool"}
+_ARRAY = re.compile(r"^(\w+)\[([^\]]*)\]$")
+
+
+def _split_args(sig: str) -> tuple[str, list[str]]:
+    """'i8(i4[::1], UniTuple(i8, 2))' -> ('i8', ['i4[::1]', 'UniTuple(i8, 2)']) (top-level commas only)."""
+    depth, start = 0, len(sig) - 1
+    for start in range(len(sig) - 1, -1, -1):  # the "(" that matches the final ")": the argument list
+        depth += {")": 1, "(": -1}.get(sig[start], 0)
+        if depth == 0:
+            break
+    ret, body, depth, cur, out = sig[:start], sig[start + 1:-1], 0, "", []
+    for ch in body:
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return ret.strip(), out
+
+
+def _checker(name: str, sig: str, fn):
+    """`fn` with each argument checked against `sig` (dtype, rank, C order for arrays; int or bool scalars)."""
+    import numpy as np
+
+    _, args = _split_args(sig)
+    specs = []
+    for a in args:
+        m = _ARRAY.match(a)
+        if m:
+            dims = m.group(2).split(",")
+            specs.append((np.dtype(_DTYPES[m.group(1)]), len(dims), dims[-1].strip() == "::1"))
+        else:
+            specs.append((None, _DTYPES.get(a, a), None))
+
+    def checked(*values):
+        if len(values) != len(specs):
+            raise TypeError(f"{name}: {len(values)} arguments, the signature {sig} has {len(specs)}")
+        for i, (v, (dtype, rank, contiguous)) in enumerate(zip(values, specs)):
+            if dtype is None:
+                ok = isinstance(v, (bool, np.bool_)) if rank == "bool" else (
+                    isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)))
+                if not ok:
+                    raise TypeError(f"{name}: argument {i} is {type(v).__name__}, the signature says {args[i]}")
+                continue
+            if not isinstance(v, np.ndarray) or v.dtype != dtype or v.ndim != rank or (
+                    contiguous and not v.flags.c_contiguous):
+                got = f"{v.dtype}[{v.ndim}d, {'C' if v.flags.c_contiguous else 'strided'}]" if isinstance(
+                    v, np.ndarray) else type(v).__name__
+                raise TypeError(f"{name}: argument {i} is {got}, the signature says {args[i]}")
+        return fn(*values)
+
+    checked.__name__ = name
+    return checked
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+class Kernels:
+    """The kernels of one module: the ahead-of-time twin's exports or the JIT module's dispatchers, by name.
+    `kind`: 'ahead-of-time' or 'jit'."""
+
+    def __init__(self, kind: str, fns: dict, exports: dict) -> None:
+        self.kind = kind
+        self._exports = exports
+        self.__dict__.update(fns)
+
+    def variant(self, name: str, dtype) -> object:
+        """The export of kernel `name` for an array dtype ('uint16' -> name_u2 ... as declared), or the JIT
+        dispatcher (which specializes itself)."""
+        if self.kind == "jit":
+            return getattr(self, name)
+        import numpy as np
+
+        code = {v: k for k, v in _DTYPES.items()}[np.dtype(dtype).name]
+        return getattr(self, f"{name}_{code}")
+
+
+_LOADED: dict[str, Kernels] = {}
+
+
+def load(module: str) -> Kernels:
+    """The kernels of `module` (a kernel module's dotted name): its twin when built from the sources on disk,
+    else the module itself under numba's JIT (ImportError if numba is missing too)."""
+    if module in _LOADED:
+        return _LOADED[module]
+    spec = _spec(module)
+    kernels = twin = None
+    if os.environ.get("KVMAP_AOT", "1") != "0":
+        try:
+            twin = importlib.import_module(twin_name(module))
+        except ImportError:
+            twin = None
+        if twin is not None and twin.source_hash() == source_hash(spec["AOT_SOURCES"]):
+            fns = {name: getattr(twin, name) for name in spec["AOT_EXPORTS"]}
+            if os.environ.get("KVMAP_CHECK_KERNELS") == "1":
+                fns = {n: _checker(n, spec["AOT_EXPORTS"][n][1], f) for n, f in fns.items()}
+            kernels = Kernels("ahead-of-time", fns, spec["AOT_EXPORTS"])
+    if kernels is None:
+        try:
+            jit = importlib.import_module(module)
+        except ImportError as e:
+            from kvmap.errors import KvmapError
+
+            why = "missing" if twin is None else "built from other sources"
+            raise KvmapError(f"the compiled kernels ({twin_name(module)}) are {why} and numba cannot load "
+                             f"({e}): pip install numba, rebuild with `python -m kvmap.aot`, or use --backend "
+                             "numpy", field="--backend") from None
+        names = {k for k, _ in spec["AOT_EXPORTS"].values()}
+        kernels = Kernels("jit", {n: getattr(jit, n) for n in names}, spec["AOT_EXPORTS"])
+    _LOADED[module] = kernels
+    return kernels
+
+
+def _spec(module: str) -> dict:
+    """A kernel module's AOT_* declarations, read without importing it (importing it imports numba)."""
+    import ast
+
+    path = ROOT / (module.removeprefix("kvmap.").replace(".", "/") + ".py")
+    tree = ast.parse(path.read_text())
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and node.targets[0].id.startswith("AOT_"):
+            out[node.targets[0].id] = ast.literal_eval(node.value)
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- build
+
+def build(module: str, out_dir: str | os.PathLike, target_cpu: str = "host", verbose: bool = False) -> Path:
+    """Compile `module`'s AOT_EXPORTS with numba.pycc into its twin in `out_dir` (imports numba). Returns the
+    file written."""
+    from numba.pycc import CC
+
+    jit = importlib.import_module(module)
+    spec = _spec(module)
+    basename = twin_name(module).rpartition(".")[2]
+    cc = CC(basename)
+    cc.output_dir = str(out_dir)
+    cc.target_cpu = target_cpu
+    cc.verbose = verbose
+    for name, (kernel, sig) in spec["AOT_EXPORTS"].items():
+        cc.export(name, sig)(getattr(jit, kernel).py_func)
+    value = source_hash(spec["AOT_SOURCES"])
+    ns: dict = {}
+    exec(f"def source_hash():\n    return {value}\n", ns)
+    cc.export("source_hash", "i8()")(ns["source_hash"])
+    os.makedirs(out_dir, exist_ok=True)
+    cc.compile()
+    return Path(out_dir) / (basename + _ext_suffix())
+
+
+def _ext_suffix() -> str:
+    import sysconfig
+
+    return sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+
+
+KERNEL_MODULES = ("kvmap.workers.kernels_cpu", "kvmap.kv.kernels")
+
+
+def available() -> bool:
+    """Whether the compiled kernels can load, without importing them or numba: the twins are on disk (their
+    sources are checked at load) or numba is installed."""
+    import importlib.util
+
+    if os.environ.get("KVMAP_AOT", "1") != "0" and all(
+            importlib.util.find_spec(twin_name(m)) is not None for m in KERNEL_MODULES):
+        return True
+    return importlib.util.find_spec("numba") is not None
+
+
+def main() -> None:
+    """python -m kvmap.aot: rebuild every twin in place (after editing a kernel, to skip the JIT again)."""
+    import time
+
+    for module in KERNEL_MODULES:
+        t = time.perf_counter()
+        out = build(module, (ROOT / module.removeprefix("kvmap.").replace(".", "/")).parent)
+        print(f"{out.relative_to(ROOT.parent)}  ({time.perf_counter() - t:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
