@@ -14,7 +14,8 @@ the trace, every step, the summary. This script times exactly that, from outside
    longer (the long trace concatenated, request ids suffixed per copy, steps renumbered: still valid).
 2. Start-up alone: `kvmap --help`, `kvmap replay` of the worked example, `kvmap validate` of it.
 3. The first run with an empty numba cache (`NUMBA_CACHE_DIR` a fresh folder each run): replay of the worked
-   example.
+   example, with the kernels compiled at install (kvmap.aot: nothing to compile) and under the JIT
+   (`KVMAP_AOT=0`: what a run costs where the install could not build them).
 
 Both sides run with one numba / BLAS thread (perf-facts.md: two threads stall on this 2-core machine).
 """
@@ -248,6 +249,10 @@ def main() -> None:
             longer_trace(Path(args.trace), x10, 10)
             traces.append(x10)
         also = [b for b in args.also.split(",") if b]
+        flags = {k: os.environ[k] for k in ("PYTHONDONTWRITEBYTECODE", "KVMAP_AOT") if k in os.environ}
+        out["env"] = flags
+        if flags:
+            print("environment: " + ", ".join(f"{k}={v}" for k, v in flags.items()) + " (inherited by every run)")
         print(f"whole process: `kvmap replay TRACE` (default backend, KV write on, summary to a pipe) against a "
               f"V1-style baseline replayer process; {args.runs} alternating runs each, wall seconds median "
               f"[min-max]; speed-up = baseline / kvmap")
@@ -288,14 +293,17 @@ def main() -> None:
             s = out["startup"][n] = summary(t)
             print(f"  {n:<32} median {s['median_s']:.3f} [{s['min_s']:.3f}-{s['max_s']:.3f}]")
         if args.cold_runs:
-            roots = {"first run, empty numba cache": None}
+            # a fresh NUMBA_CACHE_DIR each run: with the kernels compiled at install there is nothing to compile;
+            # under the JIT (KVMAP_AOT=0, as where the install could not build them) every kernel compiles
+            roots = {"first run, empty numba cache": (None, {}),
+                     "first run, JIT (KVMAP_AOT=0), empty cache": (None, {"KVMAP_AOT": "0"})}
             if args.compare_root:
-                roots["(compare-root) first run"] = args.compare_root
+                roots["(compare-root) first run"] = (args.compare_root, {})
             cold: dict[str, list[float]] = {n: [] for n in roots}
             for _ in range(args.cold_runs):
-                for n, root in roots.items():
+                for n, (root, extra) in roots.items():
                     with tempfile.TemporaryDirectory() as cache:
-                        cold[n].append(wall(kvmap_cmd("replay", small, root=root), NUMBA_CACHE_DIR=cache))
+                        cold[n].append(wall(kvmap_cmd("replay", small, root=root), NUMBA_CACHE_DIR=cache, **extra))
             out["first_run"] = summary(cold["first run, empty numba cache"])
             for n, t in cold.items():
                 s = summary(t)

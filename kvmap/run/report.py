@@ -235,8 +235,8 @@ def render_summary(r: ReplayResult, console: Console) -> None:
     s = summary_dict(r)
     groups = ", ".join(f"{g['kind']} bs={g['block_size']}" + (f" window={g['sliding_window']}"
                                                                if g.get("sliding_window") else "") for g in r.groups)
-    head = [("trace", f"{safe(r.trace)}  ({r.protocol} protocol, {groups})"), ("backend", safe(r.backend) + (f" ({r.backend_detail})"
-                                                                                   if r.backend_detail else "")),
+    backend = safe(r.backend) + (f" ({r.backend_detail})" if r.backend_detail else "")
+    head = [("trace", f"{safe(r.trace)}  ({r.protocol} protocol, {groups})"), ("backend", backend),
             ("steps", steps_text(r)), ("requests", f"{s['requests']} scheduled in the measured steps"),
             ("tokens", f"{s['tokens_scheduled']} scheduled in the measured steps, {s['mean_tokens_per_step']:.1f} "
                        f"per step, {s['mean_reqs_per_step']:.1f} requests per step"),
