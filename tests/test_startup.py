@@ -71,3 +71,19 @@ def test_fast_exit_keeps_output_files_and_exit_codes(tmp_path):
     assert bad.returncode == 2 and "no such file" in bad.stderr
     assert subprocess.run([sys.executable, "-m", "kvmap", "validate", str(TRACES / "worked_example.jsonl")],
                           capture_output=True, text=True).returncode == 0
+
+
+def test_root_help_lists_every_command_without_typers_markdown_stack():
+    """`kvmap --help` is drawn by kvmap (rich panel + table), not typer's rich formatter (which imports
+    rich.markdown, markdown_it and pygments): the same usage, options and commands."""
+    from kvmap.cli import app
+
+    probe = PROBE.replace('("torch", "numba", "triton")', '("markdown_it", "pygments", "typer.rich_utils")')
+    out = subprocess.run([sys.executable, "-c", probe, "--help"], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "COLUMNS": "200"})
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert "Usage:" in out.stdout and "--version" in out.stdout and "Print the version and exit." in out.stdout
+    for cmd in app.registered_commands:
+        name = cmd.name or cmd.callback.__name__
+        first = " ".join((cmd.callback.__doc__ or "").split("\n\n")[0].split())
+        assert f"{name}  " in out.stdout and first[:60] in out.stdout, name
