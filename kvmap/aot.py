@@ -115,9 +115,8 @@ class Kernels:
     """The kernels of one module: the ahead-of-time twin's exports or the JIT module's dispatchers, by name.
     `kind`: 'ahead-of-time' or 'jit'."""
 
-    def __init__(self, kind: str, fns: dict, exports: dict) -> None:
+    def __init__(self, kind: str, fns: dict) -> None:
         self.kind = kind
-        self._exports = exports
         self.__dict__.update(fns)
 
     def variant(self, name: str, dtype) -> object:
@@ -139,19 +138,21 @@ def load(module: str) -> Kernels:
     else the module itself under numba's JIT (ImportError if numba is missing too)."""
     if module in _LOADED:
         return _LOADED[module]
-    spec = _spec(module)
     kernels = twin = None
     if os.environ.get("KVMAP_AOT", "1") != "0":
         try:
             twin = importlib.import_module(twin_name(module))
         except ImportError:
             twin = None
-        if twin is not None and twin.source_hash() == source_hash(spec["AOT_SOURCES"]):
-            fns = {name: getattr(twin, name) for name in spec["AOT_EXPORTS"]}
+        if twin is not None and twin.source_hash() == source_hash(_sources(module)):
+            fns = {n: getattr(twin, n) for n in dir(twin) if not n.startswith("_") and n != "source_hash"}
             if os.environ.get("KVMAP_CHECK_KERNELS") == "1":
-                fns = {n: _checker(n, spec["AOT_EXPORTS"][n][1], f) for n, f in fns.items()}
-            kernels = Kernels("ahead-of-time", fns, spec["AOT_EXPORTS"])
+                exports = _spec(module)["AOT_EXPORTS"]
+                assert set(fns) == set(exports), (module, sorted(fns), sorted(exports))
+                fns = {n: _checker(n, exports[n][1], f) for n, f in fns.items()}
+            kernels = Kernels("ahead-of-time", fns)
     if kernels is None:
+        spec = _spec(module)
         try:
             jit = importlib.import_module(module)
         except ImportError as e:
@@ -162,17 +163,28 @@ def load(module: str) -> Kernels:
                              f"({e}): pip install numba, rebuild with `python -m kvmap.aot`, or use --backend "
                              "numpy", field="--backend") from None
         names = {k for k, _ in spec["AOT_EXPORTS"].values()}
-        kernels = Kernels("jit", {n: getattr(jit, n) for n in names}, spec["AOT_EXPORTS"])
+        kernels = Kernels("jit", {n: getattr(jit, n) for n in names})
     _LOADED[module] = kernels
     return kernels
+
+
+def _path(module: str) -> Path:
+    return ROOT / (module.removeprefix("kvmap.").replace(".", "/") + ".py")
+
+
+def _sources(module: str) -> tuple[str, ...]:
+    """A kernel module's AOT_SOURCES, from its one line (every start reads it: no import, no parse)."""
+    for line in _path(module).read_text().splitlines():
+        if line.startswith("AOT_SOURCES = "):
+            return tuple(re.findall(r'"([^"]+)"', line))
+    return ()
 
 
 def _spec(module: str) -> dict:
     """A kernel module's AOT_* declarations, read without importing it (importing it imports numba)."""
     import ast
 
-    path = ROOT / (module.removeprefix("kvmap.").replace(".", "/") + ".py")
-    tree = ast.parse(path.read_text())
+    tree = ast.parse(_path(module).read_text())
     out = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \

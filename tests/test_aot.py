@@ -95,3 +95,8 @@ def test_ahead_of_time_equals_the_jit_bit_for_bit(fresh, name):
         return dumps
 
     assert run("1") == run("0")
+
+
+def test_the_one_line_sources_read_is_the_declaration():
+    for module in aot.KERNEL_MODULES:
+        assert aot._sources(module) == aot._spec(module)["AOT_SOURCES"]
