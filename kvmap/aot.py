@@ -3,17 +3,20 @@
 A kernel module (`kvmap/workers/kernels_cpu.py`, `kvmap/kv/kernels.py`) stays the one source of its kernels,
 written for numba's JIT. It declares `AOT_EXPORTS` (exported name -> (kernel, signature)) and `AOT_SOURCES`
 (the files its machine code depends on). `build` compiles those exports with `numba.pycc` into a twin
-extension module next to it (`_kernels_aot`): setup.py does it at install, `python -m kvmap.aot` by hand.
+extension module next to it (`_<name>_aot`): setup.py does it at install, `python -m kvmap.aot` by hand.
 `load` then hands out the twin without importing numba (about 0.2 s of import and 0.2 s of type-system
 set-up saved on every run), or the JIT module when the twin is missing or was built from other sources.
 
 Rules:
 - The twin is used only if its `source_hash()` equals the hash of the sources on disk now: an edited kernel
-  never runs stale machine code (it runs under the JIT, which recompiles it).
+  never runs stale machine code (it runs under the JIT, which recompiles it). It is compiled for the CPU it
+  was built on (as numba's JIT compiles for the host), so it is used only on a CPU with the same model and
+  feature flags (`cpu_hash()`): an environment copied to another machine falls back to the JIT, not to an
+  illegal instruction.
 - A compiled export trusts its arguments (dtype, rank, contiguity are not checked: a wrong one reads the
   wrong memory). The signatures are the dtypes the workers' preallocated buffers have by construction;
   `KVMAP_CHECK_KERNELS=1` (set by the test suite) wraps every export in a check of its declared signature.
-- An export with a dtype in its name (`kv_write_u16`) is one variant of a kernel that the JIT specializes
+- An export with a dtype in its name (`kv_write_u2`) is one variant of a kernel that the JIT specializes
   per dtype; `Kernels.variant(name, dtype)` picks it once, outside the hot path.
 """
 
@@ -36,6 +39,35 @@ def source_hash(sources: tuple[str, ...]) -> int:
     data = b"".join(rel.encode() + b"\0" + (ROOT / rel).read_bytes() + b"\0" for rel in sources)
     value = (zlib.crc32(data) << 32) | zlib.adler32(data)
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def cpu_fingerprint() -> str:
+    """The machine, and on Linux the first CPU's model and feature flags (what `target_cpu='host'` compiles
+    for), read without importing llvmlite."""
+    import platform
+
+    parts = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.partition(":")[0].strip()
+                if key in ("model name", "flags", "Features", "CPU part"):
+                    parts.append(line.strip())
+                elif not line.strip():  # the end of the first CPU's block
+                    break
+    except OSError:
+        pass
+    return "\n".join(parts)
+
+
+_CPU_HASH: list[int] = []
+
+
+def cpu_hash() -> int:
+    """crc32 of `cpu_fingerprint()`, read once per process."""
+    if not _CPU_HASH:
+        _CPU_HASH.append(zlib.crc32(cpu_fingerprint().encode()))
+    return _CPU_HASH[0]
 
 
 def twin_name(module: str) -> str:
@@ -131,11 +163,12 @@ class Kernels:
 
 
 _LOADED: dict[str, Kernels] = {}
+_STAMPS = ("source_hash", "cpu_hash")  # a twin's own exports that say what it was built from
 
 
 def load(module: str) -> Kernels:
-    """The kernels of `module` (a kernel module's dotted name): its twin when built from the sources on disk,
-    else the module itself under numba's JIT (ImportError if numba is missing too)."""
+    """The kernels of `module` (a kernel module's dotted name): its twin when built from the sources on disk
+    for this CPU, else the module itself under numba's JIT (a located KvmapError if numba is missing too)."""
     if module in _LOADED:
         return _LOADED[module]
     kernels = twin = None
@@ -144,8 +177,9 @@ def load(module: str) -> Kernels:
             twin = importlib.import_module(twin_name(module))
         except ImportError:
             twin = None
-        if twin is not None and twin.source_hash() == source_hash(_sources(module)):
-            fns = {n: getattr(twin, n) for n in dir(twin) if not n.startswith("_") and n != "source_hash"}
+        if twin is not None and twin.source_hash() == source_hash(_sources(module)) \
+                and twin.cpu_hash() == cpu_hash():
+            fns = {n: getattr(twin, n) for n in dir(twin) if not n.startswith("_") and n not in _STAMPS}
             if os.environ.get("KVMAP_CHECK_KERNELS") == "1":
                 exports = _spec(module)["AOT_EXPORTS"]
                 assert set(fns) == set(exports), (module, sorted(fns), sorted(exports))
@@ -158,7 +192,7 @@ def load(module: str) -> Kernels:
         except ImportError as e:
             from kvmap.errors import KvmapError
 
-            why = "missing" if twin is None else "built from other sources"
+            why = "missing" if twin is None else "built from other sources or for another CPU"
             raise KvmapError(f"the compiled kernels ({twin_name(module)}) are {why} and numba cannot load "
                              f"({e}): pip install numba, rebuild with `python -m kvmap.aot`, or use --backend "
                              "numpy", field="--backend") from None
@@ -209,10 +243,11 @@ def build(module: str, out_dir: str | os.PathLike, target_cpu: str = "host", ver
     cc.verbose = verbose
     for name, (kernel, sig) in spec["AOT_EXPORTS"].items():
         cc.export(name, sig)(getattr(jit, kernel).py_func)
-    value = source_hash(spec["AOT_SOURCES"])
     ns: dict = {}
-    exec(f"def source_hash():\n    return {value}\n", ns)
+    exec(f"def source_hash():\n    return {source_hash(spec['AOT_SOURCES'])}\n"
+         f"def cpu_hash():\n    return {cpu_hash()}\n", ns)
     cc.export("source_hash", "i8()")(ns["source_hash"])
+    cc.export("cpu_hash", "i8()")(ns["cpu_hash"])
     os.makedirs(out_dir, exist_ok=True)
     cc.compile()
     return Path(out_dir) / (basename + _ext_suffix())

@@ -53,6 +53,19 @@ def test_a_stale_twin_is_not_used(fresh):
     assert aot.load("kvmap.workers.kernels_cpu").kind == "jit"
 
 
+@needs_twins
+def test_a_twin_built_for_another_cpu_is_not_used(fresh):
+    """Compiled for the build machine's CPU: on a CPU with other features it would be an illegal instruction."""
+    fresh.setattr(aot, "cpu_hash", lambda: aot.zlib.crc32(b"another cpu"))
+    assert aot.load("kvmap.kv.kernels").kind == "jit"
+
+
+def test_the_cpu_fingerprint_names_this_machine():
+    import platform
+
+    assert aot.cpu_fingerprint().startswith(platform.machine()) and aot.cpu_hash() == aot.cpu_hash()
+
+
 def test_kvmap_aot_0_forces_the_jit(fresh):
     fresh.setenv("KVMAP_AOT", "0")
     assert aot.load("kvmap.kv.kernels").kind == "jit"
