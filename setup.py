@@ -21,7 +21,12 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-MODULES = {"kvmap.workers._kernels_cpu_aot": "kvmap.workers.kernels_cpu", "kvmap.kv._kernels_aot": "kvmap.kv.kernels"}
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from kvmap.aot import KERNEL_MODULES, twin_name  # noqa: E402 - kvmap.aot imports only the standard library
+
+sys.path.pop(0)
+MODULES = {twin_name(m): m for m in KERNEL_MODULES}  # extension -> the kernel module it is compiled from
 
 
 class BuildKernels(build_ext):
@@ -33,14 +38,14 @@ class BuildKernels(build_ext):
         if self.inplace or self.editable_mode:
             import compileall
 
-            compileall.compile_dir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kvmap"), quiet=1)
+            compileall.compile_dir(os.path.join(HERE, "kvmap"), quiet=1)
 
     def build_extension(self, ext: Extension) -> None:
         if os.environ.get("KVMAP_NO_AOT"):
             self.announce("kvmap: KVMAP_NO_AOT is set, the kernels will be compiled by numba's JIT", 2)
             return
         target = self.get_ext_fullpath(ext.name)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        sys.path.insert(0, HERE)
         try:
             from kvmap import aot
 

@@ -262,15 +262,21 @@ def _ext_suffix() -> str:
 KERNEL_MODULES = ("kvmap.workers.kernels_cpu", "kvmap.kv.kernels")
 
 
-def available() -> bool:
-    """Whether the compiled kernels can load, without importing them or numba: the twins are on disk (their
-    sources are checked at load) or numba is installed."""
+def twins_on_disk() -> bool:
+    """Whether every twin is installed and not turned off (KVMAP_AOT=0), looked up without importing it
+    (its sources and CPU are checked at load)."""
     import importlib.util
 
-    if os.environ.get("KVMAP_AOT", "1") != "0" and all(
-            importlib.util.find_spec(twin_name(m)) is not None for m in KERNEL_MODULES):
-        return True
-    return importlib.util.find_spec("numba") is not None
+    return os.environ.get("KVMAP_AOT", "1") != "0" and all(
+        importlib.util.find_spec(twin_name(m)) is not None for m in KERNEL_MODULES)
+
+
+def available() -> bool:
+    """Whether the compiled kernels can load, without importing them or numba: the twins are on disk or
+    numba is installed."""
+    import importlib.util
+
+    return twins_on_disk() or importlib.util.find_spec("numba") is not None
 
 
 def main() -> None:
@@ -279,7 +285,7 @@ def main() -> None:
 
     for module in KERNEL_MODULES:
         t = time.perf_counter()
-        out = build(module, (ROOT / module.removeprefix("kvmap.").replace(".", "/")).parent)
+        out = build(module, _path(module).parent)
         print(f"{out.relative_to(ROOT.parent)}  ({time.perf_counter() - t:.1f} s)")
 
 

@@ -14,7 +14,7 @@ from kvmap.trace import Trace
 
 from .conftest import TRACES
 
-BUILT = all(importlib.util.find_spec(aot.twin_name(m)) is not None for m in aot.KERNEL_MODULES)
+BUILT = aot.twins_on_disk()
 needs_twins = pytest.mark.skipif(not BUILT, reason="the ahead-of-time kernels are not built (KVMAP_NO_AOT?)")
 
 

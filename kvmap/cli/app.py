@@ -313,14 +313,12 @@ class progress_bar:
 def _kernels_cached() -> bool:
     """Whether the CPU kernels are compiled: built at install (kvmap.aot's twins; their sources are checked at
     load), or in numba's cache (index files), looked up without importing numba."""
-    import importlib.util
     import os
 
     import kvmap
-    from kvmap.aot import KERNEL_MODULES, twin_name
+    from kvmap.aot import twins_on_disk
 
-    if os.environ.get("KVMAP_AOT", "1") != "0" and all(
-            importlib.util.find_spec(twin_name(m)) is not None for m in KERNEL_MODULES):
+    if twins_on_disk():
         return True
     where = os.environ.get("NUMBA_CACHE_DIR")
     folder = Path(where) if where else Path(kvmap.__file__).parent / "workers" / "__pycache__"
