@@ -195,3 +195,9 @@ def group_layouts(header, cp_rank: int = 0) -> list[GroupLayout]:
 def rank_layouts(header, ranks: Sequence[int]) -> list[list[GroupLayout]]:
     """[len(ranks)][num_groups] layouts: every group on each of the given DCP ranks."""
     return [group_layouts(header, r) for r in ranks]
+
+
+def seq_layouts(header, ranks: Sequence[int]) -> list[GroupLayout]:
+    """[len(ranks)] the sharded layout each DCP rank's `dcp_local_seq_lens` follows (header block size)."""
+    return [GroupLayout(header.block_size, cp_size=header.decode_context_parallel_size, cp_rank=r,
+                        interleave=header.cp_kv_cache_interleave_size) for r in ranks]

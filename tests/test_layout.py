@@ -83,16 +83,21 @@ def test_numba_form_equals_the_spec():
         assert out.tolist() == want
 
 
-def test_triton_form_equals_the_spec():
+def _triton_device():
+    """(torch, device) for a Triton kernel test: CUDA, or CPU tensors under TRITON_INTERPRET=1; else skip."""
     pytest.importorskip("triton")
     torch = pytest.importorskip("torch")
     import os
 
     if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET")):
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    return torch, "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_triton_form_equals_the_spec():
+    torch, dev = _triton_device()
     from kvmap.workers.triton_worker import BLOCK, _slot_mapping_kernel
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
     table, idx, n, nc, qsl, pos, want = _case(1)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
     T = len(pos)
@@ -224,15 +229,9 @@ def test_dcp_numba_form_equals_the_spec(cp, I):
 
 
 def test_dcp_triton_form_equals_the_spec():
-    pytest.importorskip("triton")
-    torch = pytest.importorskip("torch")
-    import os
-
-    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET")):
-        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    torch, dev = _triton_device()
     from kvmap.workers.triton_worker import BLOCK, _slot_mapping_dcp_kernel
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
     cp, I = 4, 8
     table, idx, n, nc, qsl, pos = _dcp_case(cp, seed=3)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731

@@ -13,9 +13,9 @@ import pytest
 from kvmap.layout import PAD_SLOT_ID
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
-from kvmap.workers.host import NumpyWorker
 from kvmap.workers.mappings import dump_line
 
+from .backends.vllm51031_backend import VirtualBlockFromKernelSize  # the planted mistake, shared with validate
 from .conftest import TRACES
 from .multirank_helpers import make_dcp_trace
 
@@ -144,24 +144,6 @@ def test_tp_shards_the_heads():
     assert r.kv_geometry["num_kv_heads"] == 8 and r.tp_size == 4
     assert r.rank_kv_bytes[0] * 4 == r.kv_bytes  # 4 DCP shards, each with 8 // 4 heads
     assert r.rank_kv_bytes[0] == 10 * 16 * 2 * 2 * 16 * 2  # blocks * block_size * K,V * heads * head * bytes
-
-
-class VirtualBlockFromKernelSize(NumpyWorker):
-    """vllm#51031: the virtual block taken from the kernel block size (kernel_block_size * cp)."""
-
-    name = "vllm51031-bug"
-
-    def compute_slot_mappings(self) -> None:
-        super().compute_slot_mappings()
-        b, buf, st = self.batch, self.buffers, self.state
-        T = b.num_tokens
-        idx = np.repeat(buf.idx_mapping[: b.num_reqs], buf.num_scheduled_tokens[: b.num_reqs])
-        pos = buf.positions[:T]
-        for i, lays in enumerate(self.rank_layouts):
-            lay = lays[0]
-            wrong_vb = pos // (lay.kernel_size * lay.cp_size)
-            ids = st.block_tables[0][idx, np.minimum(wrong_vb, st.block_tables[0].shape[1] - 1)]
-            buf.rank_slot_mapping[i, 0, :T] = lay.slots(ids, pos)
 
 
 def test_planted_vllm51031_mistake_is_caught():

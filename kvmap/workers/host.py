@@ -15,7 +15,7 @@ import numpy as np
 
 from kvmap.errors import TraceError
 from kvmap.kv.cache import KVCheckResult, PagedKVCache, RankedKVCache
-from kvmap.layout import GroupLayout, rank_layouts
+from kvmap.layout import rank_layouts, seq_layouts
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers import buffers as B
 from kvmap.workers.contract import StepBatch, Worker
@@ -47,8 +47,7 @@ class HostWorker(Worker):
         self.rank_layouts = rank_layouts(h, self.ranks)  # [num_ranks][G]
         self.layouts = self.rank_layouts[0]  # the first computed rank's (the only one when cp = 1)
         # dcp_local_seq_lens: one sharded layout per computed rank
-        self.seq_layouts = [GroupLayout(h.block_size, cp_size=h.decode_context_parallel_size, cp_rank=r,
-                                        interleave=h.cp_kv_cache_interleave_size) for r in self.ranks]
+        self.seq_layouts = seq_layouts(h, self.ranks)
 
     def multirank_block_tables(self) -> None:
         """After the gather: the kernel block rows (a kernel split only)."""

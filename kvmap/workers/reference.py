@@ -13,7 +13,7 @@ import numpy as np
 from kvmap.defaults import STANDIN_TOKEN_ID
 from kvmap.errors import TraceError
 from kvmap.kv.cache import KVCheckResult, PagedKVCache, RankedKVCache
-from kvmap.layout import PAD_SLOT_ID, GroupLayout, rank_layouts
+from kvmap.layout import PAD_SLOT_ID, rank_layouts, seq_layouts
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers.contract import Worker
 from kvmap.workers.mappings import DUMP_KEYS, BatchMappings, mappings_from_dict
@@ -53,8 +53,7 @@ class ReferenceWorker(Worker):
         self.layouts = self.rank_layouts[0]
         self.cp_size = h.decode_context_parallel_size
         self.kernel_split = h.has_kernel_split
-        self.seq_layouts = [GroupLayout(h.block_size, cp_size=self.cp_size, cp_rank=r,
-                                        interleave=h.cp_kv_cache_interleave_size) for r in self.ranks]
+        self.seq_layouts = seq_layouts(h, self.ranks)
 
     @property
     def current_step(self) -> int:

@@ -58,13 +58,19 @@ def _gather_block_table_kernel(idx_ptr, num_blocks_ptr, table_ptr, table_stride,
 
 
 @triton.jit
+def _store_pad_slots(out_ptr, num_tokens, pad_end, BLOCK: tl.constexpr):
+    """out[num_tokens:pad_end] = PAD_SLOT_ID: the slot mapping kernels' extra program."""
+    for i in range(num_tokens, pad_end, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.full((BLOCK,), -1, tl.int64), mask=offs < pad_end)
+
+
+@triton.jit
 def _slot_mapping_kernel(idx_ptr, n_ptr, qsl_ptr, nc_ptr, table_ptr, table_stride, block_size, out_ptr,
                          num_reqs, num_tokens, pad_end, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     if b == num_reqs:  # the extra program: PAD_SLOT_ID from the actual token count (vLLM #36580)
-        for i in range(num_tokens, pad_end, BLOCK):
-            offs = i + tl.arange(0, BLOCK)
-            tl.store(out_ptr + offs, tl.full((BLOCK,), -1, tl.int64), mask=offs < pad_end)
+        _store_pad_slots(out_ptr, num_tokens, pad_end, BLOCK)
     else:
         row = tl.load(idx_ptr + b)
         n = tl.load(n_ptr + b)
@@ -93,10 +99,8 @@ def _slot_mapping_dcp_kernel(idx_ptr, n_ptr, qsl_ptr, nc_ptr, table_ptr, table_s
     """One DCP rank's slots, as vLLM's kernel: block_indices = pos // (block_size * CP_SIZE); tokens another
     rank holds get PAD_SLOT_ID."""
     b = tl.program_id(0)
-    if b == num_reqs:
-        for i in range(num_tokens, pad_end, BLOCK):
-            offs = i + tl.arange(0, BLOCK)
-            tl.store(out_ptr + offs, tl.full((BLOCK,), -1, tl.int64), mask=offs < pad_end)
+    if b == num_reqs:  # the extra program: PAD_SLOT_ID from the actual token count (vLLM #36580)
+        _store_pad_slots(out_ptr, num_tokens, pad_end, BLOCK)
     else:
         row = tl.load(idx_ptr + b)
         n = tl.load(n_ptr + b)
