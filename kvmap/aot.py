@@ -192,7 +192,8 @@ def load(module: str) -> Kernels:
         except ImportError as e:
             from kvmap.errors import KvmapError
 
-            why = "missing" if twin is None else "built from other sources or for another CPU"
+            why = ("turned off (KVMAP_AOT=0)" if os.environ.get("KVMAP_AOT", "1") == "0" else "missing"
+                   if twin is None else "built from other sources or for another CPU")
             raise KvmapError(f"the compiled kernels ({twin_name(module)}) are {why} and numba cannot load "
                              f"({e}): pip install numba, rebuild with `python -m kvmap.aot`, or use --backend "
                              "numpy", field="--backend") from None

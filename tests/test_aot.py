@@ -113,3 +113,20 @@ def test_ahead_of_time_equals_the_jit_bit_for_bit(fresh, name):
 def test_the_one_line_sources_read_is_the_declaration():
     for module in aot.KERNEL_MODULES:
         assert aot._sources(module) == aot._spec(module)["AOT_SOURCES"]
+
+
+def test_no_kernels_and_no_numba_is_one_located_message(tmp_path):
+    """The twin turned off and numba unimportable: one line naming --backend and the way out, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "numba.py").write_text('raise ImportError("numba is hidden for this test")\n')
+    env = {**os.environ, "KVMAP_AOT": "0", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(aot.ROOT.parent)])}
+    out = subprocess.run([sys.executable, "-m", "kvmap", "replay", "--backend", "numba", "--no-progress"],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == (
+        "kvmap: error: option --backend: the compiled kernels (kvmap.workers._kernels_cpu_aot) are turned off "
+        "(KVMAP_AOT=0) and numba cannot load (numba is hidden for this test): pip install numba, rebuild with "
+        "`python -m kvmap.aot`, or use --backend numpy")
