@@ -1,5 +1,5 @@
 """`python -m kvmap` runs the command-line interface."""
 
-from kvmap.cli.app import main
+from kvmap.cli import main
 
 main()

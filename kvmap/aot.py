@@ -260,7 +260,7 @@ def _ext_suffix() -> str:
     return sysconfig.get_config_var("EXT_SUFFIX") or ".so"
 
 
-KERNEL_MODULES = ("kvmap.workers.kernels_cpu", "kvmap.kv.kernels")
+KERNEL_MODULES = ("kvmap.workers.kernels_cpu", "kvmap.kv.kernels", "kvmap.trace.scan_kernels")
 
 
 def twins_on_disk() -> bool:

@@ -11,7 +11,7 @@ import sys
 
 from typer.testing import CliRunner
 
-from kvmap.cli import app
+from kvmap.cli.app import app
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
 

@@ -193,7 +193,7 @@ def test_explain_shows_the_chain_on_every_rank():
 def test_cli_rank_and_nproc_options(tmp_path):
     from typer.testing import CliRunner
 
-    from kvmap.cli import app
+    from kvmap.cli.app import app
 
     runner = CliRunner()
     path = str(TRACES / "dcp2.jsonl")

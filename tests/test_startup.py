@@ -75,7 +75,7 @@ def test_fast_exit_keeps_output_files_and_exit_codes(tmp_path):
 def test_root_help_lists_every_command_without_typers_markdown_stack():
     """`kvmap --help` is drawn by kvmap (rich panel + table), not typer's rich formatter (which imports
     rich.markdown, markdown_it and pygments): the same usage, options and commands."""
-    from kvmap.cli import app
+    from kvmap.cli.app import app
 
     probe = PROBE.replace('("torch", "numba", "triton")', '("markdown_it", "pygments", "typer.rich_utils")')
     out = subprocess.run([sys.executable, "-c", probe, "--help"], capture_output=True, text=True, check=True,
@@ -86,3 +86,29 @@ def test_root_help_lists_every_command_without_typers_markdown_stack():
         name = cmd.name or cmd.callback.__name__
         first = " ".join((cmd.callback.__doc__ or "").split("\n\n")[0].split())
         assert f"{name}  " in out.stdout and first[:60] in out.stdout, name
+
+
+ENTRY = """
+import sys
+sys.argv = ["kvmap", *sys.argv[1:]]
+from kvmap.cli import main
+main()
+print(sorted(m for m in ("typer", "numpy", "kvmap.cli.app") if m in sys.modules), file=sys.stderr)
+"""
+
+
+def test_kvmap_help_is_drawn_before_typer_loads_and_equals_the_apps_help():
+    """`kvmap --help` (the entry point) imports neither typer nor numpy nor the app, and prints byte for byte
+    what the Typer app prints for `--help` (root_help's lists are held to the app here), at a set width and
+    piped."""
+    import os
+
+    for env in ({"COLUMNS": "100"}, {}):
+        env = {k: v for k, v in {**os.environ, **env}.items() if k != "COLUMNS" or env}
+        fast = subprocess.run([sys.executable, "-c", ENTRY, "--help"], capture_output=True, text=True, check=True,
+                              env=env)
+        assert fast.stderr.strip().splitlines()[-1] == "[]"
+        typer_help = subprocess.run([sys.executable, "-c", "from kvmap.cli.app import app\ntry:\n    app(['--help'], "
+                                     "prog_name='kvmap')\nexcept SystemExit:\n    pass"], capture_output=True,
+                                    text=True, check=True, env=env)
+        assert fast.stdout == typer_help.stdout and "Commands" in fast.stdout

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.text import Text
 from typer.core import TyperGroup
 
+from kvmap.cli.root_help import draw, first_paragraph, fit_width
 from kvmap.errors import KvmapError
 from kvmap.workers.registry import BUILTIN
 
@@ -31,7 +32,6 @@ try:  # typer >= 0.23 carries its own click
 except ImportError:  # pragma: no cover - older typer on click
     from click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 
-PIPED_WIDTH = 120  # tables when stdout is not a terminal and COLUMNS is unset
 
 
 class KvmapGroup(TyperGroup):
@@ -45,35 +45,13 @@ class KvmapGroup(TyperGroup):
             cmd.get_help_option = _help_option_without_type(cmd.get_help_option)
 
     def format_help(self, ctx, formatter) -> None:
-        """The root's help as typer draws it (usage, text, an Options and a Commands panel), drawn here with
-        rich's panel and table: typer's rich help formatter imports rich.markdown, markdown_it and pygments,
-        0.1 s of every `kvmap --help` (measured). Subcommands keep typer's."""
-        from rich.box import ROUNDED
-        from rich.padding import Padding
-        from rich.panel import Panel
-        from rich.table import Table
-
+        """The root's help, drawn by root_help.draw (the one drawing; `kvmap --help` itself draws it before
+        typer is imported) from the live options and commands. Subcommands keep typer's."""
         fit_consoles()
-
-        def panel(title: str, rows) -> Panel:
-            grid = Table(show_header=False, box=None, pad_edge=False, padding=(0, 2, 0, 0))
-            grid.add_column(style="bold cyan", no_wrap=True)
-            grid.add_column()
-            for name, text in rows:
-                grid.add_row(name, text)
-            return Panel(grid, title=title, title_align="left", border_style="dim", box=ROUNDED)
-
-        def first_paragraph(text: str | None) -> str:
-            return " ".join((text or "").split("\n\n")[0].split())
-
-        out.print(Padding(Text.assemble(("Usage: ", "yellow"), (f"{ctx.command_path} ", "bold"),
-                                        "[OPTIONS] COMMAND [ARGS]..."), (1, 1, 0, 1)))
-        out.print(Padding(first_paragraph(self.help), (1, 1, 1, 1)), highlight=False)
         options = [rec for p in self.get_params(ctx) if (rec := p.get_help_record(ctx)) is not None]
-        out.print(panel("Options", options), highlight=False)
         commands = [(name, first_paragraph(cmd.short_help or cmd.help)) for name in self.list_commands(ctx)
                     if (cmd := self.get_command(ctx, name)) is not None and not cmd.hidden]
-        out.print(panel("Commands", commands), highlight=False)
+        draw(out, ctx.command_path, first_paragraph(self.help), options, commands)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
@@ -147,11 +125,9 @@ err = Console(stderr=True)
 
 
 def fit_consoles() -> None:
-    """Width: the terminal's, else `COLUMNS`, else PIPED_WIDTH. Read per command, so that tests can set it."""
+    """Both consoles' width by root_help.fit_width (the terminal's, else `COLUMNS`, else PIPED_WIDTH)."""
     for c in (out, err):
-        c.width = None  # Rich reads the terminal, then COLUMNS
-        if not c.is_terminal and not os.environ.get("COLUMNS", "").isdigit():
-            c.width = PIPED_WIDTH
+        fit_width(c)
 
 
 def _version(value: bool) -> None:
@@ -357,3 +333,7 @@ def main() -> None:
         except (BrokenPipeError, ValueError, OSError):
             pass
     os._exit(code)
+
+
+# every command registers itself on `app` when its module loads: importing kvmap.cli.app gives the whole CLI
+from kvmap.cli import check_cmds, run_cmds  # noqa: E402,F401

@@ -116,7 +116,9 @@ def replay(
     seen_measured: set[str] = set()
     h2d_before = 0
     rec = _Recorded(len(phases))
-    steps = trace.steps(0, stop)
+    # the worker's line scanner, if it has one, decodes the lines it knows straight into flat columns
+    scanner = worker.line_scanner() if source is None else None
+    steps = trace.steps(0, stop, scanner=scanner)
     wall0 = time.perf_counter()
     rec.origin = clock()
     i = 0
@@ -139,21 +141,18 @@ def replay(
                     events.current.clear()
                 result.steps_in_trace = i
                 break
-            markers.mark_counts(len(step.scheduler_output.num_scheduled_tokens),
-                                step.scheduler_output.total_num_scheduled_tokens)
+            markers.mark_counts(step.num_reqs, step.num_tokens)
             _run_phases(worker, step, stages, markers, events, ts)
             pop()  # step
             if events:
                 events.end_step(keep=step.step >= record_from)
-            so = step.scheduler_output
             if step.step >= measure_from:
-                seen_measured.update(so.num_scheduled_tokens)
+                seen_measured.update(step.scheduled_req_ids())
             if step.step >= record_from:
                 rec.add(step, ts)
             result.steps_replayed += 1
-            result.tokens_scheduled += so.total_num_scheduled_tokens
-            for nr in so.scheduled_new_reqs:
-                seen.add(nr.req_id)
+            result.tokens_scheduled += step.num_tokens
+            seen.update(step.new_req_ids)
             if ranks_tally is not None:
                 ranks_tally.add(worker.mappings())
             if on_mappings is not None:
@@ -180,6 +179,8 @@ def replay(
     result.requests_seen = len(seen)
     result.requests_measured = len(seen_measured)
     result.standin_tokens = worker.num_standin_tokens
+    if scanner is not None:
+        result.lines_scanned, result.lines_declined = scanner.scanned, dict(scanner.declined)
     result.warmup = int((result.steps < measure_from).sum())
     if len(result.steps) == result.warmup:
         raise empty_window_error(start, stop, warmup, i)
@@ -257,10 +258,9 @@ class _Recorded:
         self.steps, self.reqs, self.tokens, self.ns, self.start = (array("q") for _ in range(5))
 
     def add(self, step, ts: list[int]) -> None:
-        so = step.scheduler_output
         self.steps.append(step.step)
-        self.reqs.append(len(so.num_scheduled_tokens))
-        self.tokens.append(so.total_num_scheduled_tokens)
+        self.reqs.append(step.num_reqs)
+        self.tokens.append(step.num_tokens)
         self.ns.extend([ts[j + 1] - ts[j] for j in range(self.num_phases)])
         self.start.append(ts[0] - self.origin)
 

@@ -173,6 +173,8 @@ def summary_dict(r: ReplayResult) -> dict:
         "steps_per_s": n / total_s if total_s else 0.0,
         "tokens_per_s": float(toks.sum()) / total_s if total_s else 0.0,
         "wall_s": r.wall_s,
+        "decoding": ({"scanned": r.lines_scanned, "decoded": sum(r.lines_declined.values()),
+                      "declined": r.lines_declined} if r.lines_scanned is not None else None),
         "device": r.device,
         "h2d_bytes_per_step": h2d / max(n, 1),
         "device_phases_p50_us": ({p: median(r.device_phase_ns[r.warmup:, i]) / 1e3
@@ -242,6 +244,8 @@ def render_summary(r: ReplayResult, console: Console) -> None:
                        f"per step, {s['mean_reqs_per_step']:.1f} requests per step"),
             ("throughput", f"{s['steps_per_s']:,.0f} steps/s, {s['tokens_per_s']:,.0f} tokens/s (measured steps "
                            f"over the sum of their phase times, {s['time_s'] * 1e3:.2f} ms; not wall time)")]
+    if r.lines_scanned is not None:
+        head.insert(2, ("decoding", decoding_text(r)))
     if r.kv_bytes:
         g = r.kv_geometry
         head.append(("KV cache", f"{r.kv_bytes / 2**20:.1f} MiB ({g.get('num_kv_heads')} heads x "
@@ -266,6 +270,17 @@ def render_summary(r: ReplayResult, console: Console) -> None:
             f"{e['slot']}: expected token {e['expected_token']}, found {e['found']}")))
     for w in s["warnings"]:
         say(console, Text.assemble(("warning:", "yellow"), " " + safe(w)))
+
+
+def decoding_text(r: ReplayResult) -> str:
+    """How the replayed lines were decoded: by the worker's line scanner, or (why not) the checked decoder."""
+    declined = sum(r.lines_declined.values())
+    n = r.lines_scanned
+    text = f"{n} line{'' if n == 1 else 's'} scanned straight into the worker's arrays, {declined} decoded"
+    if declined:
+        text += " (" + "; ".join(f"{n}: {safe(why)}" for why, n in sorted(r.lines_declined.items(),
+                                                                            key=lambda x: -x[1])) + ")"
+    return text
 
 
 def _phase_table(r: ReplayResult, console: Console) -> Table:

@@ -13,7 +13,8 @@ Rules:
   is not an error: every complete line is read, and the pass ends with one warning (`Trace.warn`, once per
   trace) saying how many steps were read and where it stopped. A blank line is one error, at its line.
 - Error columns count characters of the line (not bytes), from 1.
-- Each line goes through `fast_step` first and `parse_step` when the fast path steps aside.
+- Each line goes through the typed decoder first, then `fast_step`, then `parse_step`, each stepping aside
+  for the next; a worker's line scanner, when it has one, goes before them all.
 """
 
 from __future__ import annotations
@@ -330,10 +331,11 @@ class Trace:
 
     # ------------------------------------------------------------------ passes
 
-    def steps(self, start: int = 0, stop: int | None = None) -> Iterator[Step]:
+    def steps(self, start: int = 0, stop: int | None = None, scanner=None) -> Iterator[Step]:
         """Yield steps `start <= step < stop`. Earlier lines are skipped unparsed: a worker that needs their
-        state must read from 0 (replay does, and records only the window)."""
-        typed = self._typed_decoder()
+        state must read from 0 (replay does, and records only the window). With a `scanner` (trace/scan.py,
+        from the worker), a line it accepts is yielded as its `ScannedStep`, any other decoded."""
+        decode = self.decode
         with self._lines() as lines:
             next(lines)
             for i, (line, raw) in enumerate(lines):
@@ -341,14 +343,25 @@ class Trace:
                     return
                 if i < start:
                     continue
-                step = typed(raw, line, i) if typed is not None else None  # one pass, every value checked
-                if step is None:  # anything off (or no msgspec): the checked path names it
-                    where = Where(self.name, line, i)
-                    if not raw.strip():
-                        raise where.error("blank line (a trace has one JSON object on every line)", kind="json")
-                    obj = self._json(raw, line, i)
-                    step = fast_step(obj, self.header, where) or parse_step(obj, self.header, where)
-                yield step
+                if scanner is not None:
+                    scanned = scanner.scan(raw, line, i, decode)
+                    if scanned is not None:
+                        yield scanned
+                        continue
+                yield decode(raw, line, i)
+
+    def decode(self, raw: bytes, line: int, i: int) -> Step:
+        """Step `i` from its line: the typed decoder (one pass, every value checked), and when it steps aside
+        (anything off, or no msgspec) the checked path, which names the problem."""
+        typed = self._typed if self._typed is not False else self._typed_decoder()
+        step = typed(raw, line, i) if typed is not None else None
+        if step is None:
+            where = Where(self.name, line, i)
+            if not raw.strip():
+                raise where.error("blank line (a trace has one JSON object on every line)", kind="json")
+            obj = self._json(raw, line, i)
+            step = fast_step(obj, self.header, where) or parse_step(obj, self.header, where)
+        return step
 
     def _typed_decoder(self):
         """The typed decoder (trace/typed.py) for this header, built once, on the first `steps()` (validate's

@@ -125,6 +125,23 @@ class Step:
     draft_token_ids: dict[str, list[int]] | None  # req_id -> drafts proposed after this step
     async_spec: AsyncSpecDecode | None = None  # async scheduling with speculative decoding (None: not recorded)
 
+    # what the replay loop reads of every step, a decoded one or a scanned one (trace/scan.py) alike
+    @property
+    def num_reqs(self) -> int:
+        return len(self.scheduler_output.num_scheduled_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.scheduler_output.total_num_scheduled_tokens
+
+    @property
+    def new_req_ids(self) -> list[str]:
+        return [nr.req_id for nr in self.scheduler_output.scheduled_new_reqs]
+
+    def scheduled_req_ids(self):
+        """The scheduled requests' ids, in scheduler order."""
+        return self.scheduler_output.num_scheduled_tokens.keys()
+
 
 @dataclass(slots=True)
 class AsyncSpecDecode:

@@ -76,6 +76,7 @@ class WorkerState:
         self._ones = np.ones(R, dtype=np.int32)  # [R] counts of a step that samples one token per request
         self._zeros = np.zeros(R, dtype=np.int32)  # [R] draft counts of a step without drafts (never written)
         self.missing_samples = False  # some step had no sampled_token_ids
+        self.ids = None  # the scanner's id table (trace/scan.py ReqIdTable), once a line scanner is made
 
     # ------------------------------------------------------------------ rows
 
@@ -98,6 +99,37 @@ class WorkerState:
         del self.index_to_req_id[row]
         self.preempted.discard(req_id)
         self.free_indices.append(row)
+        if self.ids is not None:
+            self.ids.remove(row)
+
+    def _take_row(self, req_id: str, step: Step) -> int:
+        """A free row for a new request (the one rule for adding, both update paths)."""
+        if req_id in self.req_id_to_index:
+            raise TraceError("scheduled as a new request while it is still live (not finished or "
+                             "preempted)", line=step.line, step=step.step, req_id=req_id,
+                             field="scheduled_new_reqs", kind="new_id_not_new")
+        if not self.free_indices:
+            raise TraceError(f"more than max_num_seqs={self.max_num_reqs} live requests", line=step.line,
+                             step=step.step, req_id=req_id, field="scheduled_new_reqs", kind="budget_seqs")
+        row = self.free_indices.pop()
+        self.req_id_to_index[req_id] = row
+        self.index_to_req_id[row] = req_id
+        if self.ids is not None:
+            self.ids.add(req_id, row)
+        return row
+
+    def line_scanner(self):
+        """A `LineScanner` over this state (trace/scan.py): its id table is kept in step from now on."""
+        from kvmap.trace.scan import LineScanner, ReqIdTable
+
+        if self.ids is None:
+            self.ids = ReqIdTable(self.max_num_reqs)
+            for req_id, row in self.req_id_to_index.items():
+                self.ids.add(req_id, row)
+        self._scan_k = self.ids.k
+        self._kv_groups_i4 = np.asarray(self.kv_groups, dtype=np.int32)  # [kv groups] group ids
+        self._spans_i4 = np.asarray(self.block_spans, dtype=np.int32)  # [G] positions per block id
+        return LineScanner(self.header, self.ids, self)
 
     def _set_tokens(self, row: int, tokens: list[int], step: Step, req_id: str, field: str) -> None:
         n = len(tokens)
@@ -141,16 +173,7 @@ class WorkerState:
                     self.preempted.add(r)
 
         for nr in so.scheduled_new_reqs:
-            if nr.req_id in self.req_id_to_index:
-                raise TraceError("scheduled as a new request while it is still live (not finished or "
-                                 "preempted)", line=step.line, step=step.step, req_id=nr.req_id,
-                                 field="scheduled_new_reqs", kind="new_id_not_new")
-            if not self.free_indices:
-                raise TraceError(f"more than max_num_seqs={self.max_num_reqs} live requests", line=step.line,
-                                 step=step.step, req_id=nr.req_id, field="scheduled_new_reqs", kind="budget_seqs")
-            row = self.free_indices.pop()
-            self.req_id_to_index[nr.req_id] = row
-            self.index_to_req_id[row] = nr.req_id
+            row = self._take_row(nr.req_id, step)
             self._set_tokens(row, nr.token_ids, step, nr.req_id, "prefill_token_ids"
                              if nr.prefill_token_ids is not None else "prompt_token_ids")
             self.num_computed_tokens[row] = nr.num_computed_tokens
@@ -201,8 +224,52 @@ class WorkerState:
             pos_of = {r: i for i, r in enumerate(req_ids)}
             for r, d in spec.items():
                 num_drafts[pos_of[r]] = len(d)
-        self._check_and_stage_tokens(step, req_ids, rows, counts, num_drafts)
+        self._check_and_stage_tokens(step, req_ids, rows, counts, num_drafts, spec)
         return req_ids, rows, counts, num_drafts
+
+    def update_scanned(self, s) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`update` for a line the scanner accepted (trace/scan.py `ScannedStep`), from its columns: the same
+        state, the same order (finished, preempted, new, cached, the position check). The scan checked
+        everything else `update` checks, so only the position check can fail. Returns (rows, counts, drafts)."""
+        sc = s.scanner
+        K, col, meta = sc.K, sc.col, sc.meta
+        if meta[K.M_REMOVED]:
+            names = self.index_to_req_id
+            gone = col[K.F_ROWS, :meta[K.M_FINISHED]].tolist() + col[K.P_ROWS, :meta[K.M_PREEMPTED]].tolist()
+            for r in gone:
+                if r >= 0 and r in names:
+                    self._remove(names[r])
+        num_new = int(meta[K.M_NEW])
+        B = s.num_reqs
+        rows = col[K.S_ROWS, :B].copy()  # [B] scheduler entry -> req_state_idx
+        if num_new:
+            new_rows = np.empty(num_new, dtype=np.int32)  # [num_new] new request k -> req_state_idx
+            ids = []
+            ints = sc.ints
+            for k in range(num_new):
+                req_id = sc.new_req_id(k)
+                row = self._take_row(req_id, s)
+                off, n = int(col[K.NEW_TOK_OFF, k]), int(col[K.NEW_TOK_LEN, k])
+                self._set_tokens(row, ints[off:off + n], s, req_id,
+                                 "prefill_token_ids" if col[K.NEW_FIELD, k] else "prompt_token_ids")
+                self.num_computed_tokens[row] = col[K.NEW_NC, k]
+                off, n = int(col[K.NEW_B_OFF, k]), int(col[K.NEW_B_LEN, k])
+                self._set_blocks(row, [ints[off:off + n]], s, req_id, "block_ids")
+                new_rows[k] = row
+                ids.append(req_id)
+            s.new_req_ids = ids
+            new = rows < 0
+            rows[new] = new_rows[-rows[new] - 1]
+        n = int(meta[K.M_CACHED])
+        if n:
+            self._scan_k.apply_cached(col, sc.ints, n, self.header.max_model_len, self._kv_groups_i4,
+                                      self._spans_i4, self.num_computed_tokens, self.block_tables[0],
+                                      self.num_blocks, self.capacity)
+        counts = col[K.S_COUNTS, :B].copy()  # [B] scheduler entry -> tokens this step
+        num_drafts = self._zeros[:B]
+        self._check_and_stage_tokens(s, _RowIds(rows, self.index_to_req_id), rows, counts, num_drafts, None)
+        s.rows, s.names = rows, self.index_to_req_id
+        return rows, counts, num_drafts
 
     def _correct(self, step: Step, req_ids: list[str], nc: np.ndarray) -> None:
         """Async speculative decoding: the scheduler's num_computed_tokens assumes every in-flight draft was
@@ -263,10 +330,10 @@ class WorkerState:
             self.num_blocks[g, rows] = ends
         self._refresh_capacity(rows)
 
-    def _check_and_stage_tokens(self, step: Step, req_ids: list[str], rows: np.ndarray, counts: np.ndarray,
-                                num_drafts: np.ndarray) -> None:
-        """Check that every scheduled position fits and has a block; stage drafts after the known tokens."""
-        spec = step.scheduler_output.scheduled_spec_decode_tokens
+    def _check_and_stage_tokens(self, step: Step, req_ids, rows: np.ndarray, counts: np.ndarray,
+                                num_drafts: np.ndarray, spec: dict | None) -> None:
+        """Check that every scheduled position fits and has a block; stage drafts (`spec`) after the known
+        tokens. `req_ids[j]` names entry j."""
         # one look at the whole batch; `_check_positions` names the first problem (or stages stand-in tokens)
         ok = self.ops.positions_fit(rows, counts, num_drafts, self.num_computed_tokens, self.capacity, self.total_len)
         if ok and not spec:
@@ -321,6 +388,25 @@ class WorkerState:
                 self.num_standin_tokens += int(real_end[j] - known[j])
                 self.total_len[row] = real_end[j]
 
+    def append_scanned(self, s, rows: np.ndarray) -> None:
+        """`append_sampled` for a scanned step, from its columns (the sampled tokens are in the scanner)."""
+        sc = s.scanner
+        K, col, meta = sc.K, sc.col, sc.meta
+        if not meta[K.M_HAS_SAMPLED]:
+            self.missing_samples = True
+            return
+        m = int(meta[K.M_SAMPLED])
+        if not m:
+            return
+        srows = rows if meta[K.M_SM_SAME] else rows[col[K.SM_IDX, :m]]
+        off = int(meta[K.M_SM_OFF])
+        flat = sc.ints[off:off + int(meta[K.M_SM_TOKENS])]
+        j = self.ops.append_tokens(self, srows, col[K.SM_COUNT, :m], flat)
+        if j >= 0:
+            raise TraceError("sampled tokens overflow max_model_len", line=s.line, step=s.step,
+                             req_id=self.index_to_req_id[int(srows[j])], field="sampled_token_ids",
+                             kind="max_model_len")
+
     def append_sampled(self, step: Step, req_ids: list[str], rows: np.ndarray) -> None:
         """After the step: append what the model sampled (MRV2's `post_update`). `req_ids`/`rows` are the
         step's scheduled requests; the sampled dict normally lists the same ids in the same order."""
@@ -344,3 +430,16 @@ class WorkerState:
         if j >= 0:
             raise TraceError("sampled tokens overflow max_model_len", line=step.line, step=step.step,
                              req_id=list(sampled)[j], field="sampled_token_ids", kind="max_model_len")
+
+
+class _RowIds:
+    """`req_ids[j]` of a scanned step's batch, looked up only when a message names one."""
+
+    def __init__(self, rows: np.ndarray, names: dict[int, str]) -> None:
+        self.rows, self.names = rows, names
+
+    def __getitem__(self, j) -> str:
+        return self.names[int(self.rows[j])]
+
+    def __len__(self) -> int:
+        return len(self.rows)

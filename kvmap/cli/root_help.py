@@ -1,0 +1,77 @@
+"""`kvmap --help` without typer: the consoles' width rule, the root's help text, options and commands, and the
+one drawing of the root help.
+
+Rules: `draw` is the root help's only renderer. `KvmapGroup.format_help` calls it with the live app's options
+and commands; `kvmap.cli.main` calls it with `OPTIONS` and `COMMANDS` below before anything imports typer
+(typer and the command modules were about 0.1 s of every `kvmap --help`, measured). tests/test_startup.py holds
+the two outputs equal byte for byte, so these lists cannot drift from the app. This module imports only the
+standard library at load, and rich when it draws.
+"""
+
+from __future__ import annotations
+
+import os
+
+PIPED_WIDTH = 120  # tables when stdout is not a terminal and COLUMNS is unset
+HELP = "Replay, time, check and explain how vLLM scheduler decisions become paged-KV GPU input tensors."
+OPTIONS = (("--version", "Print the version and exit."), ("--help", "Show this message and exit."))
+# (name, the first paragraph of its docstring), in the app's order: the command modules' registration order
+COMMANDS = (
+    ("validate", "Check a trace for every inconsistency; exit 0 if valid, 1 if problems were found, 2 if "
+                 "unusable."),
+    ("explain", "Show how one step's scheduler decisions become rows, flat tokens, positions, blocks and KV "
+                "slots."),
+    ("record", "Record a trace from vLLM's real scheduler (no model, no GPU) driven by a workload file."),
+    ("traces", "List the bundled traces: each name works as TRACE from any folder (`kvmap replay long_mixed`)."),
+    ("replay", "Replay a trace step by step: every index mapping, a real paged KV cache, a timing summary."),
+    ("profile", "Replay under Nsight Systems (NVTX + OS runtime, CUDA on a GPU) and show its NVTX ranges per "
+                "phase beside kvmap's own timings."),
+    ("report", "Re-render a saved run: the same summary `kvmap replay` printed."),
+    ("compare", "Per-phase ratios B / A of two saved runs of the same work (two backends, two machines, two "
+                "versions)."),
+)
+
+
+def fit_width(console) -> None:
+    """Width: the terminal's, else `COLUMNS`, else PIPED_WIDTH. Read per command, so that tests can set it."""
+    console.width = None  # Rich reads the terminal, then COLUMNS
+    if not console.is_terminal and not os.environ.get("COLUMNS", "").isdigit():
+        console.width = PIPED_WIDTH
+
+
+def draw(console, prog: str, help_text: str, options, commands) -> None:
+    """The root help as typer lays it out (usage, text, an Options and a Commands panel), with rich's panel and
+    table: typer's rich help formatter imports rich.markdown, markdown_it and pygments (about 0.1 s)."""
+    from rich.box import ROUNDED
+    from rich.padding import Padding
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    def panel(title: str, rows) -> Panel:
+        grid = Table(show_header=False, box=None, pad_edge=False, padding=(0, 2, 0, 0))
+        grid.add_column(style="bold cyan", no_wrap=True)
+        grid.add_column()
+        for name, text in rows:
+            grid.add_row(name, text)
+        return Panel(grid, title=title, title_align="left", border_style="dim", box=ROUNDED)
+
+    console.print(Padding(Text.assemble(("Usage: ", "yellow"), (f"{prog} ", "bold"), "[OPTIONS] COMMAND [ARGS]..."),
+                          (1, 1, 0, 1)))
+    console.print(Padding(help_text, (1, 1, 1, 1)), highlight=False)
+    console.print(panel("Options", options), highlight=False)
+    console.print(panel("Commands", commands), highlight=False)
+
+
+def first_paragraph(text: str | None) -> str:
+    return " ".join((text or "").split("\n\n")[0].split())
+
+
+def print_root_help() -> None:
+    """`kvmap --help`, drawn from the lists above (no typer)."""
+    from rich.console import Console
+
+    console = Console()
+    fit_width(console)
+    draw(console, "kvmap", HELP, OPTIONS, COMMANDS)
+    console.print()  # the empty line click's help ends with (its formatter's buffer, echoed)

@@ -1,0 +1,200 @@
+"""The line scanner: a step line's bytes straight into flat int32 columns, for the replay's hot path.
+
+Rules:
+- The fastest of the decoders, with the typed decoder's contract: a line it accepts means exactly what the
+  checked path would make of it, and any other line is declined (`scan` returns None) and decoded the
+  checked way (`Trace.steps`), which names the problem. It never declines by raising.
+- The one form it accepts (trace-format.md, vLLM's SchedulerOutput as the recorder writes it): `step` first,
+  then `scheduler_output` with `scheduled_new_reqs` and `scheduled_cached_reqs` before
+  `num_scheduled_tokens`, then `sampled_token_ids`; one KV cache group; no drafts
+  (`scheduled_spec_decode_tokens` empty), no async spec-decode keys, no `kind`, no resumed requests, no
+  `all_token_ids`, no legacy keys; ids plain ASCII without escapes, at most `KEY_MAX` bytes. Every other key
+  is skipped with its JSON checked. Everything the typed decoder checks is checked (ranges, lengths, sums,
+  the id sets), and everything the state update would refuse (an unknown or still-live id, a full pool of
+  rows, a row that overflows) makes it decline, so the update of an accepted line cannot fail before its
+  position check, which is the checked update's own.
+- Request ids resolve to rows through a `ReqIdTable` that the worker state keeps in step with its
+  `req_id_to_index`; the scanner only reads it and the rows' block counts.
+- The columns live in the scanner and are valid until the next `scan`. A `ScannedStep` decodes its line in
+  full (the checked way) only when something asks for its `scheduler_output`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+
+from kvmap.trace import scan_layout as L
+from kvmap.trace.records import Step, TraceHeader
+from kvmap.trace.scan_layout import KEYS, key_slot
+
+KEY_MAX = 96  # bytes of a request id the table holds (vLLM's are about 40-50)
+REASONS = {L.BAD_JSON: "not JSON the scanner checks", L.BAD_FORM: "another form",
+           L.UNSUPPORTED: "a form the scanner leaves to the decoder", L.UNKNOWN_ID: "an unknown request id",
+           L.OUT_OF_RANGE: "a value out of range", L.FULL: "a full buffer",
+           L.MISMATCH: "counts or ids that do not match"}  # a declined line's reason, as the summary says it
+
+
+def _key_slots(names: list[bytes], size: int) -> np.ndarray:
+    """[size] key slot -> key id (-1 empty), linear probing from `key_slot`: the scanner's key lookup."""
+    slots = np.full(size, -1, dtype=np.int32)
+    for k, name in enumerate(names):
+        j = key_slot(name)
+        while slots[j] >= 0:
+            j = (j + 1) & (size - 1)
+        slots[j] = k
+    return slots
+
+
+def _kernels():
+    from kvmap.aot import load
+
+    return load("kvmap.trace.scan_kernels")
+
+
+class ReqIdTable:
+    """Request id -> row, in arrays the scanner reads (scan_kernels: open addressing, backward-shift delete).
+    `untracked`: live requests whose id the table cannot hold; while there are any, nothing is scanned."""
+
+    def __init__(self, rows: int) -> None:
+        self.k = _kernels()
+        size = 1 << max(4, (4 * rows - 1).bit_length())
+        self.slots = np.full(size, -1, dtype=np.int32)  # [size] hash slot -> row (-1 empty)
+        self.row_key = np.zeros((rows, KEY_MAX), dtype=np.uint8)  # [R, KEY_MAX] row -> id bytes
+        self.row_key_len = np.zeros(rows, dtype=np.int32)  # [R] row -> id length (0: none)
+        self.tracked = np.zeros(rows, dtype=np.bool_)  # [R] row -> its id is in the table
+        self.untracked = 0
+
+    def add(self, req_id: str, row: int) -> None:
+        key = req_id.encode("utf-8")
+        plain = key.isascii() and b"\\" not in key and b'"' not in key and min(key, default=32) >= 32
+        if plain and self.k.table_insert(self.slots, self.row_key, self.row_key_len,
+                                         np.frombuffer(key, np.uint8).copy(), row) == 0:
+            self.tracked[row] = True
+        else:
+            self.untracked += 1
+
+    def find(self, req_id: str) -> int:
+        """The row the table holds for `req_id`, or -1."""
+        key = np.frombuffer(req_id.encode("utf-8"), np.uint8).copy()
+        return int(self.k.table_find(self.slots, self.row_key, self.row_key_len, key))
+
+    def remove(self, row: int) -> None:
+        if self.tracked[row]:
+            self.k.table_remove(self.slots, self.row_key, self.row_key_len, row)
+            self.tracked[row] = False
+        else:
+            self.untracked -= 1
+
+
+class LineScanner:
+    """Scans the step lines of one trace for one worker state (its `ReqIdTable`, free rows, block counts)."""
+
+    def __init__(self, header: TraceHeader, table: ReqIdTable, state) -> None:
+        assert header.num_groups == 1
+        self.k = _kernels()
+        self.header = header
+        self.table = table
+        self.state = state  # the WorkerState whose rows the ids resolve to (read only here)
+        R = header.max_num_seqs
+        self.K = K = L
+        self.max_num_tokens = max(header.max_num_batched_tokens, header.max_num_scheduled_tokens or 0)
+        self.meta = np.zeros(K.NUM_META, dtype=np.int64)  # [NUM_META] what the line holds, cursors
+        self.col = np.zeros((K.NUM_COLS, R), dtype=np.int32)  # [NUM_COLS, R] per-request columns
+        self.cap = 4 * max(header.max_model_len, self.max_num_tokens, 4096)
+        # [2 * cap] the line's token ids in [0, cap) (prompts, then sampled), its block ids in [cap, 2 * cap)
+        self.ints = np.zeros(2 * self.cap, dtype=np.int32)
+        self.buf = np.zeros(1 << 16, dtype=np.uint8)  # the line's bytes, writable for the kernel
+        names = [k.encode() for k in KEYS]
+        self.keytab = np.frombuffer(b"".join(names), np.uint8).copy()  # the key names, back to back
+        # [KEY_SLOTS + len(KEYS) + 1] key slot -> key id, then each name's offset in keytab
+        self.keyidx = np.concatenate([_key_slots(names, K.KEY_SLOTS),
+                                      np.cumsum([0] + [len(k) for k in names])]).astype(np.int32)
+        self.max_blocks = state.max_num_blocks[0]
+        self.v2 = header.model_runner_protocol == "v2"
+        t = table
+        self._scan_line = self.k.scan_line
+        # the arguments that stay the same line after line (the arrays are filled in place)
+        self._fixed = (header.num_gpu_blocks, header.max_model_len, self.max_num_tokens, self.max_blocks, self.v2,
+                       self.meta, self.col, self.ints, state.num_blocks, t.slots, t.row_key, t.row_key_len,
+                       self.keytab, self.keyidx)
+        self.epoch = 0
+        self.scanned = 0
+        self.declined: Counter[str] = Counter()  # reason -> lines
+
+    def scan(self, raw: bytes, line: int, step: int, decode: Callable[[bytes, int, int], Step]):
+        """The line as a `ScannedStep`, or None: decode it the checked way."""
+        st = self.state
+        if self.table.untracked or st.preempted:
+            self.declined["ids the table does not hold" if self.table.untracked else
+                          "a preempted request waits to resume (v1)"] += 1
+            return None
+        n = len(raw)
+        if n >= len(self.buf):
+            self.buf = np.zeros(1 << n.bit_length(), dtype=np.uint8)
+        self.buf[:n] = np.frombuffer(raw, np.uint8)
+        self.buf[n] = 0  # the sentinel the kernels' loops stop at
+        self.epoch += 1
+        if self.epoch >= 1 << 30:
+            self.col[self.K.MK_SCHED:self.K.MK_REMOVED + 1] = 0
+            self.epoch = 1
+        why = self._scan_line(self.buf, n, step, len(st.free_indices), self.epoch, *self._fixed)
+        if why:
+            self.declined[REASONS.get(why, str(why))] += 1
+            return None
+        self.scanned += 1
+        return ScannedStep(step, line, raw, self, decode)
+
+    def new_req_id(self, k: int) -> str:
+        """The id of the line's k-th new request."""
+        c = self.col
+        return self.buf[c[self.K.NEW_ID_S, k]: c[self.K.NEW_ID_E, k]].tobytes().decode("ascii")
+
+
+class ScannedStep:
+    """A step the scanner accepted: its columns (in `scanner`, until the next scan) and, on demand, the full
+    `Step` the checked path decodes from the same line."""
+
+    __slots__ = ("step", "line", "raw", "scanner", "num_reqs", "num_tokens", "new_req_ids", "rows", "names",
+                 "_decode", "_full")
+
+    def __init__(self, step: int, line: int, raw: bytes, scanner: LineScanner, decode) -> None:
+        K, meta = scanner.K, scanner.meta
+        self.step = step
+        self.line = line
+        self.raw = raw
+        self.scanner = scanner
+        self.num_reqs = int(meta[K.M_SCHED])
+        self.num_tokens = int(meta[K.M_TOTAL])
+        self.new_req_ids: list[str] = []  # set when the state adds them
+        self.rows: np.ndarray | None = None  # [num_reqs] scheduler entry -> req_state_idx, once applied
+        self.names: dict[int, str] | None = None  # the state's req_state_idx -> req_id, once applied
+        self._decode = decode
+        self._full: Step | None = None
+
+    def scheduled_req_ids(self) -> list[str]:
+        """The scheduled requests' ids, in scheduler order (after the state applied the step)."""
+        return list(map(self.names.__getitem__, self.rows.tolist()))
+
+    def full(self) -> Step:
+        if self._full is None:
+            self._full = self._decode(self.raw, self.line, self.step)
+        return self._full
+
+    @property
+    def scheduler_output(self):
+        return self.full().scheduler_output
+
+    @property
+    def sampled_token_ids(self):
+        return self.full().sampled_token_ids
+
+    @property
+    def draft_token_ids(self):
+        return self.full().draft_token_ids
+
+    @property
+    def async_spec(self):
+        return self.full().async_spec

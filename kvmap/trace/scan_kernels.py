@@ -1,0 +1,1162 @@
+"""Compiled kernels of the line scanner (numba): one step line's JSON bytes straight into flat int32 columns,
+and the request-id table the scanner resolves ids through.
+
+Rules:
+- `scan_line` only reads: the line, the id table and the rows' block counts. It writes its own columns and
+  scratch, nothing of the worker's state, so a line it refuses can be decoded again by the checked path.
+- It accepts a line only in the one form it knows through and through (trace/scan.py states it) and returns a
+  nonzero reason for anything else: an escape or a non-ASCII byte in a string, a float where an int goes, a
+  key given twice, keys out of the recorder's order, drafts, async or legacy keys, resumed requests,
+  all_token_ids, an unknown id, a value out of range, a full buffer. Reasons are for tests and counters;
+  the checked path names the problem.
+- Every value a skipped key holds is checked to be JSON (grammar, nesting), so a line the checked path would
+  refuse as "not valid JSON" is never accepted here.
+- The id table: open addressing with linear probing over `slots` (a power of two, at least twice the rows),
+  each slot a row or -1; a row's id bytes in `row_key[row, :row_key_len[row]]`; FNV-1a hashes; deletion by
+  backward shift, so a probe stops at the first empty slot.
+- Importing this module imports numba: import it lazily (kvmap.aot.load).
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+_jit = nb.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)  # no refcounts: nothing here allocates
+
+from kvmap.trace.scan_layout import (ALL_TOKEN_IDS, BAD_FORM, BAD_JSON, BLOCK_IDS, CACHED_REQS, C_B_LEN, C_B_OFF,
+    C_ID_E, C_ID_S, C_NB, C_NC, C_ROWS, DRAFTS, FINISHED, FULL, F_ROWS, KEY_SLOTS, LEGACY_RESUMED, LEGACY_TOKENS,
+    MISMATCH, MK_CACHED, MK_REMOVED, MK_SCHED, M_BPOS, M_CACHED, M_FINISHED, M_HAS_SAMPLED, M_NB_N, M_NC_N, M_NEW,
+    M_OUT_N, M_PREEMPTED, M_REMOVED, M_SAMPLED, M_SCHED, M_SM_OFF, M_SM_SAME, M_SM_TOKENS, M_TOTAL, M_TPOS,
+    NEW_BLOCK_IDS, NEW_B_LEN, NEW_B_OFF, NEW_FIELD, NEW_ID_E, NEW_ID_S, NEW_IN_S, NEW_NC, NEW_REQS, NEW_TOK_LEN,
+    NEW_TOK_OFF, NUM_COMPUTED, NUM_META, NUM_OUTPUT, NUM_SCHEDULED, OUT_OF_RANGE, PREEMPTED, PREFILL, PROMPT,
+    P_ROWS, REQ_ID, REQ_IDS, RESUMED_IDS, SAMPLED, SCHEDULER_OUTPUT, SM_COUNT, SM_IDX, SPEC_TOKENS, STEP, S_COUNTS,
+    S_ID_E, S_ID_S, S_ROWS, TOTAL, UNKNOWN_ID, UNSUPPORTED)  # the column layout: constants to numba
+
+_FNV_OFFSET = np.uint64(14695981039346656037)
+_FNV_PRIME = np.uint64(1099511628211)
+
+
+# ------------------------------------------------------------------------------------------- the id table
+
+@_jit
+def _hash(b, s, e):
+    h = _FNV_OFFSET
+    for t in range(s, e):
+        h = (h ^ np.uint64(b[t])) * _FNV_PRIME
+    return h
+
+
+@_jit
+def _same(a, s, b, t, n):
+    """a[s:s + n] == b[t:t + n] (early returns: see _ws)."""
+    for u in range(n):
+        if a[s + u] != b[t + u]:
+            return False
+    return True
+
+
+@_jit
+def _same_span(b, s, e, t, f):
+    """b[s:e] == b[t:f] (a leaf)."""
+    n = e - s
+    if f - t != n:
+        return False
+    u = 0
+    while u < n and b[s + u] == b[t + u]:
+        u += 1
+    return u == n
+
+
+@_jit
+def _lookup(buf, s, e, slots, row_key, row_key_len):
+    """The row whose id is buf[s:e], or -1. (A leaf: no calls, see the note on loops.)"""
+    n = e - s
+    if n > row_key.shape[1]:
+        return -1
+    h = _FNV_OFFSET
+    for t in range(s, e):
+        h = (h ^ np.uint64(buf[t])) * _FNV_PRIME
+    mask = np.uint64(slots.shape[0] - 1)
+    j = np.int64(h & mask)
+    while True:
+        r = slots[j]
+        if r < 0:
+            return -1
+        if row_key_len[r] == n:
+            u = 0
+            while u < n and row_key[r, u] == buf[s + u]:
+                u += 1
+            if u == n:
+                return r
+        j = np.int64((np.uint64(j) + np.uint64(1)) & mask)
+
+
+@_jit
+def table_insert(slots, row_key, row_key_len, key, row):
+    """Give `row` the id `key` (bytes); returns 0, or -1 when the id is too long for the table."""
+    n = key.shape[0]
+    if n > row_key.shape[1]:
+        return -1
+    for t in range(n):
+        row_key[row, t] = key[t]
+    row_key_len[row] = n
+    mask = np.uint64(slots.shape[0] - 1)
+    j = np.int64(_hash(key, 0, n) & mask)
+    while slots[j] >= 0:
+        j = np.int64((np.uint64(j) + np.uint64(1)) & mask)
+    slots[j] = row
+    return 0
+
+
+@_jit
+def table_find(slots, row_key, row_key_len, key):
+    """The row holding the id `key` (bytes), or -1."""
+    return _lookup(key, 0, key.shape[0], slots, row_key, row_key_len)
+
+
+@_jit
+def table_remove(slots, row_key, row_key_len, row):
+    """Take `row`'s id out of the table (backward-shift deletion); returns 0, or -1 when it is not there."""
+    mask = np.uint64(slots.shape[0] - 1)
+    size = slots.shape[0]
+    j = np.int64(_hash(row_key[row], 0, row_key_len[row]) & mask)
+    for _ in range(size):
+        if slots[j] == row:
+            break
+        if slots[j] < 0:
+            return -1
+        j = np.int64((np.uint64(j) + np.uint64(1)) & mask)
+    else:
+        return -1
+    slots[j] = -1
+    k = j
+    for _ in range(size):
+        k = np.int64((np.uint64(k) + np.uint64(1)) & mask)
+        r = slots[k]
+        if r < 0:
+            break
+        home = np.int64(_hash(row_key[r], 0, row_key_len[r]) & mask)
+        # move r back into the hole unless its home lies cyclically in (j, k]
+        if (j <= k and (home <= j or home > k)) or (j > k and home <= j and home > k):
+            slots[j] = r
+            slots[k] = -1
+            j = k
+    row_key_len[row] = 0
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- JSON pieces
+
+@_jit
+def _ws(b, i, n):
+    """The first index at or after i that is not JSON whitespace (the sentinel b[n] = 0 stops it)."""
+    c = b[i]
+    while c == 32 or c == 10 or c == 13 or c == 9:
+        i += 1
+        c = b[i]
+    return i
+
+
+@_jit
+def _string_end(b, i, n):
+    """b[i] is '"': the index of the closing quote, or -1 (an escape, a control or non-ASCII byte, no end)."""
+    j = i + 1
+    while j < n:
+        c = b[j]
+        if c == 34:
+            return j
+        if c == 92 or c < 32 or c >= 128:
+            return -1
+        j += 1
+    return -1
+
+
+# How these loops are written (each measured on this machine; numba's code for the other forms was 3-15x
+# slower): the line's buffer ends in a zero sentinel (b[n] == 0, which no loop accepts), so the inner loops
+# read the next byte without a bounds check; the per-byte helpers are leaves (no calls: numba returns through
+# memory, a call per int cost 3-6x), and no helper is `inline="always"` (numba's IR inlining made the code
+# slower and the build 4.5 minutes).
+
+@_jit
+def _int(b, i, n):
+    """A JSON integer at b[i]: (next index, value), or (-1, 0) for anything else (a float, 18 digits or more).
+    A leaf, reading up to the sentinel."""
+    neg = False
+    if b[i] == 45:
+        neg = True
+        i += 1
+    v = np.int64(b[i]) - 48
+    if v < 0 or v > 9:
+        return -1, 0
+    i += 1
+    d = np.int64(b[i]) - 48
+    if v == 0:
+        if d >= 0 and d <= 9:
+            return -1, 0  # a leading zero
+    else:
+        while d >= 0 and d <= 9:
+            v = v * 10 + d
+            if v >= 100000000000000000:
+                return -1, 0
+            i += 1
+            d = np.int64(b[i]) - 48
+    c = b[i]
+    if c == 46 or c == 101 or c == 69:
+        return -1, 0
+    return i, (-v if neg else v)
+
+
+@_jit
+def _number_end(b, i, n):
+    """The end of a JSON number at b[i] (grammar checked), or -1. A leaf, reading up to the sentinel."""
+    if b[i] == 45:
+        i += 1
+    d = np.int64(b[i]) - 48
+    if d == 0:
+        i += 1
+    elif d >= 1 and d <= 9:
+        i += 1
+        d = np.int64(b[i]) - 48
+        while d >= 0 and d <= 9:
+            i += 1
+            d = np.int64(b[i]) - 48
+    else:
+        return -1
+    if b[i] == 46:
+        i += 1
+        d = np.int64(b[i]) - 48
+        if d < 0 or d > 9:
+            return -1
+        while d >= 0 and d <= 9:
+            i += 1
+            d = np.int64(b[i]) - 48
+    c = b[i]
+    if c == 101 or c == 69:
+        i += 1
+        c = b[i]
+        if c == 43 or c == 45:
+            i += 1
+        d = np.int64(b[i]) - 48
+        if d < 0 or d > 9:
+            return -1
+        while d >= 0 and d <= 9:
+            i += 1
+            d = np.int64(b[i]) - 48
+    return i
+
+
+@_jit
+def _literal(b, i, n):
+    """true / false / null at b[i]: the index after it, or -1."""
+    c = b[i]
+    if c == 116 and i + 4 <= n and b[i + 1] == 114 and b[i + 2] == 117 and b[i + 3] == 101:
+        return i + 4
+    if c == 110 and i + 4 <= n and b[i + 1] == 117 and b[i + 2] == 108 and b[i + 3] == 108:
+        return i + 4
+    if c == 102 and i + 5 <= n and b[i + 1] == 97 and b[i + 2] == 108 and b[i + 3] == 115 and b[i + 4] == 101:
+        return i + 5
+    return -1
+
+
+@_jit
+def _is_null(b, i, n):
+    return i + 4 <= n and b[i] == 110 and b[i + 1] == 117 and b[i + 2] == 108 and b[i + 3] == 108
+
+
+@_jit
+def _skip(b, i, n):
+    """Skip one JSON value at b[i] (after whitespace), checking its grammar: the index after it, or -1."""
+    depth = 0
+    kinds = np.int64(0)  # a bit per open container: 1 object, 0 array
+    while True:
+        i = _ws(b, i, n)
+        if i >= n:
+            return -1
+        c = b[i]
+        opened = False
+        if c == 123 or c == 91:
+            if depth >= 60:
+                return -1
+            depth += 1
+            kinds = (kinds << 1) | (1 if c == 123 else 0)
+            i = _ws(b, i + 1, n)
+            if i >= n:
+                return -1
+            if b[i] == (125 if c == 123 else 93):
+                i += 1
+                depth -= 1
+                kinds >>= 1
+            else:
+                opened = True
+                if c == 123:
+                    if b[i] != 34:
+                        return -1
+                    e = _string_end(b, i, n)
+                    if e < 0:
+                        return -1
+                    i = _ws(b, e + 1, n)
+                    if i >= n or b[i] != 58:
+                        return -1
+                    i += 1
+        elif c == 34:
+            e = _string_end(b, i, n)
+            if e < 0:
+                return -1
+            i = e + 1
+        elif c == 116 or c == 102 or c == 110:
+            i = _literal(b, i, n)
+            if i < 0:
+                return -1
+        else:
+            i = _number_end(b, i, n)
+            if i < 0:
+                return -1
+        if opened:
+            continue
+        # after a value: a comma (then the next member), or closing brackets
+        while True:
+            if depth == 0:
+                return i
+            i = _ws(b, i, n)
+            if i >= n:
+                return -1
+            c = b[i]
+            obj = (kinds & 1) == 1
+            if c == 44:
+                i = _ws(b, i + 1, n)
+                if obj:
+                    if i >= n or b[i] != 34:
+                        return -1
+                    e = _string_end(b, i, n)
+                    if e < 0:
+                        return -1
+                    i = _ws(b, e + 1, n)
+                    if i >= n or b[i] != 58:
+                        return -1
+                    i += 1
+                break
+            if c == (125 if obj else 93):
+                i += 1
+                depth -= 1
+                kinds >>= 1
+                continue
+            return -1
+
+
+@_jit
+def _key_id(b, s, e, keytab, keyidx):
+    """The id of the key b[s:e] (its index in KEYS), or -1: a probe of the key slots (linear probing, built by
+    trace/scan.py), then one compare. A leaf."""
+    n = e - s
+    j = 0
+    if n:  # scan_layout.key_slot: four bytes and the length (a hash over every byte cost 8% of a scan)
+        j = (n * 131 + np.int64(b[s]) * 31 + np.int64(b[e - 1]) * 7 + np.int64(b[s + n // 2])) & (KEY_SLOTS - 1)
+    while True:
+        k = keyidx[j]
+        if k < 0:
+            return -1
+        a = keyidx[KEY_SLOTS + k]
+        if keyidx[KEY_SLOTS + k + 1] - a == n:
+            u = 0
+            while u < n and b[s + u] == keytab[a + u]:
+                u += 1
+            if u == n:
+                return k
+        j = (j + 1) & (KEY_SLOTS - 1)
+
+
+@_jit
+def _member(b, i, n, close):
+    """At the start of an object member or the object's end: the index of the key's quote, -2 at the end, or
+    -1 on bad JSON. A leaf."""
+    c = b[i]
+    while c == 32 or c == 10 or c == 13 or c == 9:
+        i += 1
+        c = b[i]
+    if c == close:
+        return -2
+    if c != 34:
+        return -1
+    return i
+
+
+@_jit
+def _after_key(b, e, n):
+    """After a key's closing quote at e: the index of its value (past ':'), or -1. A leaf."""
+    i = e + 1
+    c = b[i]
+    while c == 32 or c == 10 or c == 13 or c == 9:
+        i += 1
+        c = b[i]
+    if c != 58:
+        return -1
+    i += 1
+    c = b[i]
+    while c == 32 or c == 10 or c == 13 or c == 9:
+        i += 1
+        c = b[i]
+    return i if i < n else -1
+
+
+@_jit
+def _next(b, i, n, close):
+    """After a member or element: (index of the next one, True) after a comma, (index past the close,
+    False) at the end, or (-1, False). A leaf."""
+    c = b[i]
+    while c == 32 or c == 10 or c == 13 or c == 9:
+        i += 1
+        c = b[i]
+    if c == 44:
+        i += 1
+        c = b[i]
+        while c == 32 or c == 10 or c == 13 or c == 9:
+            i += 1
+            c = b[i]
+        return i, True
+    if c == close:
+        return i + 1, False
+    return -1, False
+
+
+@_jit
+def _int_list(b, i, n, out, pos, end, lo, hi):
+    """A list of ints in [lo, hi) at b[i] into out[pos:end]: (next index, count), or (-reason, 0). A leaf: a
+    tight digit loop per element, reading up to the sentinel. A sign, a fraction or an exponent declines (no
+    list the scanner reads holds one)."""
+    if b[i] != 91:
+        return -BAD_FORM, 0
+    i += 1
+    cnt = 0
+    while True:
+        c = b[i]
+        while c == 32 or c == 10 or c == 13 or c == 9:
+            i += 1
+            c = b[i]
+        if c == 93 and cnt == 0:
+            return i + 1, 0
+        v = np.int64(c) - 48
+        if v < 0 or v > 9:
+            return -BAD_FORM, 0
+        i += 1
+        d = np.int64(b[i]) - 48
+        if v == 0:
+            if d >= 0 and d <= 9:
+                return -BAD_FORM, 0  # a leading zero
+        else:
+            while d >= 0 and d <= 9:
+                v = v * 10 + d
+                if v >= 100000000000000000:
+                    return -BAD_FORM, 0
+                i += 1
+                d = np.int64(b[i]) - 48
+        if v < lo or v >= hi:
+            return -OUT_OF_RANGE, 0
+        if pos + cnt >= end:
+            return -FULL, 0
+        out[pos + cnt] = v
+        cnt += 1
+        c = b[i]
+        while c == 32 or c == 10 or c == 13 or c == 9:
+            i += 1
+            c = b[i]
+        if c == 44:
+            i += 1
+        elif c == 93:
+            return i + 1, cnt
+        elif c == 46 or c == 101 or c == 69:
+            return -BAD_FORM, 0
+        else:
+            return -BAD_JSON, 0
+
+
+@_jit
+def _one_group(b, i, n, ints, meta, num_gpu_blocks):
+    """One KV cache group's block ids, `[[...]]`, into the block region of `ints`: (next index, offset,
+    count), or (-reason, 0, 0)."""
+    if b[i] != 91:
+        return -BAD_FORM, 0, 0
+    i = _ws(b, i + 1, n)
+    pos = meta[M_BPOS]
+    i, cnt = _int_list(b, i, n, ints, pos, ints.shape[0], 0, num_gpu_blocks)
+    if i < 0:
+        return i, 0, 0
+    i = _ws(b, i, n)
+    if i >= n or b[i] != 93:
+        return -BAD_FORM, 0, 0  # not one list per group
+    meta[M_BPOS] = pos + cnt
+    return i + 1, pos, cnt
+
+
+@_jit
+def _resolve(b, s, e, num_new, col, slots, row_key, row_key_len):
+    """An id in a scheduled position: new request k as -(k + 1), a live row, or a large sentinel (unknown)."""
+    n = e - s
+    for k in range(num_new):
+        ks = col[NEW_ID_S, k]
+        if col[NEW_ID_E, k] - ks == n:
+            u = 0
+            while u < n and b[ks + u] == b[s + u]:
+                u += 1
+            if u == n:
+                return -(k + 1)
+    r = _lookup(b, s, e, slots, row_key, row_key_len)
+    return r if r >= 0 else 1 << 30
+
+
+@_jit
+def _empty(b, i, n, close):
+    """null, or an empty list / object (`close` is its closing bracket) at b[i]: the index after it, else -1."""
+    if _is_null(b, i, n):
+        return i + 4
+    if i < n and b[i] == (91 if close == 93 else 123):
+        j = _ws(b, i + 1, n)
+        if j < n and b[j] == close:
+            return j + 1
+    return -1
+
+
+@_jit
+def _key(b, i, n, keytab, keyidx):
+    """A member's key at b[q] (q from _member): (key id or -1, index of its value), or (0, -reason)."""
+    e = _string_end(b, i, n)
+    if e < 0:
+        return 0, -UNSUPPORTED
+    key = _key_id(b, i + 1, e, keytab, keyidx)
+    j = _after_key(b, e, n)
+    if j < 0 or j >= n:
+        return 0, -BAD_JSON
+    return key, j
+
+
+@_jit
+def _end_member(b, i, n):
+    """After a member's value: (next member's index, True), (index past '}', False), or (-reason, False)."""
+    i, more = _next(b, i, n, 125)
+    if i < 0:
+        return -BAD_JSON, False
+    if more and _member(b, i, n, 125) < 0:
+        return -BAD_JSON, False
+    return i, more
+
+
+# --------------------------------------------------------------------------- sections (one call each)
+
+@_jit
+def _id_list(b, i, n, col, which, spans, slots, row_key, row_key_len):
+    """A list of ids at b[i] (or null: empty) resolved to rows (-1: not live) into col[which], and their byte
+    spans into col[spans], col[spans + 1] (spans >= 0): (next index, count) or (-reason, 0)."""
+    if _is_null(b, i, n):
+        return i + 4, 0
+    if b[i] != 91:
+        return -BAD_FORM, 0
+    i = _ws(b, i + 1, n)
+    if i < n and b[i] == 93:
+        return i + 1, 0
+    cnt = 0
+    cap = col.shape[1]
+    while True:
+        if i >= n or b[i] != 34:
+            return -BAD_FORM, 0
+        e = _string_end(b, i, n)
+        if e < 0:
+            return -UNSUPPORTED, 0
+        if cnt >= cap:
+            return -FULL, 0
+        col[which, cnt] = _lookup(b, i + 1, e, slots, row_key, row_key_len)
+        if spans >= 0:
+            col[spans, cnt] = i + 1
+            col[spans + 1, cnt] = e
+        cnt += 1
+        i, more = _next(b, e + 1, n, 93)
+        if i < 0:
+            return -BAD_JSON, 0
+        if not more:
+            return i, cnt
+
+
+@_jit
+def _new_reqs(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, meta, col, ints, keytab, keyidx):
+    """`scheduled_new_reqs` at b[i]: the next index, or -reason."""
+    if b[i] != 91:
+        return -BAD_FORM
+    i = _ws(b, i + 1, n)
+    if i < n and b[i] == 93:
+        return i + 1
+    R = col.shape[1]
+    tok_end = ints.shape[0] // 2
+    tok_hi = np.int64(1) << 31
+    while True:
+        if i >= n or b[i] != 123:
+            return -BAD_FORM
+        k = meta[M_NEW]
+        if k >= R:
+            return -FULL
+        i += 1
+        got = 0
+        prompt_len = -1
+        prefill_len = -1
+        prompt_off = 0
+        prefill_off = 0
+        while True:
+            q = _member(b, i, n, 125)
+            if q == -2:
+                i = _ws(b, i, n) + 1
+                break
+            if q < 0:
+                return -BAD_JSON
+            key, i = _key(b, q, n, keytab, keyidx)
+            if i < 0:
+                return i
+            if 15 <= key < 20:
+                if got & (1 << (key - 15)):
+                    return -BAD_FORM  # a key twice
+                got |= 1 << (key - 15)
+            if key == REQ_ID:
+                if b[i] != 34:
+                    return -BAD_FORM
+                e = _string_end(b, i, n)
+                if e < 0 or e - i - 1 > key_max:
+                    return -UNSUPPORTED
+                col[NEW_ID_S, k] = i + 1
+                col[NEW_ID_E, k] = e
+                i = e + 1
+            elif key == PROMPT or key == PREFILL:
+                if _is_null(b, i, n):
+                    i += 4
+                else:
+                    off = meta[M_TPOS]
+                    i, cnt = _int_list(b, i, n, ints, off, tok_end, 0, tok_hi)
+                    if i < 0:
+                        return i
+                    meta[M_TPOS] = off + cnt
+                    if key == PROMPT:
+                        prompt_len, prompt_off = cnt, off
+                    else:
+                        prefill_len, prefill_off = cnt, off
+            elif key == BLOCK_IDS:
+                i, off, cnt = _one_group(b, i, n, ints, meta, num_gpu_blocks)
+                if i < 0:
+                    return i
+                col[NEW_B_OFF, k] = off
+                col[NEW_B_LEN, k] = cnt
+            elif key == NUM_COMPUTED:
+                i, v = _int(b, i, n)
+                if i < 0:
+                    return -BAD_FORM
+                if v < 0 or v > max_model_len:
+                    return -OUT_OF_RANGE
+                col[NEW_NC, k] = v
+            else:
+                i = _skip(b, i, n)
+                if i < 0:
+                    return -BAD_JSON
+            i, more = _end_member(b, i, n)
+            if i < 0:
+                return i
+            if not more:
+                break
+        if (got & 0b11001) != 0b11001:  # req_id, block_ids, num_computed_tokens
+            return -BAD_FORM
+        if prefill_len >= 0:  # NewRequestData.token_ids: the prefill tokens when given, else the prompt
+            col[NEW_TOK_OFF, k] = prefill_off
+            col[NEW_TOK_LEN, k] = prefill_len
+            col[NEW_FIELD, k] = 1
+        elif prompt_len >= 0:
+            col[NEW_TOK_OFF, k] = prompt_off
+            col[NEW_TOK_LEN, k] = prompt_len
+            col[NEW_FIELD, k] = 0
+        else:
+            return -BAD_FORM
+        if col[NEW_TOK_LEN, k] > max_model_len or col[NEW_B_LEN, k] > max_blocks:
+            return -OUT_OF_RANGE
+        col[NEW_IN_S, k] = -1
+        meta[M_NEW] = k + 1
+        i, more = _next(b, i, n, 93)
+        if i < 0:
+            return -BAD_JSON
+        if not more:
+            return i
+
+
+@_jit
+def _cached(b, i, n, num_gpu_blocks, max_model_len, meta, col, ints, slots, row_key, row_key_len, keytab,
+            keyidx):
+    """`scheduled_cached_reqs` at b[i]: the next index, or -reason."""
+    if _is_null(b, i, n):
+        return i + 4
+    if b[i] != 123:
+        return -BAD_FORM
+    i += 1
+    got = 0
+    c_n = -1
+    while True:
+        q = _member(b, i, n, 125)
+        if q == -2:
+            i = _ws(b, i, n) + 1
+            break
+        if q < 0:
+            return -BAD_JSON
+        key, i = _key(b, q, n, keytab, keyidx)
+        if i < 0:
+            return i
+        if key >= 19:
+            if got & (1 << (key - 19)):
+                return -BAD_FORM
+            got |= 1 << (key - 19)
+        if key == REQ_IDS:
+            i, c_n = _id_list(b, i, n, col, C_ROWS, C_ID_S, slots, row_key, row_key_len)
+            if i < 0:
+                return i
+            meta[M_CACHED] = c_n
+        elif key == NUM_COMPUTED or key == NUM_OUTPUT or key == NEW_BLOCK_IDS:
+            if c_n < 0:
+                return -UNSUPPORTED  # before req_ids
+            if key == NUM_OUTPUT and _is_null(b, i, n):
+                i += 4
+                meta[M_OUT_N] = -1
+            else:
+                if b[i] != 91:
+                    return -BAD_FORM
+                i = _ws(b, i + 1, n)
+                cnt = 0
+                if i < n and b[i] == 93:
+                    i += 1
+                else:
+                    while True:
+                        if cnt >= c_n:
+                            return -BAD_FORM
+                        if key == NEW_BLOCK_IDS:
+                            if _is_null(b, i, n):
+                                col[C_NB, cnt] = 0
+                                i += 4
+                            else:
+                                i, off, nb = _one_group(b, i, n, ints, meta, num_gpu_blocks)
+                                if i < 0:
+                                    return i
+                                col[C_NB, cnt] = 1
+                                col[C_B_OFF, cnt] = off
+                                col[C_B_LEN, cnt] = nb
+                        else:
+                            i, v = _int(b, i, n)
+                            if i < 0:
+                                return -BAD_FORM
+                            if key == NUM_COMPUTED:
+                                if v < 0 or v > max_model_len:
+                                    return -OUT_OF_RANGE
+                                col[C_NC, cnt] = v
+                        cnt += 1
+                        i, more = _next(b, i, n, 93)
+                        if i < 0:
+                            return -BAD_JSON
+                        if not more:
+                            break
+                meta[M_NC_N if key == NUM_COMPUTED else (M_OUT_N if key == NUM_OUTPUT else M_NB_N)] = cnt
+        elif key == RESUMED_IDS or key == ALL_TOKEN_IDS:
+            i = _empty(b, i, n, 93 if key == RESUMED_IDS else 125)
+            if i < 0:
+                return -UNSUPPORTED
+        elif key == LEGACY_RESUMED or key == LEGACY_TOKENS:
+            return -UNSUPPORTED
+        else:
+            i = _skip(b, i, n)
+            if i < 0:
+                return -BAD_JSON
+        i, more = _end_member(b, i, n)
+        if i < 0:
+            return i
+        if not more:
+            break
+    if not got & (1 << (NUM_COMPUTED - 19)) and c_n > 0:
+        return -BAD_FORM
+    if not got & (1 << (NUM_COMPUTED - 19)):
+        meta[M_NC_N] = 0
+    if not got & (1 << (NEW_BLOCK_IDS - 19)):
+        meta[M_NB_N] = -1
+        for j in range(max(c_n, 0)):
+            col[C_NB, j] = 0
+    if not got & (1 << (NUM_OUTPUT - 19)):
+        meta[M_OUT_N] = -1
+    return i
+
+
+@_jit
+def _scheduled(b, i, n, max_model_len, epoch, meta, col, slots, row_key, row_key_len):
+    """`num_scheduled_tokens` at b[i]: the next index, or -reason."""
+    if b[i] != 123:
+        return -BAD_FORM
+    i = _ws(b, i + 1, n)
+    if i < n and b[i] == 125:
+        return i + 1
+    R = col.shape[1]
+    num_new = meta[M_NEW]
+    c_n = meta[M_CACHED]
+    B = 0
+    while True:
+        if i >= n or b[i] != 34:
+            return -BAD_JSON
+        e = _string_end(b, i, n)
+        if e < 0:
+            return -UNSUPPORTED
+        if B >= R:
+            return -FULL
+        # the usual step lists the cached requests here in the same order: one compare, no lookup
+        if B < c_n and col[C_ROWS, B] >= 0 and _same_span(b, i + 1, e, col[C_ID_S, B], col[C_ID_E, B]):
+            r = col[C_ROWS, B]
+        else:
+            r = _resolve(b, i + 1, e, num_new, col, slots, row_key, row_key_len)
+        if r == 1 << 30:
+            return -UNKNOWN_ID
+        if r < 0:
+            if col[NEW_IN_S, -r - 1] >= 0:
+                return -BAD_FORM  # a key twice
+            col[NEW_IN_S, -r - 1] = B
+        else:
+            if col[MK_SCHED, r] == epoch:
+                return -BAD_FORM
+            col[MK_SCHED, r] = epoch
+        col[S_ROWS, B] = r
+        col[S_ID_S, B] = i + 1
+        col[S_ID_E, B] = e
+        i = _after_key(b, e, n)
+        if i < 0:
+            return -BAD_JSON
+        i, v = _int(b, i, n)
+        if i < 0:
+            return -BAD_FORM
+        if v < 1 or v > max_model_len:
+            return -OUT_OF_RANGE
+        col[S_COUNTS, B] = v
+        B += 1
+        meta[M_SCHED] = B
+        i, more = _next(b, i, n, 125)
+        if i < 0:
+            return -BAD_JSON
+        if not more:
+            return i
+
+
+@_jit
+def _sched_output(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, v2, epoch, meta, col, ints,
+                  slots, row_key, row_key_len, keytab, keyidx):
+    """`scheduler_output` at b[i]: the next index, or -reason."""
+    if b[i] != 123:
+        return -BAD_FORM
+    i += 1
+    got = 0
+    while True:
+        q = _member(b, i, n, 125)
+        if q == -2:
+            i = _ws(b, i, n) + 1
+            break
+        if q < 0:
+            return -BAD_JSON
+        key, i = _key(b, q, n, keytab, keyidx)
+        if i < 0:
+            return i
+        if 8 <= key < 15:
+            if got & (1 << key):
+                return -BAD_FORM
+            got |= 1 << key
+        if key == NEW_REQS:
+            i = _new_reqs(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, meta, col, ints, keytab,
+                          keyidx)
+        elif key == CACHED_REQS:
+            if not got & (1 << NEW_REQS):
+                return -UNSUPPORTED  # out of the recorder's order
+            i = _cached(b, i, n, num_gpu_blocks, max_model_len, meta, col, ints, slots, row_key, row_key_len,
+                        keytab, keyidx)
+        elif key == NUM_SCHEDULED:
+            if not got & (1 << CACHED_REQS):
+                return -UNSUPPORTED
+            i = _scheduled(b, i, n, max_model_len, epoch, meta, col, slots, row_key, row_key_len)
+        elif key == TOTAL:
+            i, v = _int(b, i, n)
+            if i < 0:
+                return -BAD_FORM
+            meta[M_TOTAL] = v
+        elif key == SPEC_TOKENS:
+            i = _empty(b, i, n, 125)
+            if i < 0:
+                return -UNSUPPORTED
+        elif key == FINISHED or key == PREEMPTED:
+            i, cnt = _id_list(b, i, n, col, F_ROWS if key == FINISHED else P_ROWS, -1, slots, row_key,
+                             row_key_len)
+            if i >= 0:
+                if key == PREEMPTED and cnt and not v2:
+                    return -UNSUPPORTED
+                meta[M_FINISHED if key == FINISHED else M_PREEMPTED] = cnt
+        else:
+            i = _skip(b, i, n)
+            if i < 0:
+                return -BAD_JSON
+        if i < 0:
+            return i
+        i, more = _end_member(b, i, n)
+        if i < 0:
+            return i
+        if not more:
+            break
+    if not got & (1 << NUM_SCHEDULED) or not got & (1 << TOTAL):
+        return -BAD_FORM
+    c_n = meta[M_CACHED]
+    if meta[M_NC_N] != c_n or (meta[M_NB_N] >= 0 and meta[M_NB_N] != c_n) or \
+            (meta[M_OUT_N] >= 0 and meta[M_OUT_N] != c_n):
+        return -BAD_FORM
+    return i
+
+
+@_jit
+def _sampled(b, i, n, epoch, meta, col, ints, slots, row_key, row_key_len):
+    """`sampled_token_ids` at b[i]: the next index, or -reason."""
+    if _is_null(b, i, n):
+        return i + 4
+    if b[i] != 123:
+        return -BAD_FORM
+    meta[M_HAS_SAMPLED] = 1
+    meta[M_SM_OFF] = meta[M_TPOS]
+    i = _ws(b, i + 1, n)
+    if i < n and b[i] == 125:
+        return i + 1
+    R = col.shape[1]
+    B = meta[M_SCHED]
+    num_new = meta[M_NEW]
+    tok_end = ints.shape[0] // 2
+    tok_hi = np.int64(1) << 31
+    m = 0
+    same = True
+    while True:
+        if i >= n or b[i] != 34:
+            return -BAD_JSON
+        e = _string_end(b, i, n)
+        if e < 0:
+            return -UNSUPPORTED
+        if m < B and _same_span(b, i + 1, e, col[S_ID_S, m], col[S_ID_E, m]):
+            r = -(1 << 29)  # the usual order: the m-th scheduled request, no lookup
+        else:
+            r = _resolve(b, i + 1, e, num_new, col, slots, row_key, row_key_len)
+        if r == 1 << 30:
+            return -UNKNOWN_ID
+        if r == -(1 << 29):
+            s_idx = m
+        elif r < 0:
+            s_idx = col[NEW_IN_S, -r - 1]
+        elif col[MK_SCHED, r] != epoch:
+            return -UNKNOWN_ID  # not scheduled this step
+        elif m < B and col[S_ROWS, m] == r:
+            s_idx = m
+        else:
+            s_idx = -1
+            for t in range(B):
+                if col[S_ROWS, t] == r:
+                    s_idx = t
+                    break
+        if s_idx < 0 or m >= R:
+            return -BAD_FORM
+        if s_idx != m:
+            same = False
+        if not same:  # a key twice (while in order, every earlier entry is its own)
+            for t in range(m):
+                if col[SM_IDX, t] == s_idx:
+                    return -BAD_FORM
+        col[SM_IDX, m] = s_idx
+        i = _after_key(b, e, n)
+        if i < 0:
+            return -BAD_JSON
+        off = meta[M_TPOS]
+        i, cnt = _int_list(b, i, n, ints, off, tok_end, 0, tok_hi)
+        if i < 0:
+            return i
+        col[SM_COUNT, m] = cnt
+        meta[M_TPOS] = off + cnt
+        m += 1
+        i, more = _next(b, i, n, 125)
+        if i < 0:
+            return -BAD_JSON
+        if not more:
+            break
+    meta[M_SAMPLED] = m
+    meta[M_SM_TOKENS] = meta[M_TPOS] - meta[M_SM_OFF]
+    meta[M_SM_SAME] = 1 if (same and m == B) else 0
+    return i
+
+
+@_jit
+def _drafts(b, i, n, meta, ints):
+    """`draft_token_ids` at b[i]: checked (ids in range), not kept: the next index, or -reason."""
+    if _is_null(b, i, n):
+        return i + 4
+    if b[i] != 123:
+        return -BAD_FORM
+    i = _ws(b, i + 1, n)
+    if i < n and b[i] == 125:
+        return i + 1
+    tok_end = ints.shape[0] // 2
+    tok_hi = np.int64(1) << 31
+    while True:
+        if i >= n or b[i] != 34:
+            return -BAD_JSON
+        e = _string_end(b, i, n)
+        if e < 0:
+            return -UNSUPPORTED
+        i = _after_key(b, e, n)
+        if i < 0:
+            return -BAD_JSON
+        i, cnt = _int_list(b, i, n, ints, meta[M_TPOS], tok_end, 0, tok_hi)
+        if i < 0:
+            return i
+        i, more = _next(b, i, n, 125)
+        if i < 0:
+            return -BAD_JSON
+        if not more:
+            return i
+
+
+@_jit
+def _checks(b, num_free, max_num_tokens, max_blocks, epoch, meta, col, num_blocks, slots, row_key, row_key_len):
+    """What a type cannot say, and what the state update would refuse: 0 or a reason."""
+    c_n = meta[M_CACHED]
+    B = meta[M_SCHED]
+    num_new = meta[M_NEW]
+    if B != num_new + c_n:
+        return MISMATCH
+    total = 0
+    for j in range(B):
+        total += col[S_COUNTS, j]
+    if total != meta[M_TOTAL]:
+        return MISMATCH
+    if total > max_num_tokens:
+        return OUT_OF_RANGE
+    for k in range(num_new):
+        if col[NEW_IN_S, k] < 0:
+            return MISMATCH  # a new request not scheduled
+    removed = 0
+    nf = meta[M_FINISHED]
+    for j in range(nf + meta[M_PREEMPTED]):
+        r = col[F_ROWS, j] if j < nf else col[P_ROWS, j - nf]
+        if r >= 0 and col[MK_REMOVED, r] != epoch:
+            col[MK_REMOVED, r] = epoch
+            removed += 1
+    meta[M_REMOVED] = removed
+    for j in range(c_n):
+        r = col[C_ROWS, j]
+        if r < 0 or col[MK_SCHED, r] != epoch or col[MK_CACHED, r] == epoch or col[MK_REMOVED, r] == epoch:
+            return MISMATCH  # unknown, not scheduled, listed twice, or finished in this step
+        col[MK_CACHED, r] = epoch
+        if col[C_NB, j] and num_blocks[0, r] + col[C_B_LEN, j] > max_blocks:
+            return OUT_OF_RANGE
+    if num_new > num_free + removed:
+        return FULL
+    for k in range(num_new):
+        s = col[NEW_ID_S, k]
+        e = col[NEW_ID_E, k]
+        r = _lookup(b, s, e, slots, row_key, row_key_len)
+        if r >= 0 and col[MK_REMOVED, r] != epoch:
+            return MISMATCH  # still live
+        for t in range(k):
+            ts = col[NEW_ID_S, t]
+            if col[NEW_ID_E, t] - ts == e - s and _same(b, ts, b, s, e - s):
+                return MISMATCH  # new twice
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- the scanner
+
+@_jit
+def scan_line(b, n, expected_step, num_free, epoch, num_gpu_blocks, max_model_len, max_num_tokens, max_blocks, v2,
+              meta, col, ints, num_blocks, slots, row_key, row_key_len, keytab, keyidx):
+    """Scan line b[:n] of a one-group trace into the columns. Returns 0 (accepted) or a reason > 0."""
+    for k in range(NUM_META):
+        meta[k] = 0
+    meta[M_BPOS] = ints.shape[0] // 2
+    key_max = row_key.shape[1]
+    got = 0
+    i = _ws(b, 0, n)
+    if i >= n or b[i] != 123:
+        return BAD_JSON
+    i += 1
+    while True:
+        q = _member(b, i, n, 125)
+        if q == -2:
+            i = _ws(b, i, n) + 1
+            break
+        if q < 0:
+            return BAD_JSON
+        key, i = _key(b, q, n, keytab, keyidx)
+        if i < 0:
+            return -i
+        if 0 <= key < 8:
+            if got & (1 << key):
+                return BAD_FORM  # a key twice
+            got |= 1 << key
+        if key == STEP:
+            i, v = _int(b, i, n)
+            if i < 0:
+                return BAD_FORM
+            if v != expected_step:
+                return MISMATCH
+        elif key == SCHEDULER_OUTPUT:
+            if not got & (1 << STEP):
+                return UNSUPPORTED
+            i = _sched_output(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, v2, epoch, meta, col,
+                              ints, slots, row_key, row_key_len, keytab, keyidx)
+        elif key == SAMPLED:
+            if not got & (1 << SCHEDULER_OUTPUT):
+                return UNSUPPORTED
+            i = _sampled(b, i, n, epoch, meta, col, ints, slots, row_key, row_key_len)
+        elif key == DRAFTS:
+            i = _drafts(b, i, n, meta, ints)
+        elif 4 <= key < 8:
+            return UNSUPPORTED  # kind, async spec-decode keys: the checked path
+        else:
+            i = _skip(b, i, n)
+            if i < 0:
+                return BAD_JSON
+        if i < 0:
+            return -i
+        i, more = _end_member(b, i, n)
+        if i < 0:
+            return -i
+        if not more:
+            break
+    if _ws(b, i, n) != n:
+        return BAD_JSON  # something after the object
+    if not got & (1 << SCHEDULER_OUTPUT):
+        return BAD_FORM
+    return _checks(b, num_free, max_num_tokens, max_blocks, epoch, meta, col, num_blocks, slots, row_key,
+                   row_key_len)
+
+
+@_jit
+def apply_cached(col, ints, num_cached, max_model_len, kv_groups, block_spans, num_computed_tokens, block_table,
+                 num_blocks, capacity):
+    """The cached requests of a scanned line of a one-group trace: num_computed_tokens, the new blocks appended
+    to the row, each grown row's capacity. The scan checked every bound."""
+    for j in range(num_cached):
+        r = col[C_ROWS, j]
+        num_computed_tokens[r] = col[C_NC, j]
+        if col[C_NB, j] == 0:
+            continue
+        off = col[C_B_OFF, j]
+        cnt = col[C_B_LEN, j]
+        have = num_blocks[0, r]
+        for t in range(cnt):
+            block_table[r, have + t] = ints[off + t]
+        num_blocks[0, r] = have + cnt
+        cap = np.int64(max_model_len)
+        for g in range(kv_groups.shape[0]):
+            cap = min(cap, np.int64(num_blocks[kv_groups[g], r]) * block_spans[kv_groups[g]])
+        capacity[r] = cap
+
+
+# Exports compiled ahead of time (kvmap.aot): name -> (kernel, signature). AOT_SOURCES: their source files.
+AOT_EXPORTS = {
+    "table_insert": ("table_insert", "i8(i4[::1], u1[:, ::1], i4[::1], u1[::1], i8)"),
+    "table_remove": ("table_remove", "i8(i4[::1], u1[:, ::1], i4[::1], i8)"),
+    "table_find": ("table_find", "i8(i4[::1], u1[:, ::1], i4[::1], u1[::1])"),
+    "scan_line": ("scan_line", "i8(u1[::1], i8, i8, i8, i8, i8, i8, i8, i8, b1, i8[::1], i4[:, ::1], i4[::1], "
+                               "i4[:, ::1], i4[::1], u1[:, ::1], i4[::1], u1[::1], i4[::1])"),
+    "apply_cached": ("apply_cached", "void(i4[:, ::1], i4[::1], i8, i8, i4[::1], i4[::1], i4[::1], i4[:, ::1], "
+                                     "i4[:, ::1], i4[::1])"),
+}
+AOT_SOURCES = ("trace/scan_kernels.py", "trace/scan_layout.py")

@@ -1,0 +1,47 @@
+"""The column layout of the line scanner: shared by its kernels (trace/scan_kernels.py, numba) and its Python
+side (trace/scan.py), which must not import numba. The kernels' machine code is compiled from this file too
+(their AOT_SOURCES), so a change here rebuilds them.
+"""
+
+# column rows of `col` ([NUM_COLS, R] int32), one entry per request of the line (one KV cache group)
+NEW_NC, NEW_ID_S, NEW_ID_E, NEW_TOK_OFF, NEW_TOK_LEN, NEW_FIELD, NEW_IN_S, NEW_B_OFF, NEW_B_LEN = range(9)
+C_ROWS, C_NC, C_NB, C_B_OFF, C_B_LEN = 9, 10, 11, 12, 13  # cached: row, nc, has new blocks, their span
+S_ROWS, S_COUNTS = 14, 15  # num_scheduled_tokens in order: a row (>= 0) or new request k as -(k + 1); count
+F_ROWS, P_ROWS = 16, 17  # finished / preempted ids: rows, -1 for ids not live
+SM_IDX, SM_COUNT = 18, 19  # sampled_token_ids in order: scheduler entry, tokens
+MK_SCHED, MK_CACHED, MK_REMOVED = 20, 21, 22  # per row: the epoch of the scan that marked it
+C_ID_S, C_ID_E, S_ID_S, S_ID_E = 23, 24, 25, 26  # byte spans of the cached and the scheduled ids in the line
+NUM_COLS = 27
+# `meta` ([NUM_META] int64): what the line holds, and the scan's cursors
+M_NEW, M_CACHED, M_SCHED, M_FINISHED, M_PREEMPTED, M_SAMPLED, M_TOTAL = range(7)
+M_HAS_SAMPLED, M_SM_OFF, M_SM_TOKENS, M_SM_SAME, M_REMOVED = 7, 8, 9, 10, 11
+M_TPOS, M_BPOS, M_NC_N, M_NB_N, M_OUT_N = 12, 13, 14, 15, 16  # the scan's cursors and list lengths
+NUM_META = 17
+# `ints` ([2 * cap] int32): token ids of the line in [0, cap) (prompts, then sampled), block ids in [cap, 2cap)
+# `keyidx` ([KEY_SLOTS + len(KEYS) + 1] int32): key_slot() -> key id (-1 empty, linear probing), then each
+# key's offset
+KEY_SLOTS = 256
+
+KEYS = ("step", "scheduler_output", "sampled_token_ids", "draft_token_ids", "kind",
+        "spec_draft_token_ids", "num_rejected_tokens", "num_computed_tokens_correction",
+        "scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "total_num_scheduled_tokens",
+        "scheduled_spec_decode_tokens", "finished_req_ids", "preempted_req_ids",
+        "req_id", "prompt_token_ids", "prefill_token_ids", "block_ids", "num_computed_tokens",
+        "req_ids", "resumed_req_ids", "new_block_ids", "all_token_ids", "num_output_tokens",
+        "resumed_from_preemption", "resumed_req_token_ids")  # the ids below
+# key ids: their index in KEYS
+STEP, SCHEDULER_OUTPUT, SAMPLED, DRAFTS, KIND = 0, 1, 2, 3, 4
+SPEC_DRAFTS, REJECTED, CORRECTION = 5, 6, 7
+NEW_REQS, CACHED_REQS, NUM_SCHEDULED, TOTAL, SPEC_TOKENS, FINISHED, PREEMPTED = 8, 9, 10, 11, 12, 13, 14
+REQ_ID, PROMPT, PREFILL, BLOCK_IDS, NUM_COMPUTED = 15, 16, 17, 18, 19
+REQ_IDS, RESUMED_IDS, NEW_BLOCK_IDS, ALL_TOKEN_IDS, NUM_OUTPUT, LEGACY_RESUMED, LEGACY_TOKENS = (
+    20, 21, 22, 23, 24, 25, 26)
+
+# reasons (nonzero: the checked path decodes the line)
+BAD_JSON, BAD_FORM, UNSUPPORTED, UNKNOWN_ID, OUT_OF_RANGE, FULL, MISMATCH = 1, 2, 3, 4, 5, 6, 7
+
+
+def key_slot(name: bytes) -> int:
+    """The first slot of a key name in `keyidx` (scan_kernels._key_id computes the same from the line)."""
+    n = len(name)
+    return (n * 131 + name[0] * 31 + name[-1] * 7 + name[n // 2]) & (KEY_SLOTS - 1) if n else 0
