@@ -41,9 +41,18 @@ def source_hash(sources: tuple[str, ...]) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+_FINGERPRINT: list[str] = []
+
+
 def cpu_fingerprint() -> str:
     """The machine, and on Linux the first CPU's model and feature flags (what `target_cpu='host'` compiles
-    for), read without importing llvmlite."""
+    for), read without importing llvmlite; once per process."""
+    if not _FINGERPRINT:
+        _FINGERPRINT.append(_read_fingerprint())
+    return _FINGERPRINT[0]
+
+
+def _read_fingerprint() -> str:
     import platform
 
     parts = [platform.machine()]
@@ -58,6 +67,15 @@ def cpu_fingerprint() -> str:
     except OSError:
         pass
     return "\n".join(parts)
+
+
+def cpu_model() -> str:
+    """The first CPU's model name from /proc/cpuinfo, else the machine (`x86_64`): `platform.processor()`
+    without its `uname -p` subprocess (19 ms of every replay, measured), and more telling."""
+    for line in cpu_fingerprint().splitlines()[1:]:
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return cpu_fingerprint().splitlines()[0]
 
 
 _CPU_HASH: list[int] = []

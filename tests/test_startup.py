@@ -112,3 +112,24 @@ def test_kvmap_help_is_drawn_before_typer_loads_and_equals_the_apps_help():
                                      "prog_name='kvmap')\nexcept SystemExit:\n    pass"], capture_output=True,
                                     text=True, check=True, env=env)
         assert fast.stdout == typer_help.stdout and "Commands" in fast.stdout
+
+
+def test_building_one_command_gives_the_command_the_whole_app_gives():
+    """`main` builds only the command on the command line (cli/app.py): its parameters and help are those the
+    whole app builds for it."""
+    import typer.main
+
+    from kvmap.cli.app import app, command_name
+
+    whole = typer.main.get_command(app)
+    saved = app.registered_commands
+    try:
+        for cmd in saved:
+            app.registered_commands = [cmd]
+            one = typer.main.get_command(app).commands[command_name(cmd)]
+            full = whole.commands[command_name(cmd)]
+            assert [(p.name, p.opts, p.default, p.help if hasattr(p, "help") else None) for p in one.params] == \
+                [(p.name, p.opts, p.default, p.help if hasattr(p, "help") else None) for p in full.params]
+            assert one.help == full.help
+    finally:
+        app.registered_commands = saved

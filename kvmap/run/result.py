@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from kvmap.aot import cpu_model
 from kvmap.errors import KvmapError
 
 PHASES = (
@@ -117,8 +118,7 @@ class ReplayResult:
     kernel_block_sizes: list[int] = field(default_factory=list)  # [groups], when some group splits
     rank_broadcast_p50_ns: list[int] = field(default_factory=list)  # [ranks] distributed: median broadcast per step
     machine: dict = field(default_factory=lambda: {"python": platform.python_version(),
-                                                    "machine": platform.machine(),
-                                                    "processor": platform.processor() or platform.machine()})
+                                                    "machine": platform.machine(), "processor": cpu_model()})
 
     # ------------------------------------------------------------------ derived
 
