@@ -12,6 +12,11 @@ Rules:
 - One mode: every write into token rows and block tables goes through `self.writes` (workers/writes.py), which
   device workers set to record; the whole-batch operations (position check, sampled-token append, scatter of
   `num_computed_tokens`) go through `self.ops`, vectorized or compiled (workers/state_ops.py).
+- Two forms of one update: `update(step)` from a decoded `Step`, and `update_scanned(s)` from the columns of
+  a line the scanner took (trace/scan.py), which appends the cached rows' blocks in one kernel call straight
+  into the tables, as `CompiledOps` appends tokens: only host workers with `CompiledOps` are offered a
+  scanner. Both add rows through `_take_row` and remove them through `_remove`, which keep the scanner's id
+  table in step; tests/test_scan.py holds the two forms to the same state after every step.
 - `num_computed_tokens` is always taken from the trace. Sampled tokens are appended after the step.
 - Problems that need state to detect (unknown request, a full pool of rows, a row that overflows, a scheduled
   position without a block) raise `TraceError` naming step, request, group and field, with the problem kind
