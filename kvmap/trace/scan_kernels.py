@@ -14,6 +14,9 @@ Rules:
 - The id table: open addressing with linear probing over `slots` (a power of two, at least twice the rows),
   each slot a row or -1; a row's id bytes in `row_key[row, :row_key_len[row]]`; FNV-1a hashes; deletion by
   backward shift, so a probe stops at the first empty slot.
+- Nothing allocates: the kernels run without numba's reference counting (`_nrt=False`), which cost half of
+  a scan's time in refcount updates on every call that passed an array (perf). How the loops are written, and
+  why, is stated above `_ws`.
 - Importing this module imports numba: import it lazily (kvmap.aot.load).
 """
 
@@ -21,8 +24,6 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
-
-_jit = nb.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)  # no refcounts: nothing here allocates
 
 from kvmap.trace.scan_layout import (ALL_TOKEN_IDS, BAD_FORM, BAD_JSON, BLOCK_IDS, CACHED_REQS, C_B_LEN, C_B_OFF,
     C_ID_E, C_ID_S, C_NB, C_NC, C_ROWS, DRAFTS, FINISHED, FULL, F_ROWS, KEY_SLOTS, LEGACY_RESUMED, LEGACY_TOKENS,
@@ -32,6 +33,8 @@ from kvmap.trace.scan_layout import (ALL_TOKEN_IDS, BAD_FORM, BAD_JSON, BLOCK_ID
     NEW_TOK_OFF, NUM_COMPUTED, NUM_META, NUM_OUTPUT, NUM_SCHEDULED, OUT_OF_RANGE, PREEMPTED, PREFILL, PROMPT,
     P_ROWS, REQ_ID, REQ_IDS, RESUMED_IDS, SAMPLED, SCHEDULER_OUTPUT, SM_COUNT, SM_IDX, SPEC_TOKENS, STEP, S_COUNTS,
     S_ID_E, S_ID_S, S_ROWS, TOTAL, UNKNOWN_ID, UNSUPPORTED)  # the column layout: constants to numba
+
+_jit = nb.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)  # no refcounts: nothing here allocates
 
 _FNV_OFFSET = np.uint64(14695981039346656037)
 _FNV_PRIME = np.uint64(1099511628211)
