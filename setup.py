@@ -3,8 +3,9 @@
 `pip install` compiles the numba kernels of the default backend ahead of time (kvmap/aot.py, numba.pycc) into
 extension modules beside their sources (aot.KERNEL_MODULES: the CPU worker's, the KV cache's, the line
 scanner's), so no run imports numba or loads its JIT: a replay starts about 0.4 s sooner, and the line scanner
-(trace/scan.py) is only used compiled. The build takes about 50 s. It is optional: if it fails (no C compiler, numba too old or too new
-for this Python), the install goes on without it and numba's JIT compiles the kernels on first use, as before.
+(trace/scan.py) is only used compiled. The build takes about 50 s. It is optional: if it fails (no C
+compiler, numba too old or too new for this Python), the install goes on without it and numba's JIT compiles
+the kernels on first use, as before.
 `KVMAP_NO_AOT=1` skips it; `python -m kvmap.aot` rebuilds the modules in place after a kernel is edited (until
 then a stale module is detected and not used).
 

@@ -353,7 +353,7 @@ class Trace:
     def decode(self, raw: bytes, line: int, i: int) -> Step:
         """Step `i` from its line: the typed decoder (one pass, every value checked), and when it steps aside
         (anything off, or no msgspec) the checked path, which names the problem."""
-        typed = self._typed if self._typed is not False else self._typed_decoder()
+        typed = self._typed_decoder()
         step = typed(raw, line, i) if typed is not None else None
         if step is None:
             where = Where(self.name, line, i)

@@ -51,15 +51,6 @@ def _hash(b, s, e):
 
 
 @_jit
-def _same(a, s, b, t, n):
-    """a[s:s + n] == b[t:t + n] (early returns: see _ws)."""
-    for u in range(n):
-        if a[s + u] != b[t + u]:
-            return False
-    return True
-
-
-@_jit
 def _same_span(b, s, e, t, f):
     """b[s:e] == b[t:f] (a leaf)."""
     n = e - s
@@ -494,15 +485,9 @@ def _one_group(b, i, n, ints, meta, num_gpu_blocks):
 @_jit
 def _resolve(b, s, e, num_new, col, slots, row_key, row_key_len):
     """An id in a scheduled position: new request k as -(k + 1), a live row, or a large sentinel (unknown)."""
-    n = e - s
     for k in range(num_new):
-        ks = col[NEW_ID_S, k]
-        if col[NEW_ID_E, k] - ks == n:
-            u = 0
-            while u < n and b[ks + u] == b[s + u]:
-                u += 1
-            if u == n:
-                return -(k + 1)
+        if _same_span(b, s, e, col[NEW_ID_S, k], col[NEW_ID_E, k]):
+            return -(k + 1)
     r = _lookup(b, s, e, slots, row_key, row_key_len)
     return r if r >= 0 else 1 << 30
 
@@ -519,17 +504,36 @@ def _empty(b, i, n, close):
     return -1
 
 
+END = -2  # the key id `_key` gives at the object's end
+
+
 @_jit
 def _key(b, i, n, keytab, keyidx):
-    """A member's key at b[q] (q from _member): (key id or -1, index of its value), or (0, -reason)."""
-    e = _string_end(b, i, n)
+    """At an object member or the object's end: (key id or -1, index of its value), (END, index past the '}'),
+    or (0, -reason)."""
+    q = _member(b, i, n, 125)
+    if q == -2:
+        return END, _ws(b, i, n) + 1
+    if q < 0:
+        return 0, -BAD_JSON
+    e = _string_end(b, q, n)
     if e < 0:
         return 0, -UNSUPPORTED
-    key = _key_id(b, i + 1, e, keytab, keyidx)
+    key = _key_id(b, q + 1, e, keytab, keyidx)
     j = _after_key(b, e, n)
     if j < 0 or j >= n:
         return 0, -BAD_JSON
     return key, j
+
+
+@_jit
+def _seen(got, key, lo, hi, base):
+    """`got` (a bit per key id, bit key - base) with `key` added when lo <= key < hi; -1 if it was there: a key
+    given twice."""
+    if key < lo or key >= hi:
+        return got
+    bit = 1 << (key - base)
+    return -1 if got & bit else got | bit
 
 
 @_jit
@@ -602,19 +606,14 @@ def _new_reqs(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, meta,
         prompt_off = 0
         prefill_off = 0
         while True:
-            q = _member(b, i, n, 125)
-            if q == -2:
-                i = _ws(b, i, n) + 1
-                break
-            if q < 0:
-                return -BAD_JSON
-            key, i = _key(b, q, n, keytab, keyidx)
+            key, i = _key(b, i, n, keytab, keyidx)
             if i < 0:
                 return i
-            if 15 <= key < 20:
-                if got & (1 << (key - 15)):
-                    return -BAD_FORM  # a key twice
-                got |= 1 << (key - 15)
+            if key == END:
+                break
+            got = _seen(got, key, REQ_ID, NUM_COMPUTED + 1, REQ_ID)
+            if got < 0:
+                return -BAD_FORM
             if key == REQ_ID:
                 if b[i] != 34:
                     return -BAD_FORM
@@ -694,19 +693,14 @@ def _cached(b, i, n, num_gpu_blocks, max_model_len, meta, col, ints, slots, row_
     got = 0
     c_n = -1
     while True:
-        q = _member(b, i, n, 125)
-        if q == -2:
-            i = _ws(b, i, n) + 1
-            break
-        if q < 0:
-            return -BAD_JSON
-        key, i = _key(b, q, n, keytab, keyidx)
+        key, i = _key(b, i, n, keytab, keyidx)
         if i < 0:
             return i
-        if key >= 19:
-            if got & (1 << (key - 19)):
-                return -BAD_FORM
-            got |= 1 << (key - 19)
+        if key == END:
+            break
+        got = _seen(got, key, NUM_COMPUTED, LEGACY_TOKENS + 1, NUM_COMPUTED)
+        if got < 0:
+            return -BAD_FORM
         if key == REQ_IDS:
             i, c_n = _id_list(b, i, n, col, C_ROWS, C_ID_S, slots, row_key, row_key_len)
             if i < 0:
@@ -848,19 +842,14 @@ def _sched_output(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, v
     i += 1
     got = 0
     while True:
-        q = _member(b, i, n, 125)
-        if q == -2:
-            i = _ws(b, i, n) + 1
-            break
-        if q < 0:
-            return -BAD_JSON
-        key, i = _key(b, q, n, keytab, keyidx)
+        key, i = _key(b, i, n, keytab, keyidx)
         if i < 0:
             return i
-        if 8 <= key < 15:
-            if got & (1 << key):
-                return -BAD_FORM
-            got |= 1 << key
+        if key == END:
+            break
+        got = _seen(got, key, NEW_REQS, PREEMPTED + 1, 0)
+        if got < 0:
+            return -BAD_FORM
         if key == NEW_REQS:
             i = _new_reqs(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, meta, col, ints, keytab,
                           keyidx)
@@ -1057,8 +1046,7 @@ def _checks(b, num_free, max_num_tokens, max_blocks, epoch, meta, col, num_block
         if r >= 0 and col[MK_REMOVED, r] != epoch:
             return MISMATCH  # still live
         for t in range(k):
-            ts = col[NEW_ID_S, t]
-            if col[NEW_ID_E, t] - ts == e - s and _same(b, ts, b, s, e - s):
+            if _same_span(b, s, e, col[NEW_ID_S, t], col[NEW_ID_E, t]):
                 return MISMATCH  # new twice
     return 0
 
@@ -1079,19 +1067,14 @@ def scan_line(b, n, expected_step, num_free, epoch, num_gpu_blocks, max_model_le
         return BAD_JSON
     i += 1
     while True:
-        q = _member(b, i, n, 125)
-        if q == -2:
-            i = _ws(b, i, n) + 1
-            break
-        if q < 0:
-            return BAD_JSON
-        key, i = _key(b, q, n, keytab, keyidx)
+        key, i = _key(b, i, n, keytab, keyidx)
         if i < 0:
             return -i
-        if 0 <= key < 8:
-            if got & (1 << key):
-                return BAD_FORM  # a key twice
-            got |= 1 << key
+        if key == END:
+            break
+        got = _seen(got, key, STEP, NEW_REQS, 0)
+        if got < 0:
+            return BAD_FORM
         if key == STEP:
             i, v = _int(b, i, n)
             if i < 0:
