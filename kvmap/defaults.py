@@ -10,3 +10,4 @@ KV_HEAD_SIZE = 8
 KV_DTYPE = "bfloat16"
 MAX_KV_EXAMPLES = 20  # located KV mismatches kept per run
 STANDIN_TOKEN_ID = 0  # input id used where the trace did not record what the model sampled (counted, reported)
+NSYS_TIMEOUT_S = 600.0  # seconds for `kvmap profile`'s replay under nsys, and again for `nsys stats`

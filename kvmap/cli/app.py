@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.text import Text
 from typer.core import TyperGroup
 
 from kvmap.cli.root_help import draw, first_paragraph, fit_width
@@ -59,6 +57,8 @@ class KvmapGroup(TyperGroup):
         except NoArgsIsHelpError as e:  # the help is already printed
             rc = e.exit_code
         except ClickException as e:
+            from rich.text import Text
+
             fit_consoles()
             err.print(Text.assemble(("kvmap: error: ", "bold red"), usage_line(e)), soft_wrap=True,
                       highlight=False)
@@ -120,14 +120,59 @@ app = typer.Typer(
     add_completion=False,
     rich_markup_mode="rich",
 )
-out = Console()
-err = Console(stderr=True)
+class LazyConsole:
+    """Standard output's or standard error's Rich console, made the first time something is drawn with it:
+    importing Rich is about 0.05 s of a command, and a replay piped into a file never needs it (its summary is
+    drawn without Rich, kvmap/run/plain.py). It has everything the Rich console has, plus `plain_width()`
+    (where Rich would draw without colour or terminal control, the width it would draw at; else None) and
+    `write_lines` (lines written whole, as Rich writes them there)."""
+
+    def __init__(self, stderr: bool = False) -> None:
+        self._stderr = stderr
+        self._console = None
+
+    def _stream(self):
+        return sys.stderr if self._stderr else sys.stdout
+
+    @property
+    def rich(self):
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(stderr=self._stderr)
+            fit_width(self._console)
+        return self._console
+
+    def fit(self) -> None:
+        if self._console is not None:
+            fit_width(self._console)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.plain_width() is None and self.rich.is_terminal
+
+    def plain_width(self) -> int | None:
+        from kvmap.run.plain import plain_width
+
+        return plain_width(self._stream())
+
+    def write_lines(self, lines: list[str]) -> None:
+        stream = self._stream()
+        stream.write("".join(line + "\n" for line in lines))
+        stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self.rich, name)
+
+
+out = LazyConsole()
+err = LazyConsole(stderr=True)
 
 
 def fit_consoles() -> None:
     """Both consoles' width by root_help.fit_width (the terminal's, else `COLUMNS`, else PIPED_WIDTH)."""
     for c in (out, err):
-        fit_width(c)
+        c.fit()
 
 
 def _version(value: bool) -> None:
@@ -177,6 +222,8 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except KvmapError as e:
+            from rich.text import Text
+
             err.print(Text.assemble(("kvmap: error: ", "bold red"), safe(str(e))), highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a shell tool does
@@ -241,6 +288,8 @@ class spinner:
     def __enter__(self):
         if not self.enabled:
             return None
+        from rich.text import Text
+
         self.status = err.status(Text(safe(self.what)))
         self.status.start()
         return lambda step: self.status.update(Text(safe(f"{self.what}: step {step}")))
@@ -271,7 +320,8 @@ class progress_bar:
         first = ("compiling kernels, once (seconds; cached for later runs)" if compiled and not _kernels_cached()
                  else "loading kernels" if compiled else "starting")
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-                            TextColumn("step {task.fields[step]}"), TimeElapsedColumn(), console=err, transient=True)
+                            TextColumn("step {task.fields[step]}"), TimeElapsedColumn(), console=err.rich,
+                            transient=True)
         self.bar.start()
         task = self.bar.add_task(first, total=self.trace.size_bytes() or None, step="-")
         update, read = self.bar.update, self.trace.bytes_read

@@ -5,14 +5,14 @@ Rules: `draw` is the root help's only renderer. `KvmapGroup.format_help` calls i
 and commands; `kvmap.cli.main` calls it with `OPTIONS` and `COMMANDS` below before anything imports typer
 (typer and the command modules were about 0.1 s of every `kvmap --help`, measured). tests/test_startup.py holds
 the two outputs equal byte for byte, so these lists cannot drift from the app. This module imports only the
-standard library at load, and rich when it draws.
+standard library (and kvmap/run/plain.py's constants) at load, and rich when it draws.
 """
 
 from __future__ import annotations
 
 import os
 
-PIPED_WIDTH = 120  # tables when stdout is not a terminal and COLUMNS is unset
+from kvmap.run.plain import PIPED_WIDTH  # tables when stdout is not a terminal and COLUMNS is unset
 HELP = "Replay, time, check and explain how vLLM scheduler decisions become paged-KV GPU input tensors."
 OPTIONS = (("--version", "Print the version and exit."), ("--help", "Show this message and exit."))
 # (name, the first paragraph of its docstring), in the app's order: the command modules' registration order

@@ -17,7 +17,6 @@ from kvmap.cli.app import (BackendOpt, StepsOpt, TraceArg, WarmupOpt, app, err, 
                            spinner, user_errors)
 from kvmap import defaults
 from kvmap.errors import KvmapError
-from kvmap.run.profile import NSYS_TIMEOUT_S
 
 
 @app.command()
@@ -148,7 +147,7 @@ def profile(
     builtin: Annotated[bool, typer.Option("--builtin", help="No nsys: replay and write a Chrome trace "
                                           "(OUTPUT.trace.json, opens in Perfetto) instead.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for nsys (the profiled replay, "
-                                           "then nsys stats) before giving up.", min=1)] = NSYS_TIMEOUT_S,
+                                           "then nsys stats) before giving up.", min=1)] = defaults.NSYS_TIMEOUT_S,
 ) -> None:
     """Replay under Nsight Systems (NVTX + OS runtime, CUDA on a GPU) and show its NVTX ranges per phase beside
     kvmap's own timings."""

@@ -24,10 +24,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmap.defaults import NSYS_TIMEOUT_S
 from kvmap.errors import KvmapError
 from kvmap.run.markers import CAPTURE_RANGE, DOMAIN
 
-NSYS_TIMEOUT_S = 600.0  # seconds for the profiled replay, and again for `nsys stats`
 GET_NSYS = "scripts/get_nsys.sh (unpacks Debian's non-free Nsight Systems into .tools/nsys, no system install)"
 
 

@@ -146,7 +146,7 @@ def replay(
             pop()  # step
             if events:
                 events.end_step(keep=step.step >= record_from)
-            if step.step >= measure_from:
+            if measure_from and step.step >= measure_from:  # from 0 it is `seen` (see below)
                 seen_measured.update(step.scheduled_req_ids())
             if step.step >= record_from:
                 rec.add(step, ts)
@@ -177,7 +177,9 @@ def replay(
     result.h2d_bytes_measured = worker.h2d_bytes - h2d_before
     result.wall_s = time.perf_counter() - wall0
     result.requests_seen = len(seen)
-    result.requests_measured = len(seen_measured)
+    # a state learns requests only as new ones, each scheduled in its first step: from step 0 the requests
+    # scheduled in the measured steps are the new ones (no per-step id list)
+    result.requests_measured = len(seen_measured) if measure_from else len(seen)
     result.standin_tokens = worker.num_standin_tokens
     if scanner is not None:
         result.lines_scanned, result.lines_declined = scanner.scanned, dict(scanner.declined)
@@ -250,26 +252,28 @@ def _new_result(trace: Trace, worker: Worker, kv, geometry: KVGeometry, phases: 
 
 
 class _Recorded:
-    """Per-step figures of the recorded steps, in flat int64 arrays (no per-step objects kept)."""
+    """Per-step figures of the recorded steps, in flat int64 arrays (no per-step objects kept): a step's
+    clock reads as they were taken (one per phase boundary), differenced once, at the end."""
 
     def __init__(self, num_phases: int) -> None:
         self.num_phases = num_phases
         self.origin = 0  # clock at the start of the run
-        self.steps, self.reqs, self.tokens, self.ns, self.start = (array("q") for _ in range(5))
+        self.steps, self.reqs, self.tokens, self.ts = (array("q") for _ in range(4))
 
     def add(self, step, ts: list[int]) -> None:
         self.steps.append(step.step)
         self.reqs.append(step.num_reqs)
         self.tokens.append(step.num_tokens)
-        self.ns.extend([ts[j + 1] - ts[j] for j in range(self.num_phases)])
-        self.start.append(ts[0] - self.origin)
+        self.ts.extend(ts)  # num_phases + 1 boundaries
 
     def store(self, result: ReplayResult) -> None:
-        result.steps, result.num_reqs, result.num_tokens, result.step_start_ns = (
+        result.steps, result.num_reqs, result.num_tokens = (
             np.frombuffer(a, dtype=np.int64) if len(a) else np.zeros(0, np.int64)
-            for a in (self.steps, self.reqs, self.tokens, self.start))
-        ns = np.frombuffer(self.ns, dtype=np.int64) if len(self.ns) else np.zeros(0, np.int64)
-        result.phase_ns = ns.reshape(-1, self.num_phases)
+            for a in (self.steps, self.reqs, self.tokens))
+        ts = np.frombuffer(self.ts, dtype=np.int64) if len(self.ts) else np.zeros(0, np.int64)
+        ts = ts.reshape(-1, self.num_phases + 1)
+        result.phase_ns = np.diff(ts, axis=1)  # [steps, num_phases]
+        result.step_start_ns = ts[:, 0] - self.origin
 
 
 class _RankTally:

@@ -15,13 +15,17 @@ import csv
 import io
 from dataclasses import dataclass
 
-import numpy as np
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from kvmap.run.plain import TableSpec, draw_table
 from kvmap.run.result import MAPPING_PHASES, ReplayResult
-from kvmap.run.text import fit_table, safe, say
+from kvmap.run.text import fit_table, rich_table, safe, say
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rich.console import Console
+    from rich.table import Table
 
 OUTLIER_Z = 14.0  # modified z-score threshold (hyperfine's)
 NOISE_MAD = 0.25  # MAD / median above this -> noisy
@@ -209,6 +213,8 @@ def _at(xs: list, i: int):
 
 
 def render_ranks(r: ReplayResult, console: Console) -> None:
+    from rich.text import Text
+
     d = rank_dict(r)
     line = (f"DCP {r.cp_size} (interleave {r.interleave}), TP {r.tp_size}, "
             + (f"{r.world_size} processes" if r.world_size > 1 else
@@ -233,8 +239,37 @@ def render_ranks(r: ReplayResult, console: Console) -> None:
     console.print(t)
 
 
-def render_summary(r: ReplayResult, console: Console) -> None:
+def render_summary(r: ReplayResult, console) -> None:
+    """The summary: its lines, the phase table, its notes. `console` is a Rich console, or the CLI's console
+    that can say where Rich would draw plainly (`plain_width()`: a file or a pipe): there the summary is drawn
+    without Rich (plain.py), the same bytes, unless it holds something only Rich draws (the per-rank and
+    device tables, or a table that would wrap)."""
     s = summary_dict(r)
+    lines = _summary_lines(r, s)
+    spec = _phase_spec(r)
+    notes = _summary_notes(r, s)
+    width = console.plain_width() if hasattr(console, "plain_width") else None
+    ranks = r.cp_size > 1 or r.kernel_block_sizes or r.world_size > 1
+    table = draw_table(spec, width) if width is not None and not ranks and not r.device_phase_ns.size else None
+    if table is not None:
+        console.write_lines(["".join(text for text, _ in parts) for parts in lines] + table +
+                            ["".join(text for text, _ in parts) for parts in notes])
+        return
+    from rich.text import Text
+
+    for parts in lines:
+        say(console, Text.assemble(*parts))
+    if ranks:
+        render_ranks(r, console)
+    console.print(rich_table(spec, console))
+    if r.device_phase_ns.size:
+        console.print(_device_table(r, console))
+    for parts in notes:
+        say(console, Text.assemble(*parts))
+
+
+def _summary_lines(r: ReplayResult, s: dict) -> list[list[tuple[str, str | None]]]:
+    """The summary's lines above its tables, each as (text, style) parts (text already `safe`)."""
     groups = ", ".join(f"{g['kind']} bs={g['block_size']}" + (f" window={g['sliding_window']}"
                                                                if g.get("sliding_window") else "") for g in r.groups)
     backend = safe(r.backend) + (f" ({r.backend_detail})" if r.backend_detail else "")
@@ -250,26 +285,28 @@ def render_summary(r: ReplayResult, console: Console) -> None:
         g = r.kv_geometry
         head.append(("KV cache", f"{r.kv_bytes / 2**20:.1f} MiB ({g.get('num_kv_heads')} heads x "
                                  f"{g.get('head_size')} x {g.get('dtype')} per token, K and V, per group)"))
-    for key, value in head:
-        say(console, Text.assemble((f"{key:<12}", "bold"), value))
+    lines = [[(f"{key:<12}", "bold"), (value, None)] for key, value in head]
     if r.kv_verified:
         verdict = ("0 mismatches", "green") if not r.kv_mismatches else (f"{r.kv_mismatches} mismatches", "red")
-        say(console, Text.assemble((f"{'KV verify':<12}", "bold"), f"{r.kv_checked:,} positions read back over "
-                                   f"all {r.steps_replayed} replayed steps, ", verdict))
-    if r.cp_size > 1 or r.kernel_block_sizes or r.world_size > 1:
-        render_ranks(r, console)
-    console.print(_phase_table(r, console))
-    if r.device_phase_ns.size:
-        console.print(_device_table(r, console))
+        lines.append([(f"{'KV verify':<12}", "bold"), (f"{r.kv_checked:,} positions read back over all "
+                                                       f"{r.steps_replayed} replayed steps, ", None), verdict])
+    return lines
+
+
+def _summary_notes(r: ReplayResult, s: dict) -> list[list[tuple[str, str | None]]]:
+    """The summary's lines below its tables: the staged copy, located KV mismatches, warnings."""
+    notes: list[list[tuple[str, str | None]]] = []
     if r.h2d_bytes:
-        say(console, f"host-to-device: {s['h2d_bytes_per_step']:,.0f} bytes per measured step in one staged copy")
+        notes.append([(f"host-to-device: {s['h2d_bytes_per_step']:,.0f} bytes per measured step in one staged "
+                       "copy", None)])
     for e in r.kv_examples[:5]:
-        say(console, Text.assemble(("KV mismatch", "red"), safe(
+        notes.append([("KV mismatch", "red"), (safe(
             f" step {e['step']}, request {e['req_id']!r}, " + (f"rank {e.get('rank', 0)}, " if r.cp_size > 1 else "")
             + f"group {e['group']}, position {e['position']}, slot "
-            f"{e['slot']}: expected token {e['expected_token']}, found {e['found']}")))
+            f"{e['slot']}: expected token {e['expected_token']}, found {e['found']}"), None)])
     for w in s["warnings"]:
-        say(console, Text.assemble(("warning:", "yellow"), " " + safe(w)))
+        notes.append([("warning:", "yellow"), (" " + safe(w), None)])
+    return notes
 
 
 def decoding_text(r: ReplayResult) -> str:
@@ -283,22 +320,21 @@ def decoding_text(r: ReplayResult) -> str:
     return text
 
 
-def _phase_table(r: ReplayResult, console: Console) -> Table:
-    """Phase names never truncated (no_wrap): at 80 columns every column fits without borders."""
-    table = fit_table(console, "time per measured step (us)", "mappings = the four mapping phases; step = all "
-                      "phases")
+def _phase_spec(r: ReplayResult) -> TableSpec:
+    """The phase table. Phase names are never truncated (no_wrap): at 80 columns every column fits without
+    borders."""
+    spec = TableSpec("time per measured step (us)", "mappings = the four mapping phases; step = all phases")
     for col in ("phase", "mean", "p50", "p90", "p99", "min", "max", "total ms", "share"):
         if col == "phase":
-            table.add_column(Text(col), justify="left", no_wrap=True, min_width=len("prepare_inputs"))
+            spec.add_column(col, "left", no_wrap=True, min_width=len("prepare_inputs"))
         else:
-            table.add_column(Text(col), justify="right", overflow="fold")
-    for st in phase_stats(r):  # cells as Text: plain strings go through markup and emoji parsing (a third of
-        style = "bold" if st.name in ("mappings", "step") else None  # the table's time, measured)
-        cells = (st.name, f"{st.mean_us:.1f}", f"{st.p50_us:.1f}", f"{st.p90_us:.1f}", f"{st.p99_us:.1f}",
-                 f"{st.min_us:.1f}", f"{st.max_us:.1f}", f"{st.total_ms:.2f}",
-                 "" if st.name == "step" else f"{st.share:.0%}")
-        table.add_row(*map(Text, cells), style=style, end_section=st.name == r.phases[-1])
-    return table
+            spec.add_column(col, "right")
+    for st in phase_stats(r):
+        spec.add_row(st.name, f"{st.mean_us:.1f}", f"{st.p50_us:.1f}", f"{st.p90_us:.1f}", f"{st.p99_us:.1f}",
+                     f"{st.min_us:.1f}", f"{st.max_us:.1f}", f"{st.total_ms:.2f}",
+                     "" if st.name == "step" else f"{st.share:.0%}",
+                     style="bold" if st.name in ("mappings", "step") else None, end_section=st.name == r.phases[-1])
+    return spec
 
 
 def _device_table(r: ReplayResult, console: Console) -> Table:
@@ -350,6 +386,8 @@ def to_chrome_trace(r: ReplayResult) -> dict:
 
 def render_profile(r: ReplayResult, ranges: list, console: Console, report_path) -> None:
     """nsys's NVTX ranges per phase beside kvmap's own timings of the same steps."""
+    from rich.text import Text
+
     by = {x.name: x for x in ranges}
     own = {s.name: s for s in phase_stats(r)}
     table = fit_table(console, Text(f"NVTX ranges in {safe(str(report_path))} vs kvmap's timings (us)"))

@@ -2,20 +2,30 @@
 
 Rules: every file name, request id or message kvmap prints goes through `say` or `safe` (control characters
 escaped, never Rich markup); tables come from `fit_table` (full borders from WIDE columns, none below, key
-columns whole). No numpy, no run data: validate and explain render with these too.
+columns whole), or from a `TableSpec` (plain.py) through `rich_table`. No numpy, no run data: validate and
+explain render with these too. Rich is imported when something is drawn with it, not at load (plain.py draws
+a pipe's summary without it).
 """
 
 from __future__ import annotations
 
-from rich import box
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING
+
+from kvmap.run.plain import WIDE, TableSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+__all__ = ["WIDE", "fit_box", "fit_table", "rich_table", "safe", "say"]
 
 
 def say(console: Console, text: str | Text, style: str | None = None) -> None:
     """One message: never read as markup, control characters escaped, and never wrapped when piped (so that
     grep finds it whole); at a terminal Rich wraps it at word boundaries."""
+    from rich.text import Text
+
     t = text if isinstance(text, Text) else Text(safe(text), style=style or "")
     console.print(t, soft_wrap=not console.is_terminal, highlight=False)
 
@@ -27,19 +37,35 @@ def safe(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
-WIDE = 100  # from this width tables have full borders
-
-
 def fit_box(console: Console):
     """Full borders where they fit; below WIDE columns only a rule under the header."""
+    from rich import box
+
     return box.HEAVY_HEAD if console.width >= WIDE else box.SIMPLE_HEAD
 
 
 def fit_table(console: Console, title: str | Text, caption: str | Text | None = None) -> Table:
     """A table that keeps its key columns whole at 80 columns: below WIDE no borders and one space of padding
     (about 2 columns saved per column); mark key columns `no_wrap=True` and let the others fold."""
+    from rich.table import Table
+    from rich.text import Text
+
     wide = console.width >= WIDE
     title = Text(title) if isinstance(title, str) else title  # never markup: `[batch]` is text
     caption = Text(caption) if isinstance(caption, str) else caption
     return Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=fit_box(console),
                  show_edge=wide, pad_edge=wide, padding=(0, 1) if wide else (0, 1, 0, 0))
+
+
+def rich_table(spec: TableSpec, console: Console) -> Table:
+    """The Rich table of a `TableSpec` (plain.py `draw_table` draws the same without Rich). Cells are `Text`:
+    plain strings would go through markup and emoji parsing (a third of a table's time, measured)."""
+    from rich.text import Text
+
+    table = fit_table(console, spec.title, spec.caption)
+    for header, justify, no_wrap, min_width in spec.columns:
+        table.add_column(Text(header), justify=justify, no_wrap=no_wrap, min_width=min_width,
+                         overflow="ellipsis" if no_wrap else "fold")
+    for cells, style, end_section in spec.rows:
+        table.add_row(*map(Text, cells), style=style, end_section=end_section)
+    return table

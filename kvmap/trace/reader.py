@@ -88,7 +88,7 @@ class _Gunzip(io.RawIOBase):
     def __init__(self, src: BinaryIO) -> None:
         self.src = src
         self.inflater = _Inflater()
-        self.pending = b""
+        self.pending = memoryview(b"")  # inflated, not yet handed out (a view: handing out copies nothing twice)
         self.stopped: str | None = None
         self.done = False
 
@@ -110,7 +110,8 @@ class _Gunzip(io.RawIOBase):
                 self.stopped = "the gzip stream ends before its end marker (a recording cut short?)"
             self.done = True
             return
-        self.pending, error = self.inflater.inflate(data)
+        out, error = self.inflater.inflate(data)
+        self.pending = memoryview(out)
         if error is not None:  # keep what inflated before the corrupt part
             self.stopped, self.done = f"the gzip data is corrupt ({error})", True
 

@@ -35,6 +35,7 @@ from kvmap.trace.scan_layout import (ALL_TOKEN_IDS, BAD_FORM, BAD_JSON, BLOCK_ID
     S_ID_E, S_ID_S, S_ROWS, TOTAL, UNKNOWN_ID, UNSUPPORTED)  # the column layout: constants to numba
 
 _jit = nb.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)  # no refcounts: nothing here allocates
+_u = np.uint64  # a variable index cast to unsigned: numba adds no negative-index wraparound (see the rules)
 
 _FNV_OFFSET = np.uint64(14695981039346656037)
 _FNV_PRIME = np.uint64(1099511628211)
@@ -46,7 +47,7 @@ _FNV_PRIME = np.uint64(1099511628211)
 def _hash(b, s, e):
     h = _FNV_OFFSET
     for t in range(s, e):
-        h = (h ^ np.uint64(b[t])) * _FNV_PRIME
+        h = (h ^ np.uint64(b[_u(t)])) * _FNV_PRIME
     return h
 
 
@@ -57,9 +58,21 @@ def _same_span(b, s, e, t, f):
     if f - t != n:
         return False
     u = 0
-    while u < n and b[s + u] == b[t + u]:
+    while u < n and b[_u(s + u)] == b[_u(t + u)]:
         u += 1
     return u == n
+
+
+@_jit
+def _quoted_as(b, i, s, e):
+    """Whether the string that starts after its quote at i is b[s:e], an id already read and checked, closed
+    by its quote: one pass where reading the string and comparing it are two. Reads at most up to the
+    sentinel (no id byte is 0). A leaf."""
+    n = e - s
+    u = 0
+    while u < n and b[_u(i + u)] == b[_u(s + u)]:
+        u += 1
+    return u == n and b[_u(i + n)] == 34
 
 
 @_jit
@@ -70,16 +83,16 @@ def _lookup(buf, s, e, slots, row_key, row_key_len):
         return -1
     h = _FNV_OFFSET
     for t in range(s, e):
-        h = (h ^ np.uint64(buf[t])) * _FNV_PRIME
+        h = (h ^ np.uint64(buf[_u(t)])) * _FNV_PRIME
     mask = np.uint64(slots.shape[0] - 1)
     j = np.int64(h & mask)
     while True:
-        r = slots[j]
+        r = slots[_u(j)]
         if r < 0:
             return -1
-        if row_key_len[r] == n:
+        if row_key_len[_u(r)] == n:
             u = 0
-            while u < n and row_key[r, u] == buf[s + u]:
+            while u < n and row_key[_u(r), _u(u)] == buf[_u(s + u)]:
                 u += 1
             if u == n:
                 return r
@@ -93,13 +106,13 @@ def table_insert(slots, row_key, row_key_len, key, row):
     if n > row_key.shape[1]:
         return -1
     for t in range(n):
-        row_key[row, t] = key[t]
-    row_key_len[row] = n
+        row_key[_u(row), _u(t)] = key[t]
+    row_key_len[_u(row)] = n
     mask = np.uint64(slots.shape[0] - 1)
     j = np.int64(_hash(key, 0, n) & mask)
-    while slots[j] >= 0:
+    while slots[_u(j)] >= 0:
         j = np.int64((np.uint64(j) + np.uint64(1)) & mask)
-    slots[j] = row
+    slots[_u(j)] = row
     return 0
 
 
@@ -114,29 +127,29 @@ def table_remove(slots, row_key, row_key_len, row):
     """Take `row`'s id out of the table (backward-shift deletion); returns 0, or -1 when it is not there."""
     mask = np.uint64(slots.shape[0] - 1)
     size = slots.shape[0]
-    j = np.int64(_hash(row_key[row], 0, row_key_len[row]) & mask)
+    j = np.int64(_hash(row_key[_u(row)], 0, row_key_len[_u(row)]) & mask)
     for _ in range(size):
-        if slots[j] == row:
+        if slots[_u(j)] == row:
             break
-        if slots[j] < 0:
+        if slots[_u(j)] < 0:
             return -1
         j = np.int64((np.uint64(j) + np.uint64(1)) & mask)
     else:
         return -1
-    slots[j] = -1
+    slots[_u(j)] = -1
     k = j
     for _ in range(size):
         k = np.int64((np.uint64(k) + np.uint64(1)) & mask)
-        r = slots[k]
+        r = slots[_u(k)]
         if r < 0:
             break
-        home = np.int64(_hash(row_key[r], 0, row_key_len[r]) & mask)
+        home = np.int64(_hash(row_key[_u(r)], 0, row_key_len[_u(r)]) & mask)
         # move r back into the hole unless its home lies cyclically in (j, k]
         if (j <= k and (home <= j or home > k)) or (j > k and home <= j and home > k):
-            slots[j] = r
-            slots[k] = -1
+            slots[_u(j)] = r
+            slots[_u(k)] = -1
             j = k
-    row_key_len[row] = 0
+    row_key_len[_u(row)] = 0
     return 0
 
 
@@ -145,10 +158,10 @@ def table_remove(slots, row_key, row_key_len, row):
 @_jit
 def _ws(b, i, n):
     """The first index at or after i that is not JSON whitespace (the sentinel b[n] = 0 stops it)."""
-    c = b[i]
+    c = b[_u(i)]
     while c == 32 or c == 10 or c == 13 or c == 9:
         i += 1
-        c = b[i]
+        c = b[_u(i)]
     return i
 
 
@@ -157,7 +170,7 @@ def _string_end(b, i, n):
     """b[i] is '"': the index of the closing quote, or -1 (an escape, a control or non-ASCII byte, no end)."""
     j = i + 1
     while j < n:
-        c = b[j]
+        c = b[_u(j)]
         if c == 34:
             return j
         if c == 92 or c < 32 or c >= 128:
@@ -177,14 +190,14 @@ def _int(b, i, n):
     """A JSON integer at b[i]: (next index, value), or (-1, 0) for anything else (a float, 18 digits or more).
     A leaf, reading up to the sentinel."""
     neg = False
-    if b[i] == 45:
+    if b[_u(i)] == 45:
         neg = True
         i += 1
-    v = np.int64(b[i]) - 48
+    v = np.int64(b[_u(i)]) - 48
     if v < 0 or v > 9:
         return -1, 0
     i += 1
-    d = np.int64(b[i]) - 48
+    d = np.int64(b[_u(i)]) - 48
     if v == 0:
         if d >= 0 and d <= 9:
             return -1, 0  # a leading zero
@@ -194,8 +207,8 @@ def _int(b, i, n):
             if v >= 100000000000000000:
                 return -1, 0
             i += 1
-            d = np.int64(b[i]) - 48
-    c = b[i]
+            d = np.int64(b[_u(i)]) - 48
+    c = b[_u(i)]
     if c == 46 or c == 101 or c == 69:
         return -1, 0
     return i, (-v if neg else v)
@@ -204,58 +217,59 @@ def _int(b, i, n):
 @_jit
 def _number_end(b, i, n):
     """The end of a JSON number at b[i] (grammar checked), or -1. A leaf, reading up to the sentinel."""
-    if b[i] == 45:
+    if b[_u(i)] == 45:
         i += 1
-    d = np.int64(b[i]) - 48
+    d = np.int64(b[_u(i)]) - 48
     if d == 0:
         i += 1
     elif d >= 1 and d <= 9:
         i += 1
-        d = np.int64(b[i]) - 48
+        d = np.int64(b[_u(i)]) - 48
         while d >= 0 and d <= 9:
             i += 1
-            d = np.int64(b[i]) - 48
+            d = np.int64(b[_u(i)]) - 48
     else:
         return -1
-    if b[i] == 46:
+    if b[_u(i)] == 46:
         i += 1
-        d = np.int64(b[i]) - 48
+        d = np.int64(b[_u(i)]) - 48
         if d < 0 or d > 9:
             return -1
         while d >= 0 and d <= 9:
             i += 1
-            d = np.int64(b[i]) - 48
-    c = b[i]
+            d = np.int64(b[_u(i)]) - 48
+    c = b[_u(i)]
     if c == 101 or c == 69:
         i += 1
-        c = b[i]
+        c = b[_u(i)]
         if c == 43 or c == 45:
             i += 1
-        d = np.int64(b[i]) - 48
+        d = np.int64(b[_u(i)]) - 48
         if d < 0 or d > 9:
             return -1
         while d >= 0 and d <= 9:
             i += 1
-            d = np.int64(b[i]) - 48
+            d = np.int64(b[_u(i)]) - 48
     return i
 
 
 @_jit
 def _literal(b, i, n):
     """true / false / null at b[i]: the index after it, or -1."""
-    c = b[i]
-    if c == 116 and i + 4 <= n and b[i + 1] == 114 and b[i + 2] == 117 and b[i + 3] == 101:
+    c = b[_u(i)]
+    if c == 116 and i + 4 <= n and b[_u(i + 1)] == 114 and b[_u(i + 2)] == 117 and b[_u(i + 3)] == 101:
         return i + 4
-    if c == 110 and i + 4 <= n and b[i + 1] == 117 and b[i + 2] == 108 and b[i + 3] == 108:
+    if c == 110 and i + 4 <= n and b[_u(i + 1)] == 117 and b[_u(i + 2)] == 108 and b[_u(i + 3)] == 108:
         return i + 4
-    if c == 102 and i + 5 <= n and b[i + 1] == 97 and b[i + 2] == 108 and b[i + 3] == 115 and b[i + 4] == 101:
+    if c == 102 and i + 5 <= n and b[_u(i + 1)] == 97 and b[_u(i + 2)] == 108 and b[_u(i + 3)] == 115 and \
+            b[_u(i + 4)] == 101:
         return i + 5
     return -1
 
 
 @_jit
 def _is_null(b, i, n):
-    return i + 4 <= n and b[i] == 110 and b[i + 1] == 117 and b[i + 2] == 108 and b[i + 3] == 108
+    return i + 4 <= n and b[_u(i)] == 110 and b[_u(i + 1)] == 117 and b[_u(i + 2)] == 108 and b[_u(i + 3)] == 108
 
 
 @_jit
@@ -267,7 +281,7 @@ def _skip(b, i, n):
         i = _ws(b, i, n)
         if i >= n:
             return -1
-        c = b[i]
+        c = b[_u(i)]
         opened = False
         if c == 123 or c == 91:
             if depth >= 60:
@@ -277,20 +291,20 @@ def _skip(b, i, n):
             i = _ws(b, i + 1, n)
             if i >= n:
                 return -1
-            if b[i] == (125 if c == 123 else 93):
+            if b[_u(i)] == (125 if c == 123 else 93):
                 i += 1
                 depth -= 1
                 kinds >>= 1
             else:
                 opened = True
                 if c == 123:
-                    if b[i] != 34:
+                    if b[_u(i)] != 34:
                         return -1
                     e = _string_end(b, i, n)
                     if e < 0:
                         return -1
                     i = _ws(b, e + 1, n)
-                    if i >= n or b[i] != 58:
+                    if i >= n or b[_u(i)] != 58:
                         return -1
                     i += 1
         elif c == 34:
@@ -315,18 +329,18 @@ def _skip(b, i, n):
             i = _ws(b, i, n)
             if i >= n:
                 return -1
-            c = b[i]
+            c = b[_u(i)]
             obj = (kinds & 1) == 1
             if c == 44:
                 i = _ws(b, i + 1, n)
                 if obj:
-                    if i >= n or b[i] != 34:
+                    if i >= n or b[_u(i)] != 34:
                         return -1
                     e = _string_end(b, i, n)
                     if e < 0:
                         return -1
                     i = _ws(b, e + 1, n)
-                    if i >= n or b[i] != 58:
+                    if i >= n or b[_u(i)] != 58:
                         return -1
                     i += 1
                 break
@@ -345,15 +359,16 @@ def _key_id(b, s, e, keytab, keyidx):
     n = e - s
     j = 0
     if n:  # scan_layout.key_slot: four bytes and the length (a hash over every byte cost 8% of a scan)
-        j = (n * 131 + np.int64(b[s]) * 31 + np.int64(b[e - 1]) * 7 + np.int64(b[s + n // 2])) & (KEY_SLOTS - 1)
+        j = (n * 131 + np.int64(b[_u(s)]) * 31 + np.int64(b[_u(e - 1)]) * 7 +
+             np.int64(b[_u(s + n // 2)])) & (KEY_SLOTS - 1)
     while True:
-        k = keyidx[j]
+        k = keyidx[_u(j)]
         if k < 0:
             return -1
-        a = keyidx[KEY_SLOTS + k]
-        if keyidx[KEY_SLOTS + k + 1] - a == n:
+        a = keyidx[_u(KEY_SLOTS + k)]
+        if keyidx[_u(KEY_SLOTS + k + 1)] - a == n:
             u = 0
-            while u < n and b[s + u] == keytab[a + u]:
+            while u < n and b[_u(s + u)] == keytab[_u(a + u)]:
                 u += 1
             if u == n:
                 return k
@@ -364,10 +379,10 @@ def _key_id(b, s, e, keytab, keyidx):
 def _member(b, i, n, close):
     """At the start of an object member or the object's end: the index of the key's quote, -2 at the end, or
     -1 on bad JSON. A leaf."""
-    c = b[i]
+    c = b[_u(i)]
     while c == 32 or c == 10 or c == 13 or c == 9:
         i += 1
-        c = b[i]
+        c = b[_u(i)]
     if c == close:
         return -2
     if c != 34:
@@ -379,17 +394,17 @@ def _member(b, i, n, close):
 def _after_key(b, e, n):
     """After a key's closing quote at e: the index of its value (past ':'), or -1. A leaf."""
     i = e + 1
-    c = b[i]
+    c = b[_u(i)]
     while c == 32 or c == 10 or c == 13 or c == 9:
         i += 1
-        c = b[i]
+        c = b[_u(i)]
     if c != 58:
         return -1
     i += 1
-    c = b[i]
+    c = b[_u(i)]
     while c == 32 or c == 10 or c == 13 or c == 9:
         i += 1
-        c = b[i]
+        c = b[_u(i)]
     return i if i < n else -1
 
 
@@ -397,16 +412,16 @@ def _after_key(b, e, n):
 def _next(b, i, n, close):
     """After a member or element: (index of the next one, True) after a comma, (index past the close,
     False) at the end, or (-1, False). A leaf."""
-    c = b[i]
+    c = b[_u(i)]
     while c == 32 or c == 10 or c == 13 or c == 9:
         i += 1
-        c = b[i]
+        c = b[_u(i)]
     if c == 44:
         i += 1
-        c = b[i]
+        c = b[_u(i)]
         while c == 32 or c == 10 or c == 13 or c == 9:
             i += 1
-            c = b[i]
+            c = b[_u(i)]
         return i, True
     if c == close:
         return i + 1, False
@@ -418,22 +433,22 @@ def _int_list(b, i, n, out, pos, end, lo, hi):
     """A list of ints in [lo, hi) at b[i] into out[pos:end]: (next index, count), or (-reason, 0). A leaf: a
     tight digit loop per element, reading up to the sentinel. A sign, a fraction or an exponent declines (no
     list the scanner reads holds one)."""
-    if b[i] != 91:
+    if b[_u(i)] != 91:
         return -BAD_FORM, 0
     i += 1
     cnt = 0
     while True:
-        c = b[i]
+        c = b[_u(i)]
         while c == 32 or c == 10 or c == 13 or c == 9:
             i += 1
-            c = b[i]
+            c = b[_u(i)]
         if c == 93 and cnt == 0:
             return i + 1, 0
         v = np.int64(c) - 48
         if v < 0 or v > 9:
             return -BAD_FORM, 0
         i += 1
-        d = np.int64(b[i]) - 48
+        d = np.int64(b[_u(i)]) - 48
         if v == 0:
             if d >= 0 and d <= 9:
                 return -BAD_FORM, 0  # a leading zero
@@ -443,17 +458,17 @@ def _int_list(b, i, n, out, pos, end, lo, hi):
                 if v >= 100000000000000000:
                     return -BAD_FORM, 0
                 i += 1
-                d = np.int64(b[i]) - 48
+                d = np.int64(b[_u(i)]) - 48
         if v < lo or v >= hi:
             return -OUT_OF_RANGE, 0
         if pos + cnt >= end:
             return -FULL, 0
-        out[pos + cnt] = v
+        out[_u(pos + cnt)] = v
         cnt += 1
-        c = b[i]
+        c = b[_u(i)]
         while c == 32 or c == 10 or c == 13 or c == 9:
             i += 1
-            c = b[i]
+            c = b[_u(i)]
         if c == 44:
             i += 1
         elif c == 93:
@@ -468,7 +483,7 @@ def _int_list(b, i, n, out, pos, end, lo, hi):
 def _one_group(b, i, n, ints, meta, num_gpu_blocks):
     """One KV cache group's block ids, `[[...]]`, into the block region of `ints`: (next index, offset,
     count), or (-reason, 0, 0)."""
-    if b[i] != 91:
+    if b[_u(i)] != 91:
         return -BAD_FORM, 0, 0
     i = _ws(b, i + 1, n)
     pos = meta[M_BPOS]
@@ -476,7 +491,7 @@ def _one_group(b, i, n, ints, meta, num_gpu_blocks):
     if i < 0:
         return i, 0, 0
     i = _ws(b, i, n)
-    if i >= n or b[i] != 93:
+    if i >= n or b[_u(i)] != 93:
         return -BAD_FORM, 0, 0  # not one list per group
     meta[M_BPOS] = pos + cnt
     return i + 1, pos, cnt
@@ -486,7 +501,7 @@ def _one_group(b, i, n, ints, meta, num_gpu_blocks):
 def _resolve(b, s, e, num_new, col, slots, row_key, row_key_len):
     """An id in a scheduled position: new request k as -(k + 1), a live row, or a large sentinel (unknown)."""
     for k in range(num_new):
-        if _same_span(b, s, e, col[NEW_ID_S, k], col[NEW_ID_E, k]):
+        if _same_span(b, s, e, col[NEW_ID_S, _u(k)], col[NEW_ID_E, _u(k)]):
             return -(k + 1)
     r = _lookup(b, s, e, slots, row_key, row_key_len)
     return r if r >= 0 else 1 << 30
@@ -497,9 +512,9 @@ def _empty(b, i, n, close):
     """null, or an empty list / object (`close` is its closing bracket) at b[i]: the index after it, else -1."""
     if _is_null(b, i, n):
         return i + 4
-    if i < n and b[i] == (91 if close == 93 else 123):
+    if i < n and b[_u(i)] == (91 if close == 93 else 123):
         j = _ws(b, i + 1, n)
-        if j < n and b[j] == close:
+        if j < n and b[_u(j)] == close:
             return j + 1
     return -1
 
@@ -555,25 +570,25 @@ def _id_list(b, i, n, col, which, spans, slots, row_key, row_key_len):
     spans into col[spans], col[spans + 1] (spans >= 0): (next index, count) or (-reason, 0)."""
     if _is_null(b, i, n):
         return i + 4, 0
-    if b[i] != 91:
+    if b[_u(i)] != 91:
         return -BAD_FORM, 0
     i = _ws(b, i + 1, n)
-    if i < n and b[i] == 93:
+    if i < n and b[_u(i)] == 93:
         return i + 1, 0
     cnt = 0
     cap = col.shape[1]
     while True:
-        if i >= n or b[i] != 34:
+        if i >= n or b[_u(i)] != 34:
             return -BAD_FORM, 0
         e = _string_end(b, i, n)
         if e < 0:
             return -UNSUPPORTED, 0
         if cnt >= cap:
             return -FULL, 0
-        col[which, cnt] = _lookup(b, i + 1, e, slots, row_key, row_key_len)
+        col[_u(which), _u(cnt)] = _lookup(b, i + 1, e, slots, row_key, row_key_len)
         if spans >= 0:
-            col[spans, cnt] = i + 1
-            col[spans + 1, cnt] = e
+            col[_u(spans), _u(cnt)] = i + 1
+            col[_u(spans + 1), _u(cnt)] = e
         cnt += 1
         i, more = _next(b, e + 1, n, 93)
         if i < 0:
@@ -585,16 +600,16 @@ def _id_list(b, i, n, col, which, spans, slots, row_key, row_key_len):
 @_jit
 def _new_reqs(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, meta, col, ints, keytab, keyidx):
     """`scheduled_new_reqs` at b[i]: the next index, or -reason."""
-    if b[i] != 91:
+    if b[_u(i)] != 91:
         return -BAD_FORM
     i = _ws(b, i + 1, n)
-    if i < n and b[i] == 93:
+    if i < n and b[_u(i)] == 93:
         return i + 1
     R = col.shape[1]
     tok_end = ints.shape[0] // 2
     tok_hi = np.int64(1) << 31
     while True:
-        if i >= n or b[i] != 123:
+        if i >= n or b[_u(i)] != 123:
             return -BAD_FORM
         k = meta[M_NEW]
         if k >= R:
@@ -615,13 +630,13 @@ def _new_reqs(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, meta,
             if got < 0:
                 return -BAD_FORM
             if key == REQ_ID:
-                if b[i] != 34:
+                if b[_u(i)] != 34:
                     return -BAD_FORM
                 e = _string_end(b, i, n)
                 if e < 0 or e - i - 1 > key_max:
                     return -UNSUPPORTED
-                col[NEW_ID_S, k] = i + 1
-                col[NEW_ID_E, k] = e
+                col[NEW_ID_S, _u(k)] = i + 1
+                col[NEW_ID_E, _u(k)] = e
                 i = e + 1
             elif key == PROMPT or key == PREFILL:
                 if _is_null(b, i, n):
@@ -640,15 +655,15 @@ def _new_reqs(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, meta,
                 i, off, cnt = _one_group(b, i, n, ints, meta, num_gpu_blocks)
                 if i < 0:
                     return i
-                col[NEW_B_OFF, k] = off
-                col[NEW_B_LEN, k] = cnt
+                col[NEW_B_OFF, _u(k)] = off
+                col[NEW_B_LEN, _u(k)] = cnt
             elif key == NUM_COMPUTED:
                 i, v = _int(b, i, n)
                 if i < 0:
                     return -BAD_FORM
                 if v < 0 or v > max_model_len:
                     return -OUT_OF_RANGE
-                col[NEW_NC, k] = v
+                col[NEW_NC, _u(k)] = v
             else:
                 i = _skip(b, i, n)
                 if i < 0:
@@ -661,18 +676,18 @@ def _new_reqs(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, meta,
         if (got & 0b11001) != 0b11001:  # req_id, block_ids, num_computed_tokens
             return -BAD_FORM
         if prefill_len >= 0:  # NewRequestData.token_ids: the prefill tokens when given, else the prompt
-            col[NEW_TOK_OFF, k] = prefill_off
-            col[NEW_TOK_LEN, k] = prefill_len
-            col[NEW_FIELD, k] = 1
+            col[NEW_TOK_OFF, _u(k)] = prefill_off
+            col[NEW_TOK_LEN, _u(k)] = prefill_len
+            col[NEW_FIELD, _u(k)] = 1
         elif prompt_len >= 0:
-            col[NEW_TOK_OFF, k] = prompt_off
-            col[NEW_TOK_LEN, k] = prompt_len
-            col[NEW_FIELD, k] = 0
+            col[NEW_TOK_OFF, _u(k)] = prompt_off
+            col[NEW_TOK_LEN, _u(k)] = prompt_len
+            col[NEW_FIELD, _u(k)] = 0
         else:
             return -BAD_FORM
-        if col[NEW_TOK_LEN, k] > max_model_len or col[NEW_B_LEN, k] > max_blocks:
+        if col[NEW_TOK_LEN, _u(k)] > max_model_len or col[NEW_B_LEN, _u(k)] > max_blocks:
             return -OUT_OF_RANGE
-        col[NEW_IN_S, k] = -1
+        col[NEW_IN_S, _u(k)] = -1
         meta[M_NEW] = k + 1
         i, more = _next(b, i, n, 93)
         if i < 0:
@@ -687,7 +702,7 @@ def _cached(b, i, n, num_gpu_blocks, max_model_len, meta, col, ints, slots, row_
     """`scheduled_cached_reqs` at b[i]: the next index, or -reason."""
     if _is_null(b, i, n):
         return i + 4
-    if b[i] != 123:
+    if b[_u(i)] != 123:
         return -BAD_FORM
     i += 1
     got = 0
@@ -713,11 +728,11 @@ def _cached(b, i, n, num_gpu_blocks, max_model_len, meta, col, ints, slots, row_
                 i += 4
                 meta[M_OUT_N] = -1
             else:
-                if b[i] != 91:
+                if b[_u(i)] != 91:
                     return -BAD_FORM
                 i = _ws(b, i + 1, n)
                 cnt = 0
-                if i < n and b[i] == 93:
+                if i < n and b[_u(i)] == 93:
                     i += 1
                 else:
                     while True:
@@ -725,15 +740,15 @@ def _cached(b, i, n, num_gpu_blocks, max_model_len, meta, col, ints, slots, row_
                             return -BAD_FORM
                         if key == NEW_BLOCK_IDS:
                             if _is_null(b, i, n):
-                                col[C_NB, cnt] = 0
+                                col[C_NB, _u(cnt)] = 0
                                 i += 4
                             else:
                                 i, off, nb = _one_group(b, i, n, ints, meta, num_gpu_blocks)
                                 if i < 0:
                                     return i
-                                col[C_NB, cnt] = 1
-                                col[C_B_OFF, cnt] = off
-                                col[C_B_LEN, cnt] = nb
+                                col[C_NB, _u(cnt)] = 1
+                                col[C_B_OFF, _u(cnt)] = off
+                                col[C_B_LEN, _u(cnt)] = nb
                         else:
                             i, v = _int(b, i, n)
                             if i < 0:
@@ -741,7 +756,7 @@ def _cached(b, i, n, num_gpu_blocks, max_model_len, meta, col, ints, slots, row_
                             if key == NUM_COMPUTED:
                                 if v < 0 or v > max_model_len:
                                     return -OUT_OF_RANGE
-                                col[C_NC, cnt] = v
+                                col[C_NC, _u(cnt)] = v
                         cnt += 1
                         i, more = _next(b, i, n, 93)
                         if i < 0:
@@ -771,7 +786,7 @@ def _cached(b, i, n, num_gpu_blocks, max_model_len, meta, col, ints, slots, row_
     if not got & (1 << (NEW_BLOCK_IDS - 19)):
         meta[M_NB_N] = -1
         for j in range(max(c_n, 0)):
-            col[C_NB, j] = 0
+            col[C_NB, _u(j)] = 0
     if not got & (1 << (NUM_OUTPUT - 19)):
         meta[M_OUT_N] = -1
     return i
@@ -780,38 +795,41 @@ def _cached(b, i, n, num_gpu_blocks, max_model_len, meta, col, ints, slots, row_
 @_jit
 def _scheduled(b, i, n, max_model_len, epoch, meta, col, slots, row_key, row_key_len):
     """`num_scheduled_tokens` at b[i]: the next index, or -reason."""
-    if b[i] != 123:
+    if b[_u(i)] != 123:
         return -BAD_FORM
     i = _ws(b, i + 1, n)
-    if i < n and b[i] == 125:
+    if i < n and b[_u(i)] == 125:
         return i + 1
     R = col.shape[1]
     num_new = meta[M_NEW]
     c_n = meta[M_CACHED]
     B = 0
     while True:
-        if i >= n or b[i] != 34:
+        if i >= n or b[_u(i)] != 34:
             return -BAD_JSON
-        e = _string_end(b, i, n)
-        if e < 0:
-            return -UNSUPPORTED
-        if B >= R:
-            return -FULL
         # the usual step lists the cached requests here in the same order: one compare, no lookup
-        if B < c_n and col[C_ROWS, B] >= 0 and _same_span(b, i + 1, e, col[C_ID_S, B], col[C_ID_E, B]):
-            r = col[C_ROWS, B]
+        if B < c_n and col[C_ROWS, _u(B)] >= 0 and _quoted_as(b, i + 1, col[C_ID_S, _u(B)], col[C_ID_E, _u(B)]):
+            e = i + 1 + col[C_ID_E, _u(B)] - col[C_ID_S, _u(B)]
+            if B >= R:
+                return -FULL
+            r = col[C_ROWS, _u(B)]
         else:
+            e = _string_end(b, i, n)
+            if e < 0:
+                return -UNSUPPORTED
+            if B >= R:
+                return -FULL
             r = _resolve(b, i + 1, e, num_new, col, slots, row_key, row_key_len)
         if r == 1 << 30:
             return -UNKNOWN_ID
         if r < 0:
-            if col[NEW_IN_S, -r - 1] >= 0:
+            if col[NEW_IN_S, _u(-r - 1)] >= 0:
                 return -BAD_FORM  # a key twice
-            col[NEW_IN_S, -r - 1] = B
+            col[NEW_IN_S, _u(-r - 1)] = B
         else:
-            if col[MK_SCHED, r] == epoch:
+            if col[MK_SCHED, _u(r)] == epoch:
                 return -BAD_FORM
-            col[MK_SCHED, r] = epoch
+            col[MK_SCHED, _u(r)] = epoch
         col[S_ROWS, B] = r
         col[S_ID_S, B] = i + 1
         col[S_ID_E, B] = e
@@ -837,7 +855,7 @@ def _scheduled(b, i, n, max_model_len, epoch, meta, col, slots, row_key, row_key
 def _sched_output(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, v2, epoch, meta, col, ints,
                   slots, row_key, row_key_len, keytab, keyidx):
     """`scheduler_output` at b[i]: the next index, or -reason."""
-    if b[i] != 123:
+    if b[_u(i)] != 123:
         return -BAD_FORM
     i += 1
     got = 0
@@ -903,12 +921,12 @@ def _sampled(b, i, n, epoch, meta, col, ints, slots, row_key, row_key_len):
     """`sampled_token_ids` at b[i]: the next index, or -reason."""
     if _is_null(b, i, n):
         return i + 4
-    if b[i] != 123:
+    if b[_u(i)] != 123:
         return -BAD_FORM
     meta[M_HAS_SAMPLED] = 1
     meta[M_SM_OFF] = meta[M_TPOS]
     i = _ws(b, i + 1, n)
-    if i < n and b[i] == 125:
+    if i < n and b[_u(i)] == 125:
         return i + 1
     R = col.shape[1]
     B = meta[M_SCHED]
@@ -918,29 +936,30 @@ def _sampled(b, i, n, epoch, meta, col, ints, slots, row_key, row_key_len):
     m = 0
     same = True
     while True:
-        if i >= n or b[i] != 34:
+        if i >= n or b[_u(i)] != 34:
             return -BAD_JSON
-        e = _string_end(b, i, n)
-        if e < 0:
-            return -UNSUPPORTED
-        if m < B and _same_span(b, i + 1, e, col[S_ID_S, m], col[S_ID_E, m]):
+        if m < B and _quoted_as(b, i + 1, col[S_ID_S, _u(m)], col[S_ID_E, _u(m)]):
+            e = i + 1 + col[S_ID_E, _u(m)] - col[S_ID_S, _u(m)]
             r = -(1 << 29)  # the usual order: the m-th scheduled request, no lookup
         else:
+            e = _string_end(b, i, n)
+            if e < 0:
+                return -UNSUPPORTED
             r = _resolve(b, i + 1, e, num_new, col, slots, row_key, row_key_len)
         if r == 1 << 30:
             return -UNKNOWN_ID
         if r == -(1 << 29):
             s_idx = m
         elif r < 0:
-            s_idx = col[NEW_IN_S, -r - 1]
-        elif col[MK_SCHED, r] != epoch:
+            s_idx = col[NEW_IN_S, _u(-r - 1)]
+        elif col[MK_SCHED, _u(r)] != epoch:
             return -UNKNOWN_ID  # not scheduled this step
-        elif m < B and col[S_ROWS, m] == r:
+        elif m < B and col[S_ROWS, _u(m)] == r:
             s_idx = m
         else:
             s_idx = -1
             for t in range(B):
-                if col[S_ROWS, t] == r:
+                if col[S_ROWS, _u(t)] == r:
                     s_idx = t
                     break
         if s_idx < 0 or m >= R:
@@ -949,9 +968,9 @@ def _sampled(b, i, n, epoch, meta, col, ints, slots, row_key, row_key_len):
             same = False
         if not same:  # a key twice (while in order, every earlier entry is its own)
             for t in range(m):
-                if col[SM_IDX, t] == s_idx:
+                if col[SM_IDX, _u(t)] == s_idx:
                     return -BAD_FORM
-        col[SM_IDX, m] = s_idx
+        col[SM_IDX, _u(m)] = s_idx
         i = _after_key(b, e, n)
         if i < 0:
             return -BAD_JSON
@@ -959,7 +978,7 @@ def _sampled(b, i, n, epoch, meta, col, ints, slots, row_key, row_key_len):
         i, cnt = _int_list(b, i, n, ints, off, tok_end, 0, tok_hi)
         if i < 0:
             return i
-        col[SM_COUNT, m] = cnt
+        col[SM_COUNT, _u(m)] = cnt
         meta[M_TPOS] = off + cnt
         m += 1
         i, more = _next(b, i, n, 125)
@@ -978,15 +997,15 @@ def _drafts(b, i, n, meta, ints):
     """`draft_token_ids` at b[i]: checked (ids in range), not kept: the next index, or -reason."""
     if _is_null(b, i, n):
         return i + 4
-    if b[i] != 123:
+    if b[_u(i)] != 123:
         return -BAD_FORM
     i = _ws(b, i + 1, n)
-    if i < n and b[i] == 125:
+    if i < n and b[_u(i)] == 125:
         return i + 1
     tok_end = ints.shape[0] // 2
     tok_hi = np.int64(1) << 31
     while True:
-        if i >= n or b[i] != 34:
+        if i >= n or b[_u(i)] != 34:
             return -BAD_JSON
         e = _string_end(b, i, n)
         if e < 0:
@@ -1014,39 +1033,39 @@ def _checks(b, num_free, max_num_tokens, max_blocks, epoch, meta, col, num_block
         return MISMATCH
     total = 0
     for j in range(B):
-        total += col[S_COUNTS, j]
+        total += col[S_COUNTS, _u(j)]
     if total != meta[M_TOTAL]:
         return MISMATCH
     if total > max_num_tokens:
         return OUT_OF_RANGE
     for k in range(num_new):
-        if col[NEW_IN_S, k] < 0:
+        if col[NEW_IN_S, _u(k)] < 0:
             return MISMATCH  # a new request not scheduled
     removed = 0
     nf = meta[M_FINISHED]
     for j in range(nf + meta[M_PREEMPTED]):
-        r = col[F_ROWS, j] if j < nf else col[P_ROWS, j - nf]
-        if r >= 0 and col[MK_REMOVED, r] != epoch:
-            col[MK_REMOVED, r] = epoch
+        r = col[F_ROWS, _u(j)] if j < nf else col[P_ROWS, _u(j - nf)]
+        if r >= 0 and col[MK_REMOVED, _u(r)] != epoch:
+            col[MK_REMOVED, _u(r)] = epoch
             removed += 1
     meta[M_REMOVED] = removed
     for j in range(c_n):
-        r = col[C_ROWS, j]
-        if r < 0 or col[MK_SCHED, r] != epoch or col[MK_CACHED, r] == epoch or col[MK_REMOVED, r] == epoch:
+        r = col[C_ROWS, _u(j)]
+        if r < 0 or col[MK_SCHED, _u(r)] != epoch or col[MK_CACHED, _u(r)] == epoch or col[MK_REMOVED, _u(r)] == epoch:
             return MISMATCH  # unknown, not scheduled, listed twice, or finished in this step
-        col[MK_CACHED, r] = epoch
-        if col[C_NB, j] and num_blocks[0, r] + col[C_B_LEN, j] > max_blocks:
+        col[MK_CACHED, _u(r)] = epoch
+        if col[C_NB, _u(j)] and num_blocks[0, _u(r)] + col[C_B_LEN, _u(j)] > max_blocks:
             return OUT_OF_RANGE
     if num_new > num_free + removed:
         return FULL
     for k in range(num_new):
-        s = col[NEW_ID_S, k]
-        e = col[NEW_ID_E, k]
+        s = col[NEW_ID_S, _u(k)]
+        e = col[NEW_ID_E, _u(k)]
         r = _lookup(b, s, e, slots, row_key, row_key_len)
-        if r >= 0 and col[MK_REMOVED, r] != epoch:
+        if r >= 0 and col[MK_REMOVED, _u(r)] != epoch:
             return MISMATCH  # still live
         for t in range(k):
-            if _same_span(b, s, e, col[NEW_ID_S, t], col[NEW_ID_E, t]):
+            if _same_span(b, s, e, col[NEW_ID_S, _u(t)], col[NEW_ID_E, _u(t)]):
                 return MISMATCH  # new twice
     return 0
 
@@ -1063,7 +1082,7 @@ def scan_line(b, n, expected_step, num_free, epoch, num_gpu_blocks, max_model_le
     key_max = row_key.shape[1]
     got = 0
     i = _ws(b, 0, n)
-    if i >= n or b[i] != 123:
+    if i >= n or b[_u(i)] != 123:
         return BAD_JSON
     i += 1
     while True:
@@ -1119,20 +1138,20 @@ def apply_cached(col, ints, num_cached, max_model_len, kv_groups, block_spans, n
     """The cached requests of a scanned line of a one-group trace: num_computed_tokens, the new blocks appended
     to the row, each grown row's capacity. The scan checked every bound."""
     for j in range(num_cached):
-        r = col[C_ROWS, j]
-        num_computed_tokens[r] = col[C_NC, j]
-        if col[C_NB, j] == 0:
+        r = col[C_ROWS, _u(j)]
+        num_computed_tokens[_u(r)] = col[C_NC, _u(j)]
+        if col[C_NB, _u(j)] == 0:
             continue
-        off = col[C_B_OFF, j]
-        cnt = col[C_B_LEN, j]
-        have = num_blocks[0, r]
+        off = col[C_B_OFF, _u(j)]
+        cnt = col[C_B_LEN, _u(j)]
+        have = num_blocks[0, _u(r)]
         for t in range(cnt):
-            block_table[r, have + t] = ints[off + t]
-        num_blocks[0, r] = have + cnt
+            block_table[_u(r), _u(have + t)] = ints[_u(off + t)]
+        num_blocks[0, _u(r)] = have + cnt
         cap = np.int64(max_model_len)
         for g in range(kv_groups.shape[0]):
-            cap = min(cap, np.int64(num_blocks[kv_groups[g], r]) * block_spans[kv_groups[g]])
-        capacity[r] = cap
+            cap = min(cap, np.int64(num_blocks[_u(kv_groups[g]), _u(r)]) * block_spans[kv_groups[g]])
+        capacity[_u(r)] = cap
 
 
 # Exports compiled ahead of time (kvmap.aot): name -> (kernel, signature). AOT_SOURCES: their source files.

@@ -237,14 +237,14 @@ class WorkerState:
         state, the same order (finished, preempted, new, cached, the position check). The scan checked
         everything else `update` checks, so only the position check can fail. Returns (rows, counts, drafts)."""
         sc = s.scanner
-        K, col, meta = sc.K, sc.col, sc.meta
+        K, col, meta = sc.K, sc.col, sc.m  # meta as Python ints
         if meta[K.M_REMOVED]:
             names = self.index_to_req_id
             gone = col[K.F_ROWS, :meta[K.M_FINISHED]].tolist() + col[K.P_ROWS, :meta[K.M_PREEMPTED]].tolist()
             for r in gone:
                 if r >= 0 and r in names:
                     self._remove(names[r])
-        num_new = int(meta[K.M_NEW])
+        num_new = meta[K.M_NEW]
         B = s.num_reqs
         rows = col[K.S_ROWS, :B].copy()  # [B] scheduler entry -> req_state_idx
         if num_new:
@@ -265,7 +265,7 @@ class WorkerState:
             s.new_req_ids = ids
             new = rows < 0
             rows[new] = new_rows[-rows[new] - 1]
-        n = int(meta[K.M_CACHED])
+        n = meta[K.M_CACHED]
         if n:
             self._scan_k.apply_cached(col, sc.ints, n, self.header.max_model_len, self._kv_groups_i4,
                                       self._spans_i4, self.num_computed_tokens, self.block_tables[0],
@@ -396,16 +396,16 @@ class WorkerState:
     def append_scanned(self, s, rows: np.ndarray) -> None:
         """`append_sampled` for a scanned step, from its columns (the sampled tokens are in the scanner)."""
         sc = s.scanner
-        K, col, meta = sc.K, sc.col, sc.meta
+        K, col, meta = sc.K, sc.col, sc.m  # meta as Python ints
         if not meta[K.M_HAS_SAMPLED]:
             self.missing_samples = True
             return
-        m = int(meta[K.M_SAMPLED])
+        m = meta[K.M_SAMPLED]
         if not m:
             return
         srows = rows if meta[K.M_SM_SAME] else rows[col[K.SM_IDX, :m]]
-        off = int(meta[K.M_SM_OFF])
-        flat = sc.ints[off:off + int(meta[K.M_SM_TOKENS])]
+        off = meta[K.M_SM_OFF]
+        flat = sc.ints[off:off + meta[K.M_SM_TOKENS]]
         j = self.ops.append_tokens(self, srows, col[K.SM_COUNT, :m], flat)
         if j >= 0:
             raise TraceError("sampled tokens overflow max_model_len", line=s.line, step=s.step,
