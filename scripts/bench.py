@@ -227,7 +227,29 @@ def bench_replay(trace_path: Path, runs: int, backends: list[str], args_device: 
         out["phases"][name]["mappings"] = float(np.median(m[:, mi].sum(axis=1))) / 1e3
         out["phases"][name]["step"] = float(np.median(m.sum(axis=1))) / 1e3
         out["phases"][name]["step (mean)"] = float(np.mean(m.sum(axis=1))) / 1e3  # long prompts weigh here
+    out["orjson_loads_us"] = orjson_per_line(trace_path)
     return out
+
+
+def orjson_per_line(trace_path: Path, passes: int = 3) -> float:
+    """The yardstick for read_step, measured in the same run: `orjson.loads` of each step line alone (the line
+    already in memory; no checks, no state), median over the lines, the best of `passes`."""
+    import gzip
+
+    import orjson
+
+    data = Path(trace_path).read_bytes()
+    lines = (gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data).splitlines()[1:]
+    clock, best = time.perf_counter_ns, None
+    for _ in range(passes):
+        ns = []
+        for line in lines:
+            t0 = clock()
+            orjson.loads(line)
+            ns.append(clock() - t0)
+        med = float(np.median(ns)) / 1e3
+        best = med if best is None else min(best, med)
+    return best
 
 
 # ------------------------------------------------------------------------------------------- memory, start-up
@@ -321,6 +343,9 @@ def main() -> None:
             row = f"{p:<16}" + "".join(f" {v:>12.1f}" if v is not None else f" {'-':>12}" for v in vals)
             row += "".join(f" {base[p] / v:>13.2f}x" if (v and p in base) else f" {'-':>14}" for v in vals[1:])
             print(row)
+        ref = rep["orjson_loads_us"]
+        print(f"yardstick: orjson.loads of a line alone (in memory; no checks, no state) {ref:.1f} us median; "
+              "read_step / it: " + ", ".join(f"{c} {rep['phases'][c]['read_step'] / ref:.2f}x" for c in cols))
     mem = None if args.no_memory else bench_memory(Path(args.trace))
     if mem:
         print(f"\nmemory and start-up: peak RSS replaying {mem['trace_steps']} steps {mem['peak_rss_mib']:.0f} MiB, "
