@@ -92,3 +92,21 @@ def test_nsys_runs_under_a_timeout():
     with pytest.raises(KvmapError) as e:
         P._run([sys.executable, "-c", "import time; time.sleep(30)"], 1, "nsys profile")
     assert "within 1 s" in str(e.value) and "--timeout" in str(e.value) and "--builtin" in str(e.value)
+
+
+def test_no_nvtx_calls_without_a_tool(monkeypatch):
+    """NVTX finds a tool through NVTX_INJECTION64_PATH, which the tool sets for the process it launches: without
+    it nothing can record, so the markers make no calls; with it they do (where the nvtx can record)."""
+    import nvtx
+
+    from kvmap.run import markers
+
+    monkeypatch.delenv("NVTX_DISABLE", raising=False)
+    for k in ("NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH"):
+        monkeypatch.delenv(k, raising=False)
+    assert markers.tool_attached() is None and not markers.Markers(["read_step"]).enabled
+    monkeypatch.setenv("NVTX_INJECTION64_PATH", "/nonexistent/libinjection.so")
+    markers._said.clear()
+    m = markers.Markers(["read_step"])
+    assert m.enabled == (not markers.recording_less(nvtx.get_domain(markers.DOMAIN)))
+    assert not markers.Markers(["read_step"], enabled=False).enabled  # --no-nvtx

@@ -108,3 +108,24 @@ def test_percentiles_are_numpys_bit_for_bit():
         x = rng.integers(0, 10**7, n) / 1e3
         assert percentiles(x, (50, 90, 99)) == [float(v) for v in np.percentile(x, [50, 90, 99])]
         assert median(x) == float(np.median(x))
+
+
+def test_requests_measured_are_the_requests_scheduled_in_the_measured_steps():
+    """From step 0 the count is the new requests (no per-step id list is kept); a later window counts the ids
+    its steps schedule. Both equal a plain count over the decoded steps."""
+    path = TRACES / "long_mixed.jsonl.gz"
+    decoded = list(Trace(path).steps())
+    for start, stop in ((0, None), (0, 300), (500, 900), (1800, None)):
+        r = replay(Trace(path), start=start, stop=stop, warmup=2, write_kv=False, nvtx=False)
+        measured = set(r.measured_steps().tolist())
+        want = {rid for s in decoded if s.step in measured for rid in s.scheduled_req_ids()}
+        assert r.requests_measured == len(want), (start, stop)
+
+
+def test_each_steps_phases_lie_inside_its_span():
+    """The per-step clock reads, differenced once at the end: every phase time is positive, a step's phases
+    add up to at most the time until the next step starts."""
+    r = replay(Trace(TRACES / "chunked_prefill.jsonl"), nvtx=False)
+    assert r.phase_ns.shape == (len(r.steps), len(r.phases)) and (r.phase_ns > 0).all()
+    starts = r.step_start_ns
+    assert (starts[1:] - starts[:-1] >= r.phase_ns[:-1].sum(axis=1)).all() and starts[0] >= 0
