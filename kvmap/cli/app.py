@@ -120,6 +120,8 @@ app = typer.Typer(
     add_completion=False,
     rich_markup_mode="rich",
 )
+
+
 class LazyConsole:
     """Standard output's or standard error's Rich console, made the first time something is drawn with it:
     importing Rich is about 0.05 s of a command, and a replay piped into a file never needs it (its summary is

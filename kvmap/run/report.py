@@ -1,12 +1,14 @@
-"""Renderers: turn a `ReplayResult` into a Rich summary, JSON, CSV, a Chrome trace (comparisons: compare.py).
+"""Renderers: turn a `ReplayResult` into a summary (Rich's, or for a pipe the same text without Rich:
+plain.py), JSON, CSV, a Chrome trace (comparisons: compare.py).
 
 Rules: renderers only read results; nothing here measures. Every number is over the measured steps
 (result.py's one definition, stated in the summary's `steps` line and in `--json`'s `scope`); rates divide by
-the sum of the measured steps' phase times, not wall time. Safe printing lives here (`safe`, `say`,
-`fit_table`) for every renderer: names and ids are never markup, control characters are escaped, messages
-are not wrapped when piped, tables keep key columns whole at 80 columns. Outliers use the MAD-based modified
-z-score (as hyperfine does) with threshold 14; the noise warning fires when the median absolute deviation of
-step time exceeds 25% of the median.
+the sum of the measured steps' phase times, not wall time. Safe printing lives in text.py (`safe`, `say`,
+`fit_table`, `rich_table`) for every renderer: names and ids are never markup, control characters are escaped,
+messages are not wrapped when piped, tables keep key columns whole at 80 columns. The summary's content is
+built once (lines as (text, style) parts, the phase table as a `TableSpec`) and drawn by one of the two.
+Outliers use the MAD-based modified z-score (as hyperfine does) with threshold 14; the noise warning fires
+when the median absolute deviation of step time exceeds 25% of the median.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import csv
 import io
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import numpy as np
