@@ -141,3 +141,19 @@ def test_a_piped_replay_imports_no_rich_and_reports_as_rich_draws(tmp_path):
     assert plain.stdout == rich.stdout and "time per measured step" in plain.stdout
     narrow = _kvmap("-m", "kvmap", "report", str(run), COLUMNS="72")
     assert narrow.stdout == _kvmap("-m", "kvmap", "report", str(run), COLUMNS="72", TTY_COMPATIBLE="0").stdout
+
+
+def test_an_unwritable_output_is_one_line_not_a_traceback():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NVTX_DISABLE": "1"}
+    for k in ("COLUMNS", "TTY_COMPATIBLE", "FORCE_COLOR", "TTY_INTERACTIVE"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "kvmap", "replay", "--no-progress"]
+    if os.path.exists("/dev/full"):  # a full disk
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip() == "kvmap: error: cannot write to standard output: No space left on device"
+    # standard output closed before kvmap starts (`>&-`): nothing to write to, and no traceback on the way out
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, timeout=120,
+                          preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr

@@ -160,8 +160,14 @@ class LazyConsole:
 
     def write_lines(self, lines: list[str]) -> None:
         stream = self._stream()
-        stream.write("".join(line + "\n" for line in lines))
-        stream.flush()
+        try:
+            stream.write("".join(line + "\n" for line in lines))
+            stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:  # a full disk, an I/O error: one line on stderr, as for any unusable output
+            name = "standard error" if self._stderr else "standard output"
+            raise KvmapError(f"cannot write to {name}: {e.strerror or e}") from None
 
     def __getattr__(self, name: str):
         return getattr(self.rich, name)
@@ -392,7 +398,8 @@ def main() -> None:
         code = 1
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:  # None: the stream was closed before kvmap started (`>&-`)
+                stream.flush()
         except (BrokenPipeError, ValueError, OSError):
             pass
     os._exit(code)
