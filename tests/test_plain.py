@@ -148,11 +148,17 @@ def test_an_unwritable_output_is_one_line_not_a_traceback():
     for k in ("COLUMNS", "TTY_COMPATIBLE", "FORCE_COLOR", "TTY_INTERACTIVE"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "kvmap", "replay", "--no-progress"]
-    if os.path.exists("/dev/full"):  # a full disk
+    if os.path.exists("/dev/full"):  # a full disk, under the piped summary, Rich's output and `-` as FILE
+        for args in ([], ["-q", "--json", "-"], ["-q", "--dump-mappings", "-"]):
+            with open("/dev/full", "w") as full:
+                proc = subprocess.run(cmd + args, stdout=full, stderr=subprocess.PIPE, text=True, env=env,
+                                      timeout=120)
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr)
+            assert proc.stderr.strip() == "kvmap: error: cannot write the output: No space left on device", args
         with open("/dev/full", "w") as full:
-            proc = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr
-        assert proc.stderr.strip() == "kvmap: error: cannot write to standard output: No space left on device"
+            proc = subprocess.run([sys.executable, "-m", "kvmap", "validate", str(TRACES / "worked_example.jsonl")],
+                                  stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "No space left" in proc.stderr
     # standard output closed before kvmap starts (`>&-`): nothing to write to, and no traceback on the way out
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, timeout=120,
                           preexec_fn=lambda: os.close(1))

@@ -10,6 +10,7 @@ wide; file names and request ids are never read as markup, and messages are neve
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import sys
@@ -160,14 +161,8 @@ class LazyConsole:
 
     def write_lines(self, lines: list[str]) -> None:
         stream = self._stream()
-        try:
-            stream.write("".join(line + "\n" for line in lines))
-            stream.flush()
-        except BrokenPipeError:
-            raise
-        except OSError as e:  # a full disk, an I/O error: one line on stderr, as for any unusable output
-            name = "standard error" if self._stderr else "standard output"
-            raise KvmapError(f"cannot write to {name}: {e.strerror or e}") from None
+        stream.write("".join(line + "\n" for line in lines))
+        stream.flush()
 
     def __getattr__(self, name: str):
         return getattr(self.rich, name)
@@ -223,6 +218,10 @@ def _silence_stdout() -> None:
         pass
 
 
+# what writing an output can meet that is no fault of kvmap's or of its input (other OS errors stay tracebacks)
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS, errno.EBADF}
+
+
 def user_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -237,6 +236,15 @@ def user_errors(fn):
         except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a shell tool does
             _silence_stdout()
             raise typer.Exit(128 + 13) from None
+        except OSError as e:  # the machine, not kvmap: a full disk or an I/O error under an output
+            if e.errno not in WRITE_ERRNOS:
+                raise
+            what = f"{safe(str(e.filename))}: " if e.filename else "cannot write the output: "
+            try:
+                err.print(f"kvmap: error: {what}{e.strerror or e}", highlight=False, soft_wrap=True, markup=False)
+            except OSError:  # standard error is the output that fails
+                pass
+            raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err.print("kvmap: interrupted")
             raise typer.Exit(130) from None
