@@ -253,8 +253,7 @@ def render_summary(r: ReplayResult, console) -> None:
     ranks = r.cp_size > 1 or r.kernel_block_sizes or r.world_size > 1
     table = draw_table(spec, width) if width is not None and not ranks and not r.device_phase_ns.size else None
     if table is not None:
-        console.write_lines(["".join(text for text, _ in parts) for parts in lines] + table +
-                            ["".join(text for text, _ in parts) for parts in notes])
+        console.write_lines([*map(_unstyled, lines), *table, *map(_unstyled, notes)])
         return
     from rich.text import Text
 
@@ -267,6 +266,11 @@ def render_summary(r: ReplayResult, console) -> None:
         console.print(_device_table(r, console))
     for parts in notes:
         say(console, Text.assemble(*parts))
+
+
+def _unstyled(parts: list[tuple[str, str | None]]) -> str:
+    """A line's (text, style) parts as the text Rich writes without colour."""
+    return "".join(text for text, _ in parts)
 
 
 def _summary_lines(r: ReplayResult, s: dict) -> list[list[tuple[str, str | None]]]:
