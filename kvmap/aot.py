@@ -125,14 +125,17 @@ def _split_args(sig: str) -> tuple[str, list[str]]:
 
 
 def _checker(name: str, sig: str, fn):
-    """`fn` with each argument checked against `sig` (dtype, rank, C order for arrays; int or bool scalars)."""
+    """`fn` with each argument checked against `sig` (dtype, rank, C order for arrays; int or bool scalars;
+    exactly `bytes` for a Bytes argument)."""
     import numpy as np
 
     _, args = _split_args(sig)
     specs = []
     for a in args:
         m = _ARRAY.match(a)
-        if m:
+        if a.startswith("Bytes("):  # a bytes object, read in place (its trailing zero byte is a sentinel)
+            specs.append((bytes, None, None))
+        elif m:
             dims = m.group(2).split(",")
             specs.append((np.dtype(_DTYPES[m.group(1)]), len(dims), dims[-1].strip() == "::1"))
         else:
@@ -142,6 +145,10 @@ def _checker(name: str, sig: str, fn):
         if len(values) != len(specs):
             raise TypeError(f"{name}: {len(values)} arguments, the signature {sig} has {len(specs)}")
         for i, (v, (dtype, rank, contiguous)) in enumerate(zip(values, specs)):
+            if dtype is bytes:
+                if type(v) is not bytes:
+                    raise TypeError(f"{name}: argument {i} is {type(v).__name__}, the signature says {args[i]}")
+                continue
             if dtype is None:
                 ok = isinstance(v, (bool, np.bool_)) if rank == "bool" else (
                     isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)))

@@ -235,3 +235,104 @@ def test_id_table_agrees_with_a_dict(ops):
             free.append(row)
         for r_id in [f"req-{j}-{'x' * (j % 7)}" for j in range(41)]:
             assert table.find(r_id) == live.get(r_id, -1)
+
+
+# ------------------------------------------------------------------ what the scanner carries from line to line
+# The skip memo (a run of skipped members as the previous line had it), the key guesses (the key that followed
+# each key) and the row guesses (the previous line's cached requests, in order) are all checked against the
+# line before they are taken. Each edit below makes a line differ from its predecessor exactly where one of
+# them looks, at the edges where a careless compare would go wrong; the line must then be declined or mean
+# what the checked path makes of it.
+
+def _cached_ids_edit(how: str):
+    def edit(raw: bytes):
+        d = json.loads(raw)
+        ids = d["scheduler_output"]["scheduled_cached_reqs"]["req_ids"]
+        if len(ids) < 2:
+            return None
+        old = json.dumps(ids, separators=(",", ":")).encode()
+        new = {"swap": [ids[1], ids[0], *ids[2:]], "drop": ids[1:], "twice": [ids[0], *ids],
+               "longer": [ids[0] + "0", *ids[1:]], "shorter": [ids[0][:-1], *ids[1:]],
+               "other": [ids[1], *ids[1:]]}[how]
+        return raw.replace(b'"req_ids":' + old, b'"req_ids":' + json.dumps(new, separators=(",", ":")).encode(), 1)
+    return edit
+
+
+def _bytes_edit(old: bytes, new: bytes):
+    def edit(raw: bytes):
+        return raw.replace(old, new, 1) if old in raw else None
+    return edit
+
+
+CARRIED_EDITS = {
+    # the skip memo: a value or key changed inside a run, at its first and last byte, a number that goes on
+    # past where the run ended, a member more or less, a handled key where a skipped one was
+    "memo value": _bytes_edit(b'"has_sync_kv_loads":false', b'"has_sync_kv_loads":true'),
+    "memo first key byte": _bytes_edit(b'"scheduled_encoder_inputs":{}', b'"Scheduled_encoder_inputs":{}'),
+    "memo last byte": _bytes_edit(b'"skip_drafts":false', b'"skip_drafts":falsE'),
+    "memo number goes on": _bytes_edit(b'"num_spec_tokens_to_schedule":0', b'"num_spec_tokens_to_schedule":01'),
+    "memo number longer": _bytes_edit(b'"num_spec_tokens_to_schedule":0', b'"num_spec_tokens_to_schedule":0.5'),
+    "memo number then space": _bytes_edit(b'"num_spec_tokens_to_schedule":0,', b'"num_spec_tokens_to_schedule":0 ,'),
+    "memo literal goes on": _bytes_edit(b'"skip_drafts":false', b'"skip_drafts":falsex'),
+    "memo run cut": _bytes_edit(b'"skip_drafts":false', b'"skip_drafts":fals'),
+    "memo member more": _bytes_edit(b'"has_sync_kv_loads":false', b'"has_sync_kv_loads":false,"x":[1,{"a":null}]'),
+    "memo member less": _bytes_edit(b'"kv_connector_metadata":null,', b''),
+    "memo handled key": _bytes_edit(b'"skip_drafts":false', b'"finished_req_ids":["nobody"]'),
+    "memo handled key that counts": _bytes_edit(b'"skip_drafts":false', b'"total_num_scheduled_tokens":1'),
+    "memo same length, a handled key": _bytes_edit(b'"aux_output_connector_metadata":null',
+                                                   b'"total_num_scheduled_tokens":  12345'),  # 36 bytes each
+    "memo key twice": _bytes_edit(b'"scheduled_encoder_inputs":{}',
+                                  b'"scheduled_encoder_inputs":{},"scheduled_encoder_inputs":{}'),
+    "memo then a bad end": _bytes_edit(b'"skip_drafts":false}', b'"skip_drafts":false,}'),
+    "memo then space": _bytes_edit(b'"skip_drafts":false}', b'"skip_drafts":false }'),
+    "memo in a new request": _bytes_edit(b'"pooling_params":null', b'"pooling_params":nul'),
+    "memo new request goes on": _bytes_edit(b'"prompt_is_token_ids":null', b'"prompt_is_token_ids":nullx'),
+    # the key guesses: a name one byte longer or shorter than the guess, an escape, whitespace
+    "key longer": _bytes_edit(b'"req_ids":', b'"req_idsx":'),
+    "key shorter": _bytes_edit(b'"num_output_tokens":', b'"num_output_token":'),
+    "key escaped": _bytes_edit(b'"req_ids":', b'"req_\\u0069ds":'),
+    "key then space": _bytes_edit(b'"num_computed_tokens":', b'"num_computed_tokens" :'),
+    "top key longer": _bytes_edit(b'"sampled_token_ids":', b'"sampled_token_idss":'),
+    # the row guesses: the cached ids reordered, one dropped or given twice, an id one byte longer or shorter
+    # than the guessed row's, another live id in its place
+    **{f"cached ids {how}": _cached_ids_edit(how) for how in ("swap", "drop", "twice", "longer", "shorter",
+                                                              "other")},
+}
+
+
+@pytest.mark.parametrize("src, line", [("prefix_caching.jsonl", 4), ("preemption_v2.jsonl", 6),
+                                       ("async_decode.jsonl", 5), ("long_mixed.jsonl.gz", 168)])
+@pytest.mark.parametrize("edit", list(CARRIED_EDITS))
+def test_a_line_that_differs_where_the_scanner_guesses_is_declined_or_means_the_same(edit, src, line):
+    lines = raw_lines(TRACES / src)
+    if CARRIED_EDITS[edit](lines[line]) is None:
+        pytest.skip("the line has no such bytes")
+    mutated_case(src, line, CARRIED_EDITS[edit])
+
+
+def test_the_scanner_carries_its_guesses_on_the_long_trace():
+    """On the long trace the memo holds scheduler_output's runs of skipped members and a new request's. A line
+    that differs from the one before it inside a memoized run is still scanned (the long way there, keeping
+    the new run), and so is the next line, back as recorded: the workers agree after both."""
+    from kvmap.trace import scan_layout as L
+
+    path = TRACES / "long_mixed.jsonl.gz"
+    trace = Trace(path)
+    lines = raw_lines(path)
+    a, b, scanner = run_pair(trace, lines, 170)
+
+    def held(slot: int) -> bytes:
+        return bytes(scanner.keytab[slot * L.MEMO_MAX: slot * L.MEMO_MAX + scanner.keyidx[L.MEMO_LEN + slot]])
+
+    assert held(L.MEMO_SO + 2).startswith(b'"has_structured_output_requests":false,')
+    assert held(L.MEMO_SO + 2).endswith(b'"skip_drafts":false')
+    assert held(L.MEMO_NEW).startswith(b'"mm_features":null')
+    changed = lines[170].replace(b'"has_sync_kv_loads":false', b'"has_sync_kv_loads":true')
+    for i, raw in ((170, changed), (171, lines[171])):
+        got_a, got_b = outcome(a, trace, raw, i, scanner), outcome(b, trace, raw, i)
+        assert got_a[2], f"line {i} was not scanned: {dict(scanner.declined)}"
+        assert got_a[:2] == got_b[:2]
+        same_state(a, b, f"step {i}")
+        if i == 170:
+            assert b'"has_sync_kv_loads":true' in held(L.MEMO_SO + 2)
+    assert b'"has_sync_kv_loads":false' in held(L.MEMO_SO + 2)

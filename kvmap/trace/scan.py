@@ -17,6 +17,9 @@ Rules:
   `req_id_to_index`; the scanner only reads it and the rows' block counts.
 - The columns live in the scanner and are valid until the next `scan`. A `ScannedStep` decodes its line in
   full (the checked way) only when something asks for its `scheduler_output`.
+- The scanner keeps what the kernel learns from a line for the next (the skip memo, the key guesses, in
+  `keytab` and `keyidx`; the cached rows, in `col`): guesses the kernel checks before it takes them, so they
+  change how fast a line is scanned, never what it means.
 """
 
 from __future__ import annotations
@@ -107,13 +110,20 @@ class LineScanner:
         self.cap = 4 * max(header.max_model_len, self.max_num_tokens, 4096)
         # [2 * cap] the line's token ids in [0, cap) (prompts, then sampled), its block ids in [cap, 2 * cap)
         self.ints = np.zeros(2 * self.cap, dtype=np.int32)
-        self.buf = np.zeros(1 << 16, dtype=np.uint8)  # the line's bytes, writable for the kernel
-        self._buf_view = memoryview(self.buf)  # the copy in: a memoryview slice costs a sixth of numpy's
+        # The kernel reads the line's own bytes, not a copy: CPython ends every bytes object's buffer in a
+        # zero byte (the C API's PyBytes_AsString says so), and that is the sentinel the kernel's loops stop at.
+        # Passing it costs less than passing an array, and the copy (0.2-0.3 us a line) is gone.
+        self.raw = b""  # the line last scanned (new request ids are read from it)
         names = [k.encode() for k in KEYS]
-        self.keytab = np.frombuffer(b"".join(names), np.uint8).copy()  # the key names, back to back
-        # [KEY_SLOTS + len(KEYS) + 1] key slot -> key id, then each name's offset in keytab
+        memo = K.MEMO_RUNS * K.MEMO_MAX
+        # [memo + the names' bytes] the skip memo's slots, then the key names back to back (scan_layout)
+        self.keytab = np.concatenate([np.zeros(memo, np.uint8), np.frombuffer(b"".join(names), np.uint8)])
+        # [KEYIDX_LEN] key slot -> key id, each name's offset in keytab, each memo slot's length, the key guesses
         self.keyidx = np.concatenate([_key_slots(names, K.KEY_SLOTS),
-                                      np.cumsum([0] + [len(k) for k in names])]).astype(np.int32)
+                                      memo + np.cumsum([0] + [len(k) for k in names]),
+                                      np.zeros(K.MEMO_RUNS, np.int64),
+                                      np.full(K.KEYIDX_LEN - K.GUESS, -1)]).astype(np.int32)
+        assert len(self.keyidx) == K.KEYIDX_LEN and K.MEMO_LEN + K.MEMO_RUNS == K.GUESS
         self.max_blocks = state.max_num_blocks[0]
         self.v2 = header.model_runner_protocol == "v2"
         t = table
@@ -133,18 +143,14 @@ class LineScanner:
             self.declined["ids the table does not hold" if self.table.untracked else
                           "a preempted request waits to resume (v1)"] += 1
             return None
-        n = len(raw)
-        view = self._buf_view
-        if n >= len(view):
-            self.buf = np.zeros(1 << n.bit_length(), dtype=np.uint8)
-            self._buf_view = view = memoryview(self.buf)
-        view[:n] = raw
-        view[n] = 0  # the sentinel the kernels' loops stop at
+        if type(raw) is not bytes:  # the sentinel is bytes' own (a subclass or a view may not have it)
+            raw = bytes(raw)
+        self.raw = raw
         self.epoch += 1
         if self.epoch >= 1 << 30:
             self.col[self.K.MK_SCHED:self.K.MK_REMOVED + 1] = 0
             self.epoch = 1
-        why = self._scan_line(self.buf, n, step, len(st.free_indices), self.epoch, *self._fixed)
+        why = self._scan_line(raw, len(raw), step, len(st.free_indices), self.epoch, *self._fixed)
         if why:
             self.declined[REASONS.get(why, str(why))] += 1
             return None
@@ -154,7 +160,7 @@ class LineScanner:
     def new_req_id(self, k: int) -> str:
         """The id of the line's k-th new request."""
         c = self.col
-        return self.buf[c[self.K.NEW_ID_S, k]: c[self.K.NEW_ID_E, k]].tobytes().decode("ascii")
+        return self.raw[c[self.K.NEW_ID_S, k]: c[self.K.NEW_ID_E, k]].decode("ascii")
 
 
 class ScannedStep:

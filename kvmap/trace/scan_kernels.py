@@ -2,8 +2,14 @@
 and the request-id table the scanner resolves ids through.
 
 Rules:
-- `scan_line` only reads: the line, the id table and the rows' block counts. It writes its own columns and
-  scratch, nothing of the worker's state, so a line it refuses can be decoded again by the checked path.
+- `scan_line` only reads: the line (a `bytes` object, read in place: its trailing zero byte is the sentinel),
+  the id table and the rows' block counts. It writes its own columns and scratch, nothing of the worker's
+  state, so a line it refuses can be decoded again by the checked path.
+- What it carries from one line to the next is only ever a guess, checked against the line before it is
+  taken, so a line means the same whatever came before it: the skip memo (a run of skipped members as the
+  previous line had it, `_memo_hit`), the key guesses (the key that followed each key, `_key`) and the row
+  guesses (the previous line's cached requests, `_id_list`). Each says why a guess it takes is what the long
+  way finds. On the long trace's decode steps they make the scan about 25% cheaper.
 - It accepts a line only in the one form it knows through and through (trace/scan.py states it) and returns a
   nonzero reason for anything else: an escape or a non-ASCII byte in a string, a float where an int goes, a
   key given twice, keys out of the recorder's order, drafts, async or legacy keys, resumed requests,
@@ -26,13 +32,14 @@ import numba as nb
 import numpy as np
 
 from kvmap.trace.scan_layout import (ALL_TOKEN_IDS, BAD_FORM, BAD_JSON, BLOCK_IDS, CACHED_REQS, C_B_LEN, C_B_OFF,
-    C_ID_E, C_ID_S, C_NB, C_NC, C_ROWS, DRAFTS, FINISHED, FULL, F_ROWS, KEY_SLOTS, LEGACY_RESUMED, LEGACY_TOKENS,
-    MISMATCH, MK_CACHED, MK_REMOVED, MK_SCHED, M_BPOS, M_CACHED, M_FINISHED, M_HAS_SAMPLED, M_NB_N, M_NC_N, M_NEW,
-    M_OUT_N, M_PREEMPTED, M_REMOVED, M_SAMPLED, M_SCHED, M_SM_OFF, M_SM_SAME, M_SM_TOKENS, M_TOTAL, M_TPOS,
-    NEW_BLOCK_IDS, NEW_B_LEN, NEW_B_OFF, NEW_FIELD, NEW_ID_E, NEW_ID_S, NEW_IN_S, NEW_NC, NEW_REQS, NEW_TOK_LEN,
-    NEW_TOK_OFF, NUM_COMPUTED, NUM_META, NUM_OUTPUT, NUM_SCHEDULED, OUT_OF_RANGE, PREEMPTED, PREFILL, PROMPT,
-    P_ROWS, REQ_ID, REQ_IDS, RESUMED_IDS, SAMPLED, SCHEDULER_OUTPUT, SM_COUNT, SM_IDX, SPEC_TOKENS, STEP, S_COUNTS,
-    S_ID_E, S_ID_S, S_ROWS, TOTAL, UNKNOWN_ID, UNSUPPORTED)  # the column layout: constants to numba
+    C_ID_E, C_ID_S, C_NB, C_NC, C_ROWS, DRAFTS, FINISHED, FULL, F_ROWS, GUESS, GUESS_W, KEY_SLOTS, LEGACY_RESUMED,
+    LEGACY_TOKENS, MEMO_LEN, MEMO_MAX, MEMO_NEW, MEMO_RUNS, MEMO_SO, MISMATCH, MK_CACHED, MK_REMOVED, MK_SCHED,
+    M_BPOS, M_CACHED, M_FINISHED, M_HAS_SAMPLED, M_NB_N, M_NC_N, M_NEW, M_OUT_N, M_PREEMPTED, M_REMOVED, M_SAMPLED,
+    M_SCHED, M_SM_OFF, M_SM_SAME, M_SM_TOKENS, M_TOTAL, M_TPOS, NEW_BLOCK_IDS, NEW_B_LEN, NEW_B_OFF, NEW_FIELD,
+    NEW_ID_E, NEW_ID_S, NEW_IN_S, NEW_NC, NEW_REQS, NEW_TOK_LEN, NEW_TOK_OFF, NUM_COMPUTED, NUM_KEYS, NUM_META,
+    NUM_OUTPUT, NUM_SCHEDULED, OBJ_CACHED, OBJ_NEW, OBJ_SO, OBJ_TOP, OUT_OF_RANGE, PREEMPTED, PREFILL, PROMPT,
+    P_ROWS, REQ_ID, REQ_IDS, RESUMED_IDS, SAMPLED, SCHEDULER_OUTPUT, SCRATCH, SM_COUNT, SM_IDX, SPEC_TOKENS, START,
+    STEP, S_COUNTS, S_ID_E, S_ID_S, S_ROWS, TOTAL, UNKNOWN_ID, UNSUPPORTED)  # the column layout: constants to numba
 
 _jit = nb.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)  # no refcounts: nothing here allocates
 _u = np.uint64  # a variable index cast to unsigned: numba adds no negative-index wraparound (see the rules)
@@ -71,6 +78,20 @@ def _quoted_as(b, i, s, e):
     n = e - s
     u = 0
     while u < n and b[_u(i + u)] == b[_u(s + u)]:
+        u += 1
+    return u == n and b[_u(i + n)] == 34
+
+
+@_jit
+def _quoted_row(b, i, row_key, row_key_len, r):
+    """Whether the string that starts after its quote at i is the id the table holds for row r (tracked,
+    not empty), closed by its quote: a guessed row checked in one pass, where a lookup hashes the id, probes
+    and compares. Reads at most up to the sentinel. A leaf."""
+    n = row_key_len[_u(r)]
+    if n == 0:
+        return False
+    u = 0
+    while u < n and b[_u(i + u)] == row_key[_u(r), _u(u)]:
         u += 1
     return u == n and b[_u(i + n)] == 34
 
@@ -180,7 +201,7 @@ def _string_end(b, i, n):
 
 
 # How these loops are written (each measured on this machine; numba's code for the other forms was 3-15x
-# slower): the line's buffer ends in a zero sentinel (b[n] == 0, which no loop accepts), so the inner loops
+# slower): the line's bytes end in a zero sentinel (b[n] == 0, which no loop accepts), so the inner loops
 # read the next byte without a bounds check; the per-byte helpers are leaves (no calls: numba returns through
 # memory, a call per int cost 3-6x), and no helper is `inline="always"` (numba's IR inlining made the code
 # slower and the build 4.5 minutes; LLVM's, `forceinline=True`, changed nothing). Every variable index is cast
@@ -526,22 +547,79 @@ END = -2  # the key id `_key` gives at the object's end
 
 
 @_jit
-def _key(b, i, n, keytab, keyidx):
-    """At an object member or the object's end: (key id or -1, index of its value), (END, index past the '}'),
-    or (0, -reason)."""
+def _key(b, i, n, keytab, keyidx, kind, after):
+    """At a member of an object of `kind` (OBJ_*) that follows key `after` (scan_layout: START, -1, a key id,
+    or a memo run), or at the object's end: (key id or -1, index of its value), (END, index past the '}'), or
+    (0, -reason).
+
+    The key that followed `after` in the previous line is compared first, in one pass; only when the line
+    has another key here is the key read, hashed and looked up. A guess is taken only when the bytes after
+    the quote are its name and then a quote: a name holds no escape, quote or control byte, so the key read
+    the long way ends at that quote and is that name. What the line has is kept as the next line's guess."""
     q = _member(b, i, n, 125)
     if q == -2:
         return END, _ws(b, i, n) + 1
     if q < 0:
         return 0, -BAD_JSON
-    e = _string_end(b, q, n)
+    at = _u(GUESS + kind * GUESS_W + after + 2)
+    key = keyidx[at]
+    e = -1
+    if key >= 0:
+        a = keyidx[_u(KEY_SLOTS + key)]
+        ln = keyidx[_u(KEY_SLOTS + key + 1)] - a
+        u = 0
+        while u < ln and b[_u(q + 1 + u)] == keytab[_u(a + u)]:
+            u += 1
+        if u == ln and b[_u(q + 1 + ln)] == 34:
+            e = q + 1 + ln
     if e < 0:
-        return 0, -UNSUPPORTED
-    key = _key_id(b, q + 1, e, keytab, keyidx)
+        e = _string_end(b, q, n)
+        if e < 0:
+            return 0, -UNSUPPORTED
+        key = _key_id(b, q + 1, e, keytab, keyidx)
+        keyidx[at] = key
     j = _after_key(b, e, n)
     if j < 0 or j >= n:
         return 0, -BAD_JSON
     return key, j
+
+
+@_jit
+def _memo_hit(b, i, n, keytab, keyidx, slot):
+    """The length of the run of skipped members that memo `slot` holds when the line has those bytes at i and
+    then a byte that ends a value (a comma, a brace or whitespace), else 0. A leaf.
+
+    Why a hit parses as the long way would: the slot holds bytes that were parsed, from the start of a member of
+    this same kind of object, as members the scanner skips (each key and value checked, nothing kept), and
+    ended at a value's end. The same bytes from the same place parse the same way; a value's end is decided by
+    its own bytes, except a number's, which the byte after it decides: hence the ending byte. Skipped keys are
+    not in the key-twice check, so nothing else depends on them."""
+    ln = keyidx[_u(MEMO_LEN + slot)]
+    if ln == 0 or i + ln > n:
+        return 0
+    c = b[_u(i + ln)]
+    if c != 44 and c != 125 and c != 32 and c != 10 and c != 13 and c != 9:
+        return 0
+    a = slot * MEMO_MAX
+    if b[_u(i + 1)] != keytab[_u(a + 1)] or b[_u(i + ln - 1)] != keytab[_u(a + ln - 1)]:
+        return 0  # most members that are not the run differ in their key's first byte
+    d = 0
+    for u in range(ln):  # no early exit: LLVM vectorizes it (3x the byte-at-a-time compare on 430 bytes)
+        d |= b[_u(i + u)] ^ keytab[_u(a + u)]
+    return ln if d == 0 else 0
+
+
+@_jit
+def _memo_keep(b, s, e, keytab, keyidx, slot):
+    """Keep b[s:e], a run of skipped members that ends at a value's end, in memo `slot` (a run longer than
+    MEMO_MAX empties the slot). A leaf."""
+    ln = e - s
+    if ln > MEMO_MAX:
+        ln = 0
+    a = slot * MEMO_MAX
+    for u in range(ln):
+        keytab[_u(a + u)] = b[_u(s + u)]
+    keyidx[_u(MEMO_LEN + slot)] = ln
 
 
 @_jit
@@ -570,7 +648,14 @@ def _end_member(b, i, n):
 @_jit
 def _id_list(b, i, n, col, which, spans, slots, row_key, row_key_len):
     """A list of ids at b[i] (or null: empty) resolved to rows (-1: not live) into col[which], and their byte
-    spans into col[spans], col[spans + 1] (spans >= 0): (next index, count) or (-reason, 0)."""
+    spans into col[spans], col[spans + 1] (spans >= 0): (next index, count) or (-reason, 0).
+
+    With spans (the cached requests' ids), the rows col[which] still holds from the previous line are the
+    guesses: a decode step lists the previous step's requests in the same order, less the finished ones and
+    with the new ones at the end. An id is first compared with the guessed row's id (entry p of the previous
+    list, then p + 1), and looked up only when neither is it. A guess is only ever taken when the table holds
+    exactly that id for that row, which is the row the lookup finds, so the rows are the lookup's either way.
+    Entries of the previous list that this list has overwritten make wrong guesses, which cost one compare."""
     if _is_null(b, i, n):
         return i + 4, 0
     if b[_u(i)] != 91:
@@ -580,15 +665,29 @@ def _id_list(b, i, n, col, which, spans, slots, row_key, row_key_len):
         return i + 1, 0
     cnt = 0
     cap = col.shape[1]
+    p = 0  # the previous line's entry the next id most likely is
     while True:
         if i >= n or b[_u(i)] != 34:
             return -BAD_FORM, 0
-        e = _string_end(b, i, n)
-        if e < 0:
-            return -UNSUPPORTED, 0
         if cnt >= cap:
             return -FULL, 0
-        col[_u(which), _u(cnt)] = _lookup(b, i + 1, e, slots, row_key, row_key_len)
+        r = -1
+        if spans >= 0:
+            for d in range(2):
+                if p + d < cap:
+                    g = col[_u(which), _u(p + d)]
+                    if g >= 0 and _quoted_row(b, i + 1, row_key, row_key_len, g):
+                        r = g
+                        p += d + 1
+                        break
+        if r >= 0:
+            e = i + 1 + row_key_len[_u(r)]
+        else:
+            e = _string_end(b, i, n)
+            if e < 0:
+                return -UNSUPPORTED, 0
+            r = _lookup(b, i + 1, e, slots, row_key, row_key_len)
+        col[_u(which), _u(cnt)] = r
         if spans >= 0:
             col[_u(spans), _u(cnt)] = i + 1
             col[_u(spans + 1), _u(cnt)] = e
@@ -623,12 +722,47 @@ def _new_reqs(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, meta,
         prefill_len = -1
         prompt_off = 0
         prefill_off = 0
+        run = MEMO_NEW  # as in _sched_output: the next run's memo slot, the open run's start and end
+        rs = -1
+        re = 0
+        after = START
         while True:
-            key, i = _key(b, i, n, keytab, keyidx)
+            if rs < 0 and run < MEMO_RUNS:
+                ln = _memo_hit(b, i, n, keytab, keyidx, run)
+                if ln:
+                    after = NUM_KEYS + run
+                    run += 1
+                    i, more = _end_member(b, i + ln, n)
+                    if i < 0:
+                        return i
+                    if not more:
+                        break
+                    continue
+            at = i
+            key, i = _key(b, i, n, keytab, keyidx, OBJ_NEW, after)
             if i < 0:
                 return i
             if key == END:
                 break
+            after = key
+            if key < REQ_ID or key > NUM_COMPUTED:  # skipped
+                i = _skip(b, i, n)
+                if i < 0:
+                    return -BAD_JSON
+                if rs < 0:
+                    rs = at
+                re = i
+                i, more = _end_member(b, i, n)
+                if i < 0:
+                    return i
+                if not more:
+                    break
+                continue
+            if rs >= 0:
+                if run < MEMO_RUNS:
+                    _memo_keep(b, rs, re, keytab, keyidx, run)
+                run += 1
+                rs = -1
             got = _seen(got, key, REQ_ID, NUM_COMPUTED + 1, REQ_ID)
             if got < 0:
                 return -BAD_FORM
@@ -667,15 +801,13 @@ def _new_reqs(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, meta,
                 if v < 0 or v > max_model_len:
                     return -OUT_OF_RANGE
                 col[NEW_NC, _u(k)] = v
-            else:
-                i = _skip(b, i, n)
-                if i < 0:
-                    return -BAD_JSON
             i, more = _end_member(b, i, n)
             if i < 0:
                 return i
             if not more:
                 break
+        if rs >= 0 and run < MEMO_RUNS:
+            _memo_keep(b, rs, re, keytab, keyidx, run)
         if (got & 0b11001) != 0b11001:  # req_id, block_ids, num_computed_tokens
             return -BAD_FORM
         if prefill_len >= 0:  # NewRequestData.token_ids: the prefill tokens when given, else the prompt
@@ -710,12 +842,14 @@ def _cached(b, i, n, num_gpu_blocks, max_model_len, meta, col, ints, slots, row_
     i += 1
     got = 0
     c_n = -1
+    after = START
     while True:
-        key, i = _key(b, i, n, keytab, keyidx)
+        key, i = _key(b, i, n, keytab, keyidx, OBJ_CACHED, after)
         if i < 0:
             return i
         if key == END:
             break
+        after = key
         got = _seen(got, key, NUM_COMPUTED, LEGACY_TOKENS + 1, NUM_COMPUTED)
         if got < 0:
             return -BAD_FORM
@@ -730,7 +864,13 @@ def _cached(b, i, n, num_gpu_blocks, max_model_len, meta, col, ints, slots, row_
             if key == NUM_OUTPUT and _is_null(b, i, n):
                 i += 4
                 meta[M_OUT_N] = -1
-            else:
+            elif key != NEW_BLOCK_IDS:  # ints, one tight loop: num_computed_tokens kept, num_output_tokens counted
+                i, cnt = _int_list(b, i, n, col[C_NC if key == NUM_COMPUTED else SCRATCH], 0, c_n, 0,
+                                   max_model_len + 1 if key == NUM_COMPUTED else 1 << 31)
+                if i < 0:
+                    return -BAD_FORM if i == -FULL else i  # more entries than ids
+                meta[M_NC_N if key == NUM_COMPUTED else M_OUT_N] = cnt
+            else:  # new_block_ids: per request null, or its new blocks
                 if b[_u(i)] != 91:
                     return -BAD_FORM
                 i = _ws(b, i + 1, n)
@@ -741,32 +881,23 @@ def _cached(b, i, n, num_gpu_blocks, max_model_len, meta, col, ints, slots, row_
                     while True:
                         if cnt >= c_n:
                             return -BAD_FORM
-                        if key == NEW_BLOCK_IDS:
-                            if _is_null(b, i, n):
-                                col[C_NB, _u(cnt)] = 0
-                                i += 4
-                            else:
-                                i, off, nb = _one_group(b, i, n, ints, meta, num_gpu_blocks)
-                                if i < 0:
-                                    return i
-                                col[C_NB, _u(cnt)] = 1
-                                col[C_B_OFF, _u(cnt)] = off
-                                col[C_B_LEN, _u(cnt)] = nb
+                        if _is_null(b, i, n):
+                            col[C_NB, _u(cnt)] = 0
+                            i += 4
                         else:
-                            i, v = _int(b, i, n)
+                            i, off, nb = _one_group(b, i, n, ints, meta, num_gpu_blocks)
                             if i < 0:
-                                return -BAD_FORM
-                            if key == NUM_COMPUTED:
-                                if v < 0 or v > max_model_len:
-                                    return -OUT_OF_RANGE
-                                col[C_NC, _u(cnt)] = v
+                                return i
+                            col[C_NB, _u(cnt)] = 1
+                            col[C_B_OFF, _u(cnt)] = off
+                            col[C_B_LEN, _u(cnt)] = nb
                         cnt += 1
                         i, more = _next(b, i, n, 93)
                         if i < 0:
                             return -BAD_JSON
                         if not more:
                             break
-                meta[M_NC_N if key == NUM_COMPUTED else (M_OUT_N if key == NUM_OUTPUT else M_NB_N)] = cnt
+                meta[M_NB_N] = cnt
         elif key == RESUMED_IDS or key == ALL_TOKEN_IDS:
             i = _empty(b, i, n, 93 if key == RESUMED_IDS else 125)
             if i < 0:
@@ -862,12 +993,47 @@ def _sched_output(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, v
         return -BAD_FORM
     i += 1
     got = 0
+    run = MEMO_SO  # the memo slot of the next run of skipped members
+    rs = -1  # where the open run starts (-1: none is open)
+    re = 0  # where its last value ends
+    after = START  # the key before (the guesses' `after`)
     while True:
-        key, i = _key(b, i, n, keytab, keyidx)
+        if rs < 0 and run < MEMO_NEW:
+            ln = _memo_hit(b, i, n, keytab, keyidx, run)
+            if ln:  # the run the previous line had here
+                after = NUM_KEYS + run
+                run += 1
+                i, more = _end_member(b, i + ln, n)
+                if i < 0:
+                    return i
+                if not more:
+                    break
+                continue
+        at = i
+        key, i = _key(b, i, n, keytab, keyidx, OBJ_SO, after)
         if i < 0:
             return i
         if key == END:
             break
+        after = key
+        if key < NEW_REQS or key > PREEMPTED:  # a key the scanner skips (its value checked as JSON)
+            i = _skip(b, i, n)
+            if i < 0:
+                return -BAD_JSON
+            if rs < 0:
+                rs = at
+            re = i
+            i, more = _end_member(b, i, n)
+            if i < 0:
+                return i
+            if not more:
+                break
+            continue
+        if rs >= 0:
+            if run < MEMO_NEW:
+                _memo_keep(b, rs, re, keytab, keyidx, run)
+            run += 1
+            rs = -1
         got = _seen(got, key, NEW_REQS, PREEMPTED + 1, 0)
         if got < 0:
             return -BAD_FORM
@@ -899,10 +1065,6 @@ def _sched_output(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, v
                 if key == PREEMPTED and cnt and not v2:
                     return -UNSUPPORTED
                 meta[M_FINISHED if key == FINISHED else M_PREEMPTED] = cnt
-        else:
-            i = _skip(b, i, n)
-            if i < 0:
-                return -BAD_JSON
         if i < 0:
             return i
         i, more = _end_member(b, i, n)
@@ -910,6 +1072,8 @@ def _sched_output(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, v
             return i
         if not more:
             break
+    if rs >= 0 and run < MEMO_NEW:
+        _memo_keep(b, rs, re, keytab, keyidx, run)
     if not got & (1 << NUM_SCHEDULED) or not got & (1 << TOTAL):
         return -BAD_FORM
     c_n = meta[M_CACHED]
@@ -1088,12 +1252,14 @@ def scan_line(b, n, expected_step, num_free, epoch, num_gpu_blocks, max_model_le
     if i >= n or b[_u(i)] != 123:
         return BAD_JSON
     i += 1
+    after = START
     while True:
-        key, i = _key(b, i, n, keytab, keyidx)
+        key, i = _key(b, i, n, keytab, keyidx, OBJ_TOP, after)
         if i < 0:
             return -i
         if key == END:
             break
+        after = key
         got = _seen(got, key, STEP, NEW_REQS, 0)
         if got < 0:
             return BAD_FORM
@@ -1162,7 +1328,8 @@ AOT_EXPORTS = {
     "table_insert": ("table_insert", "i8(i4[::1], u1[:, ::1], i4[::1], u1[::1], i8)"),
     "table_remove": ("table_remove", "i8(i4[::1], u1[:, ::1], i4[::1], i8)"),
     "table_find": ("table_find", "i8(i4[::1], u1[:, ::1], i4[::1], u1[::1])"),
-    "scan_line": ("scan_line", "i8(u1[::1], i8, i8, i8, i8, i8, i8, i8, i8, b1, i8[::1], i4[:, ::1], i4[::1], "
+    "scan_line": ("scan_line", "i8(Bytes(u1, 1, 'C', readonly=True), i8, i8, i8, i8, i8, i8, i8, i8, b1, i8[::1], "
+                               "i4[:, ::1], i4[::1], "
                                "i4[:, ::1], i4[::1], u1[:, ::1], i4[::1], u1[::1], i4[::1])"),
     "apply_cached": ("apply_cached", "void(i4[:, ::1], i4[::1], i8, i8, i4[::1], i4[::1], i4[::1], i4[:, ::1], "
                                      "i4[:, ::1], i4[::1])"),

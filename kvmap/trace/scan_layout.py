@@ -11,16 +11,14 @@ F_ROWS, P_ROWS = 16, 17  # finished / preempted ids: rows, -1 for ids not live
 SM_IDX, SM_COUNT = 18, 19  # sampled_token_ids in order: scheduler entry, tokens
 MK_SCHED, MK_CACHED, MK_REMOVED = 20, 21, 22  # per row: the epoch of the scan that marked it
 C_ID_S, C_ID_E, S_ID_S, S_ID_E = 23, 24, 25, 26  # byte spans of the cached and the scheduled ids in the line
-NUM_COLS = 27
+SCRATCH = 27  # values read and checked, not kept (num_output_tokens)
+NUM_COLS = 28
 # `meta` ([NUM_META] int64): what the line holds, and the scan's cursors
 M_NEW, M_CACHED, M_SCHED, M_FINISHED, M_PREEMPTED, M_SAMPLED, M_TOTAL = range(7)
 M_HAS_SAMPLED, M_SM_OFF, M_SM_TOKENS, M_SM_SAME, M_REMOVED = 7, 8, 9, 10, 11
 M_TPOS, M_BPOS, M_NC_N, M_NB_N, M_OUT_N = 12, 13, 14, 15, 16  # the scan's cursors and list lengths
 NUM_META = 17
 # `ints` ([2 * cap] int32): token ids of the line in [0, cap) (prompts, then sampled), block ids in [cap, 2cap)
-# `keyidx` ([KEY_SLOTS + len(KEYS) + 1] int32): key_slot() -> key id (-1 empty, linear probing), then each
-# key's offset
-KEY_SLOTS = 256
 
 KEYS = ("step", "scheduler_output", "sampled_token_ids", "draft_token_ids", "kind",
         "spec_draft_token_ids", "num_rejected_tokens", "num_computed_tokens_correction",
@@ -36,6 +34,29 @@ NEW_REQS, CACHED_REQS, NUM_SCHEDULED, TOTAL, SPEC_TOKENS, FINISHED, PREEMPTED = 
 REQ_ID, PROMPT, PREFILL, BLOCK_IDS, NUM_COMPUTED = 15, 16, 17, 18, 19
 REQ_IDS, RESUMED_IDS, NEW_BLOCK_IDS, ALL_TOKEN_IDS, NUM_OUTPUT, LEGACY_RESUMED, LEGACY_TOKENS = (
     20, 21, 22, 23, 24, 25, 26)
+
+# `keytab` ([MEMO_RUNS * MEMO_MAX + the names' bytes] uint8): the skip memo's slots, then the key names back to
+# back. `keyidx` ([KEYIDX_LEN] int32): key_slot() -> key id (-1 empty, linear probing), then each key's offset
+# in keytab, then the bytes each memo slot holds (0: none), then the key guesses (below).
+KEY_SLOTS = 256
+# The skip memo: a run of members the scanner skips (keys it does not read, with their values: about 550 of a
+# decode step's 3 KB, and 40% of its scan) as the previous line had it, byte for byte, one slot per run in the
+# object's order. A line with the same bytes there, then a byte that ends a value, skips the run in one compare
+# (trace/scan_kernels.py, `_memo_hit`, says why that parses as the long way would).
+MEMO_RUNS = 12  # slots: scheduler_output's runs from MEMO_SO, a new request's from MEMO_NEW
+MEMO_SO, MEMO_NEW = 0, 8
+MEMO_MAX = 1024  # the bytes a slot holds: a longer run is skipped the long way
+MEMO_LEN = KEY_SLOTS + len(KEYS) + 1  # keyidx[MEMO_LEN + slot]: the bytes that slot holds
+# The key guesses: per kind of object, the key that followed each key in the previous line (-1: none known),
+# compared first (trace/scan_kernels.py, `_key`). keyidx[GUESS + kind * GUESS_W + after + 2] is the key that
+# came after `after`: -2 the object's start, -1 a key the scanner does not know, a key id, or
+# len(KEYS) + slot after a run of memo `slot`.
+OBJ_TOP, OBJ_SO, OBJ_NEW, OBJ_CACHED = 0, 1, 2, 3  # the kinds: the step, scheduler_output, a new request, cached
+GUESS = MEMO_LEN + MEMO_RUNS
+NUM_KEYS = len(KEYS)
+GUESS_W = NUM_KEYS + MEMO_RUNS + 2
+START = -2  # `after` at an object's start
+KEYIDX_LEN = GUESS + 4 * GUESS_W
 
 # reasons (nonzero: the checked path decodes the line)
 BAD_JSON, BAD_FORM, UNSUPPORTED, UNKNOWN_ID, OUT_OF_RANGE, FULL, MISMATCH = 1, 2, 3, 4, 5, 6, 7
