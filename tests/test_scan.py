@@ -322,7 +322,8 @@ def test_the_scanner_carries_its_guesses_on_the_long_trace():
     a, b, scanner = run_pair(trace, lines, 170)
 
     def held(slot: int) -> bytes:
-        return bytes(scanner.keytab[slot * L.MEMO_MAX: slot * L.MEMO_MAX + scanner.keyidx[L.MEMO_LEN + slot]])
+        kept = scanner.keytab[slot * L.MEMO_MAX: slot * L.MEMO_MAX + scanner.keyidx[L.MEMO_LEN + slot]]
+        return kept.astype(np.uint8).tobytes()  # a byte an entry
 
     assert held(L.MEMO_SO + 2).startswith(b'"has_structured_output_requests":false,')
     assert held(L.MEMO_SO + 2).endswith(b'"skip_drafts":false')

@@ -133,3 +133,29 @@ def test_building_one_command_gives_the_command_the_whole_app_gives():
             assert one.help == full.help
     finally:
         app.registered_commands = saved
+
+
+BLAS_PROBE = """
+import os, sys
+sys.argv = ["kvmap", "--help"]
+from kvmap.cli import main
+main()
+import numpy  # after main, as every command imports it
+print("BLAS", os.environ.get("OPENBLAS_NUM_THREADS"), os.environ.get("OMP_NUM_THREADS"))
+"""
+
+
+def test_openblas_gets_one_thread_unless_the_user_chose_a_count():
+    """numpy's OpenBLAS starts a thread pool at import that spins on the other core; kvmap makes no BLAS call,
+    so its entry point sets one thread before numpy loads, and leaves a count the user chose alone."""
+    import os
+
+    def run(**env: str) -> str:
+        e = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+        out = subprocess.run([sys.executable, "-c", BLAS_PROBE], capture_output=True, text=True, check=True,
+                             env={**e, **env})
+        return out.stdout.strip().splitlines()[-1]
+
+    assert run() == "BLAS 1 None"
+    assert run(OPENBLAS_NUM_THREADS="3") == "BLAS 3 None"
+    assert run(OMP_NUM_THREADS="2") == "BLAS None 2"

@@ -337,19 +337,21 @@ class Trace:
         state must read from 0 (replay does, and records only the window). With a `scanner` (trace/scan.py,
         from the worker), a line it accepts is yielded as its `ScannedStep`, any other decoded."""
         decode = self.decode
+        scan = scanner.scan if scanner is not None else None
+        first, end = start + 2, (stop + 2 if stop is not None else 1 << 62)  # in line numbers: step i is line i + 2
         with self._lines() as lines:
             next(lines)
-            for i, (line, raw) in enumerate(lines):
-                if stop is not None and i >= stop:
+            for line, raw in lines:
+                if line >= end:
                     return
-                if i < start:
+                if line < first:
                     continue
-                if scanner is not None:
-                    scanned = scanner.scan(raw, line, i, decode)
+                if scan is not None:
+                    scanned = scan(raw, line, line - 2, decode)
                     if scanned is not None:
                         yield scanned
                         continue
-                yield decode(raw, line, i)
+                yield decode(raw, line, line - 2)
 
     def decode(self, raw: bytes, line: int, i: int) -> Step:
         """Step `i` from its line: the typed decoder (one pass, every value checked), and when it steps aside

@@ -104,35 +104,40 @@ class LineScanner:
         R = header.max_num_seqs
         self.K = K = L
         self.max_num_tokens = max(header.max_num_batched_tokens, header.max_num_scheduled_tokens or 0)
-        self.meta = np.zeros(K.NUM_META, dtype=np.int64)  # [NUM_META] what the line holds, cursors
-        self.m = memoryview(self.meta)  # the same, read as Python ints (a numpy scalar read costs 3x)
-        self.col = np.zeros((K.NUM_COLS, R), dtype=np.int32)  # [NUM_COLS, R] per-request columns
-        self.cap = 4 * max(header.max_model_len, self.max_num_tokens, 4096)
+        self.cap = cap = 4 * max(header.max_model_len, self.max_num_tokens, 4096)
+        names = [k.encode() for k in KEYS]
+        memo = K.MEMO_RUNS * K.MEMO_MAX
+        keytab = np.concatenate([np.zeros(memo, np.uint8), np.frombuffer(b"".join(names), np.uint8)])
+        keyidx = np.concatenate([_key_slots(names, K.KEY_SLOTS), memo + np.cumsum([0] + [len(k) for k in names]),
+                                 np.zeros(K.MEMO_RUNS, np.int64), np.full(K.KEYIDX_LEN - K.GUESS, -1)])
+        assert len(keyidx) == K.KEYIDX_LEN and K.MEMO_LEN + K.MEMO_RUNS == K.GUESS
+        n_col = K.NUM_COLS * R
+        # [arena] col, ints, keyidx, keytab back to back (scan_layout): one argument for the kernel
+        self.arena = np.zeros(n_col + 2 * cap + K.KEYIDX_LEN + len(keytab), dtype=np.int32)
+        self.col = self.arena[:n_col].reshape(K.NUM_COLS, R)  # [NUM_COLS, R] per-request columns
         # [2 * cap] the line's token ids in [0, cap) (prompts, then sampled), its block ids in [cap, 2 * cap)
-        self.ints = np.zeros(2 * self.cap, dtype=np.int32)
+        self.ints = self.arena[n_col:n_col + 2 * cap]
+        # [KEYIDX_LEN] key slot -> key id, each name's offset in keytab, each memo slot's length, the key guesses
+        self.keyidx = self.arena[n_col + 2 * cap:n_col + 2 * cap + K.KEYIDX_LEN]
+        self.keyidx[:] = keyidx
+        # [memo + the names' bytes] the skip memo's slots, then the key names back to back, a byte an entry
+        self.keytab = self.arena[n_col + 2 * cap + K.KEYIDX_LEN:]
+        self.keytab[:] = keytab
+        self.max_blocks = state.max_num_blocks[0]
+        self.v2 = header.model_runner_protocol == "v2"
+        # [META_LEN] what the line holds and the scan's cursors, then the scan's parameters and its epoch
+        self.meta = np.zeros(K.META_LEN, dtype=np.int64)
+        self.meta[K.NUM_META:] = (header.num_gpu_blocks, header.max_model_len, self.max_num_tokens,
+                                  self.max_blocks, self.v2, 0, R, cap)  # A_GPU_BLOCKS .. A_CAP
+        self.m = memoryview(self.meta)  # the same, read as Python ints (a numpy scalar read costs 3x)
         # The kernel reads the line's own bytes, not a copy: CPython ends every bytes object's buffer in a
         # zero byte (the C API's PyBytes_AsString says so), and that is the sentinel the kernel's loops stop at.
         # Passing it costs less than passing an array, and the copy (0.2-0.3 us a line) is gone.
         self.raw = b""  # the line last scanned (new request ids are read from it)
-        names = [k.encode() for k in KEYS]
-        memo = K.MEMO_RUNS * K.MEMO_MAX
-        # [memo + the names' bytes] the skip memo's slots, then the key names back to back (scan_layout)
-        self.keytab = np.concatenate([np.zeros(memo, np.uint8), np.frombuffer(b"".join(names), np.uint8)])
-        # [KEYIDX_LEN] key slot -> key id, each name's offset in keytab, each memo slot's length, the key guesses
-        self.keyidx = np.concatenate([_key_slots(names, K.KEY_SLOTS),
-                                      memo + np.cumsum([0] + [len(k) for k in names]),
-                                      np.zeros(K.MEMO_RUNS, np.int64),
-                                      np.full(K.KEYIDX_LEN - K.GUESS, -1)]).astype(np.int32)
-        assert len(self.keyidx) == K.KEYIDX_LEN and K.MEMO_LEN + K.MEMO_RUNS == K.GUESS
-        self.max_blocks = state.max_num_blocks[0]
-        self.v2 = header.model_runner_protocol == "v2"
         t = table
         self._scan_line = self.k.scan_line
         # the arguments that stay the same line after line (the arrays are filled in place)
-        self._fixed = (header.num_gpu_blocks, header.max_model_len, self.max_num_tokens, self.max_blocks, self.v2,
-                       self.meta, self.col, self.ints, state.num_blocks, t.slots, t.row_key, t.row_key_len,
-                       self.keytab, self.keyidx)
-        self.epoch = 0
+        self._fixed = (self.meta, self.arena, state.num_blocks, t.slots, t.row_key, t.row_key_len)
         self.scanned = 0
         self.declined: Counter[str] = Counter()  # reason -> lines
 
@@ -146,16 +151,13 @@ class LineScanner:
         if type(raw) is not bytes:  # the sentinel is bytes' own (a subclass or a view may not have it)
             raw = bytes(raw)
         self.raw = raw
-        self.epoch += 1
-        if self.epoch >= 1 << 30:
-            self.col[self.K.MK_SCHED:self.K.MK_REMOVED + 1] = 0
-            self.epoch = 1
-        why = self._scan_line(raw, len(raw), step, len(st.free_indices), self.epoch, *self._fixed)
+        why = self._scan_line(raw, len(raw), step, len(st.free_indices), *self._fixed)
         if why:
             self.declined[REASONS.get(why, str(why))] += 1
             return None
         self.scanned += 1
-        return ScannedStep(step, line, raw, self, decode)
+        m = self.m
+        return ScannedStep(step, line, raw, self, decode, m[L.M_SCHED], m[L.M_TOTAL])
 
     def new_req_id(self, k: int) -> str:
         """The id of the line's k-th new request."""
@@ -165,24 +167,23 @@ class LineScanner:
 
 class ScannedStep:
     """A step the scanner accepted: its columns (in `scanner`, until the next scan) and, on demand, the full
-    `Step` the checked path decodes from the same line."""
+    `Step` the checked path decodes from the same line. (No __slots__: what the state sets later has a class
+    default, so making one sets seven attributes, not eleven.)"""
 
-    __slots__ = ("step", "line", "raw", "scanner", "num_reqs", "num_tokens", "new_req_ids", "rows", "names",
-                 "_decode", "_full")
+    new_req_ids: list[str] | tuple = ()  # the new requests' ids, set when the state adds them
+    rows: np.ndarray | None = None  # [num_reqs] scheduler entry -> req_state_idx, once applied
+    names: dict[int, str] | None = None  # the state's req_state_idx -> req_id, once applied
+    _full: Step | None = None
 
-    def __init__(self, step: int, line: int, raw: bytes, scanner: LineScanner, decode) -> None:
-        m = scanner.m
+    def __init__(self, step: int, line: int, raw: bytes, scanner: LineScanner, decode, num_reqs: int,
+                 num_tokens: int) -> None:
         self.step = step
         self.line = line
         self.raw = raw
         self.scanner = scanner
-        self.num_reqs = m[L.M_SCHED]
-        self.num_tokens = m[L.M_TOTAL]
-        self.new_req_ids: list[str] = []  # set when the state adds them
-        self.rows: np.ndarray | None = None  # [num_reqs] scheduler entry -> req_state_idx, once applied
-        self.names: dict[int, str] | None = None  # the state's req_state_idx -> req_id, once applied
+        self.num_reqs = num_reqs
+        self.num_tokens = num_tokens
         self._decode = decode
-        self._full: Step | None = None
 
     def scheduled_req_ids(self) -> list[str]:
         """The scheduled requests' ids, in scheduler order (after the state applied the step)."""

@@ -31,15 +31,17 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from kvmap.trace.scan_layout import (ALL_TOKEN_IDS, BAD_FORM, BAD_JSON, BLOCK_IDS, CACHED_REQS, C_B_LEN, C_B_OFF,
-    C_ID_E, C_ID_S, C_NB, C_NC, C_ROWS, DRAFTS, FINISHED, FULL, F_ROWS, GUESS, GUESS_W, KEY_SLOTS, LEGACY_RESUMED,
+# the column layout: constants to numba
+from kvmap.trace.scan_layout import (ALL_TOKEN_IDS, A_CAP, A_EPOCH, A_GPU_BLOCKS, A_MAX_BLOCKS, A_MAX_MODEL_LEN,
+    A_MAX_TOKENS, A_ROWS, A_V2, BAD_FORM, BAD_JSON, BLOCK_IDS, CACHED_REQS, C_B_LEN, C_B_OFF, C_ID_E, C_ID_S, C_NB,
+    C_NC, C_ROWS, DRAFTS, FINISHED, FULL, F_ROWS, GUESS, GUESS_W, KEYIDX_LEN, KEY_SLOTS, LEGACY_RESUMED,
     LEGACY_TOKENS, MEMO_LEN, MEMO_MAX, MEMO_NEW, MEMO_RUNS, MEMO_SO, MISMATCH, MK_CACHED, MK_REMOVED, MK_SCHED,
     M_BPOS, M_CACHED, M_FINISHED, M_HAS_SAMPLED, M_NB_N, M_NC_N, M_NEW, M_OUT_N, M_PREEMPTED, M_REMOVED, M_SAMPLED,
     M_SCHED, M_SM_OFF, M_SM_SAME, M_SM_TOKENS, M_TOTAL, M_TPOS, NEW_BLOCK_IDS, NEW_B_LEN, NEW_B_OFF, NEW_FIELD,
-    NEW_ID_E, NEW_ID_S, NEW_IN_S, NEW_NC, NEW_REQS, NEW_TOK_LEN, NEW_TOK_OFF, NUM_COMPUTED, NUM_KEYS, NUM_META,
-    NUM_OUTPUT, NUM_SCHEDULED, OBJ_CACHED, OBJ_NEW, OBJ_SO, OBJ_TOP, OUT_OF_RANGE, PREEMPTED, PREFILL, PROMPT,
-    P_ROWS, REQ_ID, REQ_IDS, RESUMED_IDS, SAMPLED, SCHEDULER_OUTPUT, SCRATCH, SM_COUNT, SM_IDX, SPEC_TOKENS, START,
-    STEP, S_COUNTS, S_ID_E, S_ID_S, S_ROWS, TOTAL, UNKNOWN_ID, UNSUPPORTED)  # the column layout: constants to numba
+    NEW_ID_E, NEW_ID_S, NEW_IN_S, NEW_NC, NEW_REQS, NEW_TOK_LEN, NEW_TOK_OFF, NUM_COLS, NUM_COMPUTED, NUM_KEYS,
+    NUM_META, NUM_OUTPUT, NUM_SCHEDULED, OBJ_CACHED, OBJ_NEW, OBJ_SO, OBJ_TOP, OUT_OF_RANGE, PREEMPTED, PREFILL,
+    PROMPT, P_ROWS, REQ_ID, REQ_IDS, RESUMED_IDS, SAMPLED, SCHEDULER_OUTPUT, SCRATCH, SM_COUNT, SM_IDX, SPEC_TOKENS,
+    START, STEP, S_COUNTS, S_ID_E, S_ID_S, S_ROWS, TOTAL, UNKNOWN_ID, UNSUPPORTED)
 
 _jit = nb.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)  # no refcounts: nothing here allocates
 _u = np.uint64  # a variable index cast to unsigned: numba adds no negative-index wraparound (see the rules)
@@ -603,9 +605,9 @@ def _memo_hit(b, i, n, keytab, keyidx, slot):
     a = slot * MEMO_MAX
     if b[_u(i + 1)] != keytab[_u(a + 1)] or b[_u(i + ln - 1)] != keytab[_u(a + ln - 1)]:
         return 0  # most members that are not the run differ in their key's first byte
-    d = 0
-    for u in range(ln):  # no early exit: LLVM vectorizes it (3x the byte-at-a-time compare on 430 bytes)
-        d |= b[_u(i + u)] ^ keytab[_u(a + u)]
+    d = np.int32(0)
+    for u in range(ln):  # no early exit, 32-bit lanes: LLVM vectorizes it (3x the byte-at-a-time compare)
+        d |= np.int32(b[_u(i + u)]) ^ keytab[_u(a + u)]
     return ln if d == 0 else 0
 
 
@@ -1142,9 +1144,15 @@ def _sampled(b, i, n, epoch, meta, col, ints, slots, row_key, row_key_len):
         if i < 0:
             return -BAD_JSON
         off = meta[M_TPOS]
-        i, cnt = _int_list(b, i, n, ints, off, tok_end, 0, tok_hi)
-        if i < 0:
-            return i
+        # one sampled token, `[digits]`, the usual entry: read inline (a call to _int_list costs more than it)
+        j, v = _int(b, i + 1, n) if b[_u(i)] == 91 else (-1, 0)
+        if j > 0 and b[_u(j)] == 93 and 0 <= v < tok_hi and off < tok_end:
+            ints[_u(off)] = v
+            i, cnt = j + 1, 1
+        else:  # anything else the long way, which reads it or names why not
+            i, cnt = _int_list(b, i, n, ints, off, tok_end, 0, tok_hi)
+            if i < 0:
+                return i
         col[SM_COUNT, _u(m)] = cnt
         meta[M_TPOS] = off + cnt
         m += 1
@@ -1240,9 +1248,23 @@ def _checks(b, num_free, max_num_tokens, max_blocks, epoch, meta, col, num_block
 # ------------------------------------------------------------------------------------------- the scanner
 
 @_jit
-def scan_line(b, n, expected_step, num_free, epoch, num_gpu_blocks, max_model_len, max_num_tokens, max_blocks, v2,
-              meta, col, ints, num_blocks, slots, row_key, row_key_len, keytab, keyidx):
+def scan_line(b, n, expected_step, num_free, meta, arena, num_blocks, slots, row_key, row_key_len):
     """Scan line b[:n] of a one-group trace into the columns. Returns 0 (accepted) or a reason > 0."""
+    num_gpu_blocks, max_model_len = meta[A_GPU_BLOCKS], meta[A_MAX_MODEL_LEN]
+    max_num_tokens, max_blocks, v2 = meta[A_MAX_TOKENS], meta[A_MAX_BLOCKS], meta[A_V2] != 0
+    R, cap = meta[A_ROWS], meta[A_CAP]
+    at = NUM_COLS * R  # the arena's parts (scan_layout), as trace/scan.py cut them
+    col = arena[:at].reshape((NUM_COLS, R))
+    ints = arena[at:at + 2 * cap]
+    keyidx = arena[at + 2 * cap:at + 2 * cap + KEYIDX_LEN]
+    keytab = arena[at + 2 * cap + KEYIDX_LEN:]
+    epoch = meta[A_EPOCH] + 1  # marks this scan's rows in the MK_* columns
+    if epoch >= 1 << 30:
+        for c in range(MK_SCHED, MK_REMOVED + 1):
+            for r in range(R):
+                col[c, r] = 0
+        epoch = 1
+    meta[A_EPOCH] = epoch
     for k in range(NUM_META):
         meta[k] = 0
     meta[M_BPOS] = ints.shape[0] // 2
@@ -1328,9 +1350,8 @@ AOT_EXPORTS = {
     "table_insert": ("table_insert", "i8(i4[::1], u1[:, ::1], i4[::1], u1[::1], i8)"),
     "table_remove": ("table_remove", "i8(i4[::1], u1[:, ::1], i4[::1], i8)"),
     "table_find": ("table_find", "i8(i4[::1], u1[:, ::1], i4[::1], u1[::1])"),
-    "scan_line": ("scan_line", "i8(Bytes(u1, 1, 'C', readonly=True), i8, i8, i8, i8, i8, i8, i8, i8, b1, i8[::1], "
-                               "i4[:, ::1], i4[::1], "
-                               "i4[:, ::1], i4[::1], u1[:, ::1], i4[::1], u1[::1], i4[::1])"),
+    "scan_line": ("scan_line", "i8(Bytes(u1, 1, 'C', readonly=True), i8, i8, i8, i8[::1], i4[::1], i4[:, ::1], "
+                               "i4[::1], u1[:, ::1], i4[::1])"),
     "apply_cached": ("apply_cached", "void(i4[:, ::1], i4[::1], i8, i8, i4[::1], i4[::1], i4[::1], i4[:, ::1], "
                                      "i4[:, ::1], i4[::1])"),
 }

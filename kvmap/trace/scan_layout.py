@@ -18,7 +18,14 @@ M_NEW, M_CACHED, M_SCHED, M_FINISHED, M_PREEMPTED, M_SAMPLED, M_TOTAL = range(7)
 M_HAS_SAMPLED, M_SM_OFF, M_SM_TOKENS, M_SM_SAME, M_REMOVED = 7, 8, 9, 10, 11
 M_TPOS, M_BPOS, M_NC_N, M_NB_N, M_OUT_N = 12, 13, 14, 15, 16  # the scan's cursors and list lengths
 NUM_META = 17
+# then, in the same array, what trace/scan.py sets once (the scan's parameters) and the scans' count (the
+# epoch, which the kernel counts): `meta` is [META_LEN] int64, and only its first NUM_META are per line
+A_GPU_BLOCKS, A_MAX_MODEL_LEN, A_MAX_TOKENS, A_MAX_BLOCKS, A_V2, A_EPOCH, A_ROWS, A_CAP = range(NUM_META, NUM_META + 8)
+META_LEN = NUM_META + 8
 # `ints` ([2 * cap] int32): token ids of the line in [0, cap) (prompts, then sampled), block ids in [cap, 2cap)
+# `arena` ([NUM_COLS * R + 2 * cap + KEYIDX_LEN + keytab's length] int32): `col`, `ints`, `keyidx` and `keytab`
+# back to back, one array for the kernel to take (each array argument of a compiled call costs about 70-120 ns:
+# numba wraps it in a fresh reference-counted struct), split into views on both sides
 
 KEYS = ("step", "scheduler_output", "sampled_token_ids", "draft_token_ids", "kind",
         "spec_draft_token_ids", "num_rejected_tokens", "num_computed_tokens_correction",
@@ -35,9 +42,9 @@ REQ_ID, PROMPT, PREFILL, BLOCK_IDS, NUM_COMPUTED = 15, 16, 17, 18, 19
 REQ_IDS, RESUMED_IDS, NEW_BLOCK_IDS, ALL_TOKEN_IDS, NUM_OUTPUT, LEGACY_RESUMED, LEGACY_TOKENS = (
     20, 21, 22, 23, 24, 25, 26)
 
-# `keytab` ([MEMO_RUNS * MEMO_MAX + the names' bytes] uint8): the skip memo's slots, then the key names back to
-# back. `keyidx` ([KEYIDX_LEN] int32): key_slot() -> key id (-1 empty, linear probing), then each key's offset
-# in keytab, then the bytes each memo slot holds (0: none), then the key guesses (below).
+# `keytab` ([MEMO_RUNS * MEMO_MAX + the names' bytes] int32, a byte each): the skip memo's slots, then the key
+# names back to back. `keyidx` ([KEYIDX_LEN] int32): key_slot() -> key id (-1 empty, linear probing), then each
+# key's offset in keytab, then the bytes each memo slot holds (0: none), then the key guesses (below).
 KEY_SLOTS = 256
 # The skip memo: a run of members the scanner skips (keys it does not read, with their values: about 550 of a
 # decode step's 3 KB, and 40% of its scan) as the previous line had it, byte for byte, one slot per run in the
