@@ -17,7 +17,8 @@ the trace, every step, the summary. This script times exactly that, from outside
    example, with the kernels compiled at install (kvmap.aot: nothing to compile) and under the JIT
    (`KVMAP_AOT=0`: what a run costs where the install could not build them).
 
-Both sides run with one numba / BLAS thread (perf-facts.md: two threads stall on this 2-core machine).
+The baseline runs with one numba / BLAS / OpenMP thread (perf-facts.md: two threads stall on this 2-core
+machine), kvmap with none of those variables set, as a user runs it (it gives OpenBLAS one thread itself).
 """
 
 from __future__ import annotations
@@ -185,10 +186,20 @@ def longer_trace(src: Path, dst: Path, times: int) -> int:
     return n
 
 
-def env(root: Path = ROOT, **extra: str) -> dict:
+THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def env(root: Path = ROOT, kvmap: bool = False, **extra: str) -> dict:
+    """The environment of one run. The baseline gets one thread for every pool (what it should have on this
+    machine); kvmap gets none of these set, as a user runs it (kvmap gives OpenBLAS one thread itself, and its
+    kernels run on the calling thread)."""
     e = dict(os.environ)
     e["PYTHONPATH"] = str(root) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
-    e.update(NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    for k in THREAD_VARS:
+        if kvmap:
+            e.pop(k, None)
+        else:
+            e[k] = "1"
     e.update(extra)
     return e
 
@@ -200,8 +211,9 @@ def wall(cmd: list[str], **extra: str) -> float:
         root, cmd = Path(cmd[1]), cmd[2:]
     t0 = time.perf_counter()
     # cwd is the checkout too: `python -m` puts the current folder first on sys.path
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env(root, **extra),
-                   cwd=root)
+    kvmap = cmd[1:3] == ["-m", "kvmap"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                   env=env(root, kvmap=kvmap, **extra), cwd=root)
     return time.perf_counter() - t0
 
 

@@ -337,3 +337,22 @@ def test_the_scanner_carries_its_guesses_on_the_long_trace():
         if i == 170:
             assert b'"has_sync_kv_loads":true' in held(L.MEMO_SO + 2)
     assert b'"has_sync_kv_loads":false' in held(L.MEMO_SO + 2)
+
+
+def test_the_epoch_wraps_without_changing_what_a_line_means():
+    """The scans' count marks rows in the MK_* columns; when it reaches 2**30 the kernel clears those columns
+    and counts from 1 again. Lines scanned across the wrap mean what the checked path makes of them."""
+    from kvmap.trace import scan_layout as L
+
+    path = TRACES / "preemption_v2.jsonl"
+    trace = Trace(path)
+    lines = raw_lines(path)
+    a, b, scanner = run_pair(trace, lines, 3)
+    scanner.meta[L.A_EPOCH] = (1 << 30) - 2
+    scanned = 0
+    for i in range(3, len(lines)):
+        got_a, got_b = outcome(a, trace, lines[i], i, scanner), outcome(b, trace, lines[i], i)
+        assert got_a[:2] == got_b[:2], f"step {i}"
+        same_state(a, b, f"step {i}")
+        scanned += got_a[2]
+    assert scanned >= 3 and 1 <= scanner.meta[L.A_EPOCH] <= len(lines)

@@ -64,9 +64,11 @@ class ReqIdTable:
     def __init__(self, rows: int) -> None:
         self.k = _kernels()
         size = 1 << max(4, (4 * rows - 1).bit_length())
-        self.slots = np.full(size, -1, dtype=np.int32)  # [size] hash slot -> row (-1 empty)
+        self.tab = np.zeros(size + rows, dtype=np.int32)  # [size + R] slots, then row_key_len: one argument
+        self.slots = self.tab[:size]  # [size] hash slot -> row (-1 empty)
+        self.slots[:] = -1
         self.row_key = np.zeros((rows, KEY_MAX), dtype=np.uint8)  # [R, KEY_MAX] row -> id bytes
-        self.row_key_len = np.zeros(rows, dtype=np.int32)  # [R] row -> id length (0: none)
+        self.row_key_len = self.tab[size:]  # [R] row -> id length (0: none)
         self.tracked = np.zeros(rows, dtype=np.bool_)  # [R] row -> its id is in the table
         self.untracked = 0
 
@@ -112,23 +114,26 @@ class LineScanner:
                                  np.zeros(K.MEMO_RUNS, np.int64), np.full(K.KEYIDX_LEN - K.GUESS, -1)])
         assert len(keyidx) == K.KEYIDX_LEN and K.MEMO_LEN + K.MEMO_RUNS == K.GUESS
         n_col = K.NUM_COLS * R
-        # [arena] col, ints, keyidx, keytab back to back (scan_layout): one argument for the kernel
-        self.arena = np.zeros(n_col + 2 * cap + K.KEYIDX_LEN + len(keytab), dtype=np.int32)
-        self.col = self.arena[:n_col].reshape(K.NUM_COLS, R)  # [NUM_COLS, R] per-request columns
+        at = K.META_LEN + n_col  # where ints start in the arena
+        # [arena] meta, col, ints, keyidx, keytab back to back (scan_layout): one argument for the kernel
+        self.arena = np.zeros(at + 2 * cap + K.KEYIDX_LEN + len(keytab), dtype=np.int32)
+        # [META_LEN] what the line holds and the scan's cursors, then the scan's parameters and its epoch
+        self.meta = self.arena[:K.META_LEN]
+        self.col = self.arena[K.META_LEN:at].reshape(K.NUM_COLS, R)  # [NUM_COLS, R] per-request columns
         # [2 * cap] the line's token ids in [0, cap) (prompts, then sampled), its block ids in [cap, 2 * cap)
-        self.ints = self.arena[n_col:n_col + 2 * cap]
+        self.ints = self.arena[at:at + 2 * cap]
         # [KEYIDX_LEN] key slot -> key id, each name's offset in keytab, each memo slot's length, the key guesses
-        self.keyidx = self.arena[n_col + 2 * cap:n_col + 2 * cap + K.KEYIDX_LEN]
+        self.keyidx = self.arena[at + 2 * cap:at + 2 * cap + K.KEYIDX_LEN]
         self.keyidx[:] = keyidx
         # [memo + the names' bytes] the skip memo's slots, then the key names back to back, a byte an entry
-        self.keytab = self.arena[n_col + 2 * cap + K.KEYIDX_LEN:]
+        self.keytab = self.arena[at + 2 * cap + K.KEYIDX_LEN:]
         self.keytab[:] = keytab
         self.max_blocks = state.max_num_blocks[0]
         self.v2 = header.model_runner_protocol == "v2"
-        # [META_LEN] what the line holds and the scan's cursors, then the scan's parameters and its epoch
-        self.meta = np.zeros(K.META_LEN, dtype=np.int64)
-        self.meta[K.NUM_META:] = (header.num_gpu_blocks, header.max_model_len, self.max_num_tokens,
-                                  self.max_blocks, self.v2, 0, R, cap)  # A_GPU_BLOCKS .. A_CAP
+        params = (header.num_gpu_blocks, header.max_model_len, self.max_num_tokens, self.max_blocks, self.v2, 0, R,
+                  cap)  # A_GPU_BLOCKS .. A_CAP
+        assert max(params) < 1 << 31 and len(self.arena) < 1 << 31
+        self.meta[K.NUM_META:] = params
         self.m = memoryview(self.meta)  # the same, read as Python ints (a numpy scalar read costs 3x)
         # The kernel reads the line's own bytes, not a copy: CPython ends every bytes object's buffer in a
         # zero byte (the C API's PyBytes_AsString says so), and that is the sentinel the kernel's loops stop at.
@@ -137,7 +142,7 @@ class LineScanner:
         t = table
         self._scan_line = self.k.scan_line
         # the arguments that stay the same line after line (the arrays are filled in place)
-        self._fixed = (self.meta, self.arena, state.num_blocks, t.slots, t.row_key, t.row_key_len)
+        self._fixed = (self.arena, state.num_blocks, t.tab, t.row_key)
         self.scanned = 0
         self.declined: Counter[str] = Counter()  # reason -> lines
 

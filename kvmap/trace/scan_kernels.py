@@ -35,13 +35,13 @@ import numpy as np
 from kvmap.trace.scan_layout import (ALL_TOKEN_IDS, A_CAP, A_EPOCH, A_GPU_BLOCKS, A_MAX_BLOCKS, A_MAX_MODEL_LEN,
     A_MAX_TOKENS, A_ROWS, A_V2, BAD_FORM, BAD_JSON, BLOCK_IDS, CACHED_REQS, C_B_LEN, C_B_OFF, C_ID_E, C_ID_S, C_NB,
     C_NC, C_ROWS, DRAFTS, FINISHED, FULL, F_ROWS, GUESS, GUESS_W, KEYIDX_LEN, KEY_SLOTS, LEGACY_RESUMED,
-    LEGACY_TOKENS, MEMO_LEN, MEMO_MAX, MEMO_NEW, MEMO_RUNS, MEMO_SO, MISMATCH, MK_CACHED, MK_REMOVED, MK_SCHED,
-    M_BPOS, M_CACHED, M_FINISHED, M_HAS_SAMPLED, M_NB_N, M_NC_N, M_NEW, M_OUT_N, M_PREEMPTED, M_REMOVED, M_SAMPLED,
-    M_SCHED, M_SM_OFF, M_SM_SAME, M_SM_TOKENS, M_TOTAL, M_TPOS, NEW_BLOCK_IDS, NEW_B_LEN, NEW_B_OFF, NEW_FIELD,
-    NEW_ID_E, NEW_ID_S, NEW_IN_S, NEW_NC, NEW_REQS, NEW_TOK_LEN, NEW_TOK_OFF, NUM_COLS, NUM_COMPUTED, NUM_KEYS,
-    NUM_META, NUM_OUTPUT, NUM_SCHEDULED, OBJ_CACHED, OBJ_NEW, OBJ_SO, OBJ_TOP, OUT_OF_RANGE, PREEMPTED, PREFILL,
-    PROMPT, P_ROWS, REQ_ID, REQ_IDS, RESUMED_IDS, SAMPLED, SCHEDULER_OUTPUT, SCRATCH, SM_COUNT, SM_IDX, SPEC_TOKENS,
-    START, STEP, S_COUNTS, S_ID_E, S_ID_S, S_ROWS, TOTAL, UNKNOWN_ID, UNSUPPORTED)
+    LEGACY_TOKENS, MEMO_LEN, MEMO_MAX, MEMO_NEW, MEMO_RUNS, MEMO_SO, META_LEN, MISMATCH, MK_CACHED, MK_REMOVED,
+    MK_SCHED, M_BPOS, M_CACHED, M_FINISHED, M_HAS_SAMPLED, M_NB_N, M_NC_N, M_NEW, M_OUT_N, M_PREEMPTED, M_REMOVED,
+    M_SAMPLED, M_SCHED, M_SM_OFF, M_SM_SAME, M_SM_TOKENS, M_TOTAL, M_TPOS, NEW_BLOCK_IDS, NEW_B_LEN, NEW_B_OFF,
+    NEW_FIELD, NEW_ID_E, NEW_ID_S, NEW_IN_S, NEW_NC, NEW_REQS, NEW_TOK_LEN, NEW_TOK_OFF, NUM_COLS, NUM_COMPUTED,
+    NUM_KEYS, NUM_META, NUM_OUTPUT, NUM_SCHEDULED, OBJ_CACHED, OBJ_NEW, OBJ_SO, OBJ_TOP, OUT_OF_RANGE, PREEMPTED,
+    PREFILL, PROMPT, P_ROWS, REQ_ID, REQ_IDS, RESUMED_IDS, SAMPLED, SCHEDULER_OUTPUT, SCRATCH, SM_COUNT, SM_IDX,
+    SPEC_TOKENS, START, STEP, S_COUNTS, S_ID_E, S_ID_S, S_ROWS, TOTAL, UNKNOWN_ID, UNSUPPORTED)
 
 _jit = nb.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)  # no refcounts: nothing here allocates
 _u = np.uint64  # a variable index cast to unsigned: numba adds no negative-index wraparound (see the rules)
@@ -1055,6 +1055,8 @@ def _sched_output(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, v
             i, v = _int(b, i, n)
             if i < 0:
                 return -BAD_FORM
+            if v < 0 or v >= 1 << 31:  # meta is int32
+                return -OUT_OF_RANGE
             meta[M_TOTAL] = v
         elif key == SPEC_TOKENS:
             i = _empty(b, i, n, 125)
@@ -1248,17 +1250,20 @@ def _checks(b, num_free, max_num_tokens, max_blocks, epoch, meta, col, num_block
 # ------------------------------------------------------------------------------------------- the scanner
 
 @_jit
-def scan_line(b, n, expected_step, num_free, meta, arena, num_blocks, slots, row_key, row_key_len):
+def scan_line(b, n, expected_step, num_free, arena, num_blocks, tab, row_key):
     """Scan line b[:n] of a one-group trace into the columns. Returns 0 (accepted) or a reason > 0."""
-    num_gpu_blocks, max_model_len = meta[A_GPU_BLOCKS], meta[A_MAX_MODEL_LEN]
-    max_num_tokens, max_blocks, v2 = meta[A_MAX_TOKENS], meta[A_MAX_BLOCKS], meta[A_V2] != 0
-    R, cap = meta[A_ROWS], meta[A_CAP]
-    at = NUM_COLS * R  # the arena's parts (scan_layout), as trace/scan.py cut them
-    col = arena[:at].reshape((NUM_COLS, R))
+    meta = arena[:META_LEN]  # the arena's parts (scan_layout), as trace/scan.py cut them
+    num_gpu_blocks, max_model_len = np.int64(meta[A_GPU_BLOCKS]), np.int64(meta[A_MAX_MODEL_LEN])
+    max_num_tokens, max_blocks, v2 = np.int64(meta[A_MAX_TOKENS]), np.int64(meta[A_MAX_BLOCKS]), meta[A_V2] != 0
+    R, cap = np.int64(meta[A_ROWS]), np.int64(meta[A_CAP])
+    slots = tab[:tab.shape[0] - row_key.shape[0]]  # the id table's two int32 arrays (trace/scan.py ReqIdTable)
+    row_key_len = tab[tab.shape[0] - row_key.shape[0]:]
+    at = META_LEN + NUM_COLS * R
+    col = arena[META_LEN:at].reshape((NUM_COLS, R))
     ints = arena[at:at + 2 * cap]
     keyidx = arena[at + 2 * cap:at + 2 * cap + KEYIDX_LEN]
     keytab = arena[at + 2 * cap + KEYIDX_LEN:]
-    epoch = meta[A_EPOCH] + 1  # marks this scan's rows in the MK_* columns
+    epoch = np.int64(meta[A_EPOCH]) + 1  # marks this scan's rows in the MK_* columns
     if epoch >= 1 << 30:
         for c in range(MK_SCHED, MK_REMOVED + 1):
             for r in range(R):
@@ -1350,8 +1355,8 @@ AOT_EXPORTS = {
     "table_insert": ("table_insert", "i8(i4[::1], u1[:, ::1], i4[::1], u1[::1], i8)"),
     "table_remove": ("table_remove", "i8(i4[::1], u1[:, ::1], i4[::1], i8)"),
     "table_find": ("table_find", "i8(i4[::1], u1[:, ::1], i4[::1], u1[::1])"),
-    "scan_line": ("scan_line", "i8(Bytes(u1, 1, 'C', readonly=True), i8, i8, i8, i8[::1], i4[::1], i4[:, ::1], "
-                               "i4[::1], u1[:, ::1], i4[::1])"),
+    "scan_line": ("scan_line", "i8(Bytes(u1, 1, 'C', readonly=True), i8, i8, i8, i4[::1], i4[:, ::1], i4[::1], "
+                               "u1[:, ::1])"),
     "apply_cached": ("apply_cached", "void(i4[:, ::1], i4[::1], i8, i8, i4[::1], i4[::1], i4[::1], i4[:, ::1], "
                                      "i4[:, ::1], i4[::1])"),
 }

@@ -19,13 +19,15 @@ M_HAS_SAMPLED, M_SM_OFF, M_SM_TOKENS, M_SM_SAME, M_REMOVED = 7, 8, 9, 10, 11
 M_TPOS, M_BPOS, M_NC_N, M_NB_N, M_OUT_N = 12, 13, 14, 15, 16  # the scan's cursors and list lengths
 NUM_META = 17
 # then, in the same array, what trace/scan.py sets once (the scan's parameters) and the scans' count (the
-# epoch, which the kernel counts): `meta` is [META_LEN] int64, and only its first NUM_META are per line
+# epoch, which the kernel counts): `meta` is [META_LEN] int32 (every value is below 2**31: the one count read
+# from the line, total_num_scheduled_tokens, is range-checked), and only its first NUM_META are per line
 A_GPU_BLOCKS, A_MAX_MODEL_LEN, A_MAX_TOKENS, A_MAX_BLOCKS, A_V2, A_EPOCH, A_ROWS, A_CAP = range(NUM_META, NUM_META + 8)
 META_LEN = NUM_META + 8
 # `ints` ([2 * cap] int32): token ids of the line in [0, cap) (prompts, then sampled), block ids in [cap, 2cap)
-# `arena` ([NUM_COLS * R + 2 * cap + KEYIDX_LEN + keytab's length] int32): `col`, `ints`, `keyidx` and `keytab`
-# back to back, one array for the kernel to take (each array argument of a compiled call costs about 70-120 ns:
-# numba wraps it in a fresh reference-counted struct), split into views on both sides
+# `arena` ([META_LEN + NUM_COLS * R + 2 * cap + KEYIDX_LEN + keytab's length] int32): `meta`, `col`, `ints`,
+# `keyidx` and `keytab` back to back, one array for the kernel to take, split into views on both sides. Each
+# array argument of a compiled call costs 70-120 ns (numba wraps it in a fresh reference-counted struct, about
+# 12% of a decode step's scan with six of them); the id table's `slots` and `row_key_len` are one array too.
 
 KEYS = ("step", "scheduler_output", "sampled_token_ids", "draft_token_ids", "kind",
         "spec_draft_token_ids", "num_rejected_tokens", "num_computed_tokens_correction",
