@@ -119,9 +119,9 @@ class _Gunzip(io.RawIOBase):
 def _source(path: Path, name: str) -> BinaryIO:
     """An open binary handle: the file, or standard input for `-`."""
     if name == STDIN:
-        return os.fdopen(os.dup(sys.stdin.fileno()), "rb")
+        return os.fdopen(os.dup(sys.stdin.fileno()), "rb", CHUNK)
     try:
-        return open(path, "rb")
+        return open(path, "rb", CHUNK)  # a 64 KiB buffer: the default 8 KiB took a read call per line or two
     except IsADirectoryError:
         raise TraceError("is a directory, not a trace file", path=name) from None
     except OSError as e:
@@ -286,19 +286,20 @@ class Trace:
             return 0
 
     def _numbered(self, f: BinaryIO, gz: _Gunzip | None, report: bool) -> Iterator[tuple[int, bytes]]:
-        line, limit = 0, HEADER_LIMIT
+        line, limit, readline = 0, HEADER_LIMIT, f.readline
         try:
-            while raw := f.readline(limit):
+            while raw := readline(limit):
                 line += 1
-                if len(raw) == limit and not raw.endswith(b"\n"):
-                    raise TraceError(f"the line runs past {_size(limit)} without ending (the memory left "
-                                     "allows no longer line)", kind="json", path=self.name, line=line)
-                limit = self._line_limit
-                if not raw.endswith(b"\n"):  # the last line: complete only if it is JSON
-                    if gz is not None and gz.stopped or not self._parses(raw):
+                if raw[-1] != 10:  # no newline: the limit cut it, or the file's last line
+                    if len(raw) == limit:
+                        raise TraceError(f"the line runs past {_size(limit)} without ending (the memory left "
+                                         "allows no longer line)", kind="json", path=self.name, line=line)
+                    if gz is not None and gz.stopped or not self._parses(raw):  # complete only if it is JSON
                         self._stop(line, "the line is cut short" + (f" ({gz.stopped})" if gz and gz.stopped
                                                                      else ""), report)
                         return
+                if line == 1:
+                    limit = self._line_limit
                 yield line, raw
         except OSError as e:
             self._stop(line + 1, f"cannot read further ({e.strerror or e})", report)
