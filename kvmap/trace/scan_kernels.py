@@ -645,6 +645,42 @@ def _end_member(b, i, n):
     return i, more
 
 
+RUN = -3  # the key id `_member_key` gives for a run of skipped members the memo skipped in one compare
+
+
+@_jit
+def _member_key(b, i, n, keytab, keyidx, kind, after, run, limit, open_run):
+    """At a member of an object (or its end), in an object loop that keeps memo slots [.., limit): the run the
+    previous line had here, (RUN, the index after it), unless a run is open or the slots are used up; else
+    `_key`'s (key, index)."""
+    if not open_run and run < limit:
+        ln = _memo_hit(b, i, n, keytab, keyidx, run)
+        if ln:
+            return RUN, i + ln
+    return _key(b, i, n, keytab, keyidx, kind, after)
+
+
+@_jit
+def _skip_member(b, at, i, n, rs):
+    """A member the scanner skips (its key at `at`), its value at b[i] checked as JSON: (the index after the
+    value or -BAD_JSON, the open run's start: `at` when none was open)."""
+    j = _skip(b, i, n)
+    if j < 0:
+        return -BAD_JSON, rs
+    return j, (at if rs < 0 else rs)
+
+
+@_jit
+def _close_run(b, rs, re, keytab, keyidx, run, limit):
+    """At a member the scanner reads, or the object's end: the open run b[rs:re] (if any) kept in memo slot
+    `run` when it is below `limit`. Returns (the next run's slot, -1: no run open)."""
+    if rs < 0:
+        return run, rs
+    if run < limit:
+        _memo_keep(b, rs, re, keytab, keyidx, run)
+    return run + 1, -1
+
+
 # --------------------------------------------------------------------------- sections (one call each)
 
 @_jit
@@ -729,87 +765,66 @@ def _new_reqs(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, meta,
         re = 0
         after = START
         while True:
-            if rs < 0 and run < MEMO_RUNS:
-                ln = _memo_hit(b, i, n, keytab, keyidx, run)
-                if ln:
-                    after = NUM_KEYS + run
-                    run += 1
-                    i, more = _end_member(b, i + ln, n)
-                    if i < 0:
-                        return i
-                    if not more:
-                        break
-                    continue
             at = i
-            key, i = _key(b, i, n, keytab, keyidx, OBJ_NEW, after)
+            key, i = _member_key(b, i, n, keytab, keyidx, OBJ_NEW, after, run, MEMO_RUNS, rs >= 0)
             if i < 0:
                 return i
             if key == END:
                 break
-            after = key
-            if key < REQ_ID or key > NUM_COMPUTED:  # skipped
-                i = _skip(b, i, n)
-                if i < 0:
-                    return -BAD_JSON
-                if rs < 0:
-                    rs = at
-                re = i
-                i, more = _end_member(b, i, n)
-                if i < 0:
-                    return i
-                if not more:
-                    break
-                continue
-            if rs >= 0:
-                if run < MEMO_RUNS:
-                    _memo_keep(b, rs, re, keytab, keyidx, run)
+            after = NUM_KEYS + run if key == RUN else key
+            if key == RUN:  # as in _sched_output
                 run += 1
-                rs = -1
-            got = _seen(got, key, REQ_ID, NUM_COMPUTED + 1, REQ_ID)
-            if got < 0:
-                return -BAD_FORM
-            if key == REQ_ID:
-                if b[_u(i)] != 34:
+            elif key < REQ_ID or key > NUM_COMPUTED:  # skipped
+                i, rs = _skip_member(b, at, i, n, rs)
+                re = i
+            else:
+                run, rs = _close_run(b, rs, re, keytab, keyidx, run, MEMO_RUNS)
+                got = _seen(got, key, REQ_ID, NUM_COMPUTED + 1, REQ_ID)
+                if got < 0:
                     return -BAD_FORM
-                e = _string_end(b, i, n)
-                if e < 0 or e - i - 1 > key_max:
-                    return -UNSUPPORTED
-                col[NEW_ID_S, _u(k)] = i + 1
-                col[NEW_ID_E, _u(k)] = e
-                i = e + 1
-            elif key == PROMPT or key == PREFILL:
-                if _is_null(b, i, n):
-                    i += 4
-                else:
-                    off = meta[M_TPOS]
-                    i, cnt = _int_list(b, i, n, ints, off, tok_end, 0, tok_hi)
+                if key == REQ_ID:
+                    if b[_u(i)] != 34:
+                        return -BAD_FORM
+                    e = _string_end(b, i, n)
+                    if e < 0 or e - i - 1 > key_max:
+                        return -UNSUPPORTED
+                    col[NEW_ID_S, _u(k)] = i + 1
+                    col[NEW_ID_E, _u(k)] = e
+                    i = e + 1
+                elif key == PROMPT or key == PREFILL:
+                    if _is_null(b, i, n):
+                        i += 4
+                    else:
+                        off = meta[M_TPOS]
+                        i, cnt = _int_list(b, i, n, ints, off, tok_end, 0, tok_hi)
+                        if i < 0:
+                            return i
+                        meta[M_TPOS] = off + cnt
+                        if key == PROMPT:
+                            prompt_len, prompt_off = cnt, off
+                        else:
+                            prefill_len, prefill_off = cnt, off
+                elif key == BLOCK_IDS:
+                    i, off, cnt = _one_group(b, i, n, ints, meta, num_gpu_blocks)
                     if i < 0:
                         return i
-                    meta[M_TPOS] = off + cnt
-                    if key == PROMPT:
-                        prompt_len, prompt_off = cnt, off
-                    else:
-                        prefill_len, prefill_off = cnt, off
-            elif key == BLOCK_IDS:
-                i, off, cnt = _one_group(b, i, n, ints, meta, num_gpu_blocks)
-                if i < 0:
-                    return i
-                col[NEW_B_OFF, _u(k)] = off
-                col[NEW_B_LEN, _u(k)] = cnt
-            elif key == NUM_COMPUTED:
-                i, v = _int(b, i, n)
-                if i < 0:
-                    return -BAD_FORM
-                if v < 0 or v > max_model_len:
-                    return -OUT_OF_RANGE
-                col[NEW_NC, _u(k)] = v
+                    col[NEW_B_OFF, _u(k)] = off
+                    col[NEW_B_LEN, _u(k)] = cnt
+                else:  # NUM_COMPUTED
+                    i, v = _int(b, i, n)
+                    if i < 0:
+                        return -BAD_FORM
+                    if v < 0 or v > max_model_len:
+                        return -OUT_OF_RANGE
+                    col[NEW_NC, _u(k)] = v
+            if i < 0:
+                return i
             i, more = _end_member(b, i, n)
             if i < 0:
                 return i
             if not more:
                 break
-        if rs >= 0 and run < MEMO_RUNS:
-            _memo_keep(b, rs, re, keytab, keyidx, run)
+        _close_run(b, rs, re, keytab, keyidx, run, MEMO_RUNS)
         if (got & 0b11001) != 0b11001:  # req_id, block_ids, num_computed_tokens
             return -BAD_FORM
         if prefill_len >= 0:  # NewRequestData.token_ids: the prefill tokens when given, else the prompt
@@ -1000,75 +1015,53 @@ def _sched_output(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, v
     re = 0  # where its last value ends
     after = START  # the key before (the guesses' `after`)
     while True:
-        if rs < 0 and run < MEMO_NEW:
-            ln = _memo_hit(b, i, n, keytab, keyidx, run)
-            if ln:  # the run the previous line had here
-                after = NUM_KEYS + run
-                run += 1
-                i, more = _end_member(b, i + ln, n)
-                if i < 0:
-                    return i
-                if not more:
-                    break
-                continue
         at = i
-        key, i = _key(b, i, n, keytab, keyidx, OBJ_SO, after)
+        key, i = _member_key(b, i, n, keytab, keyidx, OBJ_SO, after, run, MEMO_NEW, rs >= 0)
         if i < 0:
             return i
         if key == END:
             break
-        after = key
-        if key < NEW_REQS or key > PREEMPTED:  # a key the scanner skips (its value checked as JSON)
-            i = _skip(b, i, n)
-            if i < 0:
-                return -BAD_JSON
-            if rs < 0:
-                rs = at
-            re = i
-            i, more = _end_member(b, i, n)
-            if i < 0:
-                return i
-            if not more:
-                break
-            continue
-        if rs >= 0:
-            if run < MEMO_NEW:
-                _memo_keep(b, rs, re, keytab, keyidx, run)
+        after = NUM_KEYS + run if key == RUN else key
+        if key == RUN:  # the run the previous line had here, skipped in one compare
             run += 1
-            rs = -1
-        got = _seen(got, key, NEW_REQS, PREEMPTED + 1, 0)
-        if got < 0:
-            return -BAD_FORM
-        if key == NEW_REQS:
-            i = _new_reqs(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, meta, col, ints, keytab,
-                          keyidx)
-        elif key == CACHED_REQS:
-            if not got & (1 << NEW_REQS):
-                return -UNSUPPORTED  # out of the recorder's order
-            i = _cached(b, i, n, num_gpu_blocks, max_model_len, meta, col, ints, slots, row_key, row_key_len,
-                        keytab, keyidx)
-        elif key == NUM_SCHEDULED:
-            if not got & (1 << CACHED_REQS):
-                return -UNSUPPORTED
-            i = _scheduled(b, i, n, max_model_len, epoch, meta, col, slots, row_key, row_key_len)
-        elif key == TOTAL:
-            i, v = _int(b, i, n)
-            if i < 0:
+        elif key < NEW_REQS or key > PREEMPTED:  # a key the scanner skips (its value checked as JSON)
+            i, rs = _skip_member(b, at, i, n, rs)
+            re = i
+        else:  # a key the scanner reads: a run of skipped members before it ends here
+            run, rs = _close_run(b, rs, re, keytab, keyidx, run, MEMO_NEW)
+            got = _seen(got, key, NEW_REQS, PREEMPTED + 1, 0)
+            if got < 0:
                 return -BAD_FORM
-            if v < 0 or v >= 1 << 31:  # meta is int32
-                return -OUT_OF_RANGE
-            meta[M_TOTAL] = v
-        elif key == SPEC_TOKENS:
-            i = _empty(b, i, n, 125)
-            if i < 0:
-                return -UNSUPPORTED
-        elif key == FINISHED or key == PREEMPTED:
-            i, cnt = _id_list(b, i, n, col, F_ROWS if key == FINISHED else P_ROWS, -1, slots, row_key,
-                             row_key_len)
-            if i >= 0:
-                if key == PREEMPTED and cnt and not v2:
+            if key == NEW_REQS:
+                i = _new_reqs(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, meta, col, ints, keytab,
+                              keyidx)
+            elif key == CACHED_REQS:
+                if not got & (1 << NEW_REQS):
+                    return -UNSUPPORTED  # out of the recorder's order
+                i = _cached(b, i, n, num_gpu_blocks, max_model_len, meta, col, ints, slots, row_key, row_key_len,
+                            keytab, keyidx)
+            elif key == NUM_SCHEDULED:
+                if not got & (1 << CACHED_REQS):
                     return -UNSUPPORTED
-                meta[M_FINISHED if key == FINISHED else M_PREEMPTED] = cnt
+                i = _scheduled(b, i, n, max_model_len, epoch, meta, col, slots, row_key, row_key_len)
+            elif key == TOTAL:
+                i, v = _int(b, i, n)
+                if i < 0:
+                    return -BAD_FORM
+                if v < 0 or v >= 1 << 31:  # meta is int32
+                    return -OUT_OF_RANGE
+                meta[M_TOTAL] = v
+            elif key == SPEC_TOKENS:
+                i = _empty(b, i, n, 125)
+                if i < 0:
+                    return -UNSUPPORTED
+            else:  # FINISHED or PREEMPTED
+                i, cnt = _id_list(b, i, n, col, F_ROWS if key == FINISHED else P_ROWS, -1, slots, row_key,
+                                 row_key_len)
+                if i >= 0:
+                    if key == PREEMPTED and cnt and not v2:
+                        return -UNSUPPORTED
+                    meta[M_FINISHED if key == FINISHED else M_PREEMPTED] = cnt
         if i < 0:
             return i
         i, more = _end_member(b, i, n)
@@ -1076,8 +1069,7 @@ def _sched_output(b, i, n, num_gpu_blocks, max_model_len, key_max, max_blocks, v
             return i
         if not more:
             break
-    if rs >= 0 and run < MEMO_NEW:
-        _memo_keep(b, rs, re, keytab, keyidx, run)
+    _close_run(b, rs, re, keytab, keyidx, run, MEMO_NEW)
     if not got & (1 << NUM_SCHEDULED) or not got & (1 << TOTAL):
         return -BAD_FORM
     c_n = meta[M_CACHED]
