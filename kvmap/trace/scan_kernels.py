@@ -9,7 +9,7 @@ Rules:
   taken, so a line means the same whatever came before it: the skip memo (a run of skipped members as the
   previous line had it, `_memo_hit`), the key guesses (the key that followed each key, `_key`) and the row
   guesses (the previous line's cached requests, `_id_list`). Each says why a guess it takes is what the long
-  way finds. On the long trace's decode steps they make the scan about 25% cheaper.
+  way finds. On the long trace's decode steps they make the scan about a fifth cheaper.
 - It accepts a line only in the one form it knows through and through (trace/scan.py states it) and returns a
   nonzero reason for anything else: an escape or a non-ASCII byte in a string, a float where an int goes, a
   key given twice, keys out of the recorder's order, drafts, async or legacy keys, resumed requests,

@@ -48,10 +48,11 @@ REQ_IDS, RESUMED_IDS, NEW_BLOCK_IDS, ALL_TOKEN_IDS, NUM_OUTPUT, LEGACY_RESUMED, 
 # names back to back. `keyidx` ([KEYIDX_LEN] int32): key_slot() -> key id (-1 empty, linear probing), then each
 # key's offset in keytab, then the bytes each memo slot holds (0: none), then the key guesses (below).
 KEY_SLOTS = 256
-# The skip memo: a run of members the scanner skips (keys it does not read, with their values: about 550 of a
-# decode step's 3 KB, and 40% of its scan) as the previous line had it, byte for byte, one slot per run in the
-# object's order. A line with the same bytes there, then a byte that ends a value, skips the run in one compare
-# (trace/scan_kernels.py, `_memo_hit`, says why that parses as the long way would).
+# The skip memo: a run of members the scanner skips (keys it does not read, with their values: on the long
+# trace 550 of a decode step's 3 KB in three runs, and about a tenth of its scan when checked as JSON key by
+# key) as the previous line had it, byte for byte, one slot per run in the object's order. A line with the
+# same bytes there, then a byte that ends a value, skips the run in one compare (trace/scan_kernels.py,
+# `_memo_hit`, says why that parses as the long way would).
 MEMO_RUNS = 12  # slots: scheduler_output's runs from MEMO_SO, a new request's from MEMO_NEW
 MEMO_SO, MEMO_NEW = 0, 8
 MEMO_MAX = 1024  # the bytes a slot holds: a longer run is skipped the long way
