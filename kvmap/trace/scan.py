@@ -106,32 +106,32 @@ class LineScanner:
         R = header.max_num_seqs
         self.K = K = L
         self.max_num_tokens = max(header.max_num_batched_tokens, header.max_num_scheduled_tokens or 0)
-        self.cap = cap = 4 * max(header.max_model_len, self.max_num_tokens, 4096)
+        cap = 4 * max(header.max_model_len, self.max_num_tokens, 4096)
         names = [k.encode() for k in KEYS]
         memo = K.MEMO_RUNS * K.MEMO_MAX
         keytab = np.concatenate([np.zeros(memo, np.uint8), np.frombuffer(b"".join(names), np.uint8)])
         keyidx = np.concatenate([_key_slots(names, K.KEY_SLOTS), memo + np.cumsum([0] + [len(k) for k in names]),
                                  np.zeros(K.MEMO_RUNS, np.int64), np.full(K.KEYIDX_LEN - K.GUESS, -1)])
         assert len(keyidx) == K.KEYIDX_LEN and K.MEMO_LEN + K.MEMO_RUNS == K.GUESS
-        n_col = K.NUM_COLS * R
-        at = K.META_LEN + n_col  # where ints start in the arena
-        # [arena] meta, col, ints, keyidx, keytab back to back (scan_layout): one argument for the kernel
-        self.arena = np.zeros(at + 2 * cap + K.KEYIDX_LEN + len(keytab), dtype=np.int32)
+        # [arena] meta, col, ints, keyidx, keytab back to back (scan_layout): one argument for the kernel, which
+        # reads where each part starts from meta (A_INTS, A_KEYIDX, A_KEYTAB)
+        at_ints = K.META_LEN + K.NUM_COLS * R
+        at_keyidx = at_ints + 2 * cap
+        at_keytab = at_keyidx + K.KEYIDX_LEN
+        self.arena = np.zeros(at_keytab + len(keytab), dtype=np.int32)
         # [META_LEN] what the line holds and the scan's cursors, then the scan's parameters and its epoch
         self.meta = self.arena[:K.META_LEN]
-        self.col = self.arena[K.META_LEN:at].reshape(K.NUM_COLS, R)  # [NUM_COLS, R] per-request columns
+        self.col = self.arena[K.META_LEN:at_ints].reshape(K.NUM_COLS, R)  # [NUM_COLS, R] per-request columns
         # [2 * cap] the line's token ids in [0, cap) (prompts, then sampled), its block ids in [cap, 2 * cap)
-        self.ints = self.arena[at:at + 2 * cap]
+        self.ints = self.arena[at_ints:at_keyidx]
         # [KEYIDX_LEN] key slot -> key id, each name's offset in keytab, each memo slot's length, the key guesses
-        self.keyidx = self.arena[at + 2 * cap:at + 2 * cap + K.KEYIDX_LEN]
+        self.keyidx = self.arena[at_keyidx:at_keytab]
         self.keyidx[:] = keyidx
         # [memo + the names' bytes] the skip memo's slots, then the key names back to back, a byte an entry
-        self.keytab = self.arena[at + 2 * cap + K.KEYIDX_LEN:]
+        self.keytab = self.arena[at_keytab:]
         self.keytab[:] = keytab
-        self.max_blocks = state.max_num_blocks[0]
-        self.v2 = header.model_runner_protocol == "v2"
-        params = (header.num_gpu_blocks, header.max_model_len, self.max_num_tokens, self.max_blocks, self.v2, 0, R,
-                  cap)  # A_GPU_BLOCKS .. A_CAP
+        params = (header.num_gpu_blocks, header.max_model_len, self.max_num_tokens, state.max_num_blocks[0],
+                  header.model_runner_protocol == "v2", 0, R, at_ints, at_keyidx, at_keytab)  # A_GPU_BLOCKS ..
         assert max(params) < 1 << 31 and len(self.arena) < 1 << 31
         self.meta[K.NUM_META:] = params
         self.m = memoryview(self.meta)  # the same, read as Python ints (a numpy scalar read costs 3x)

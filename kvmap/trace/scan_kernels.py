@@ -32,9 +32,9 @@ import numba as nb
 import numpy as np
 
 # the column layout: constants to numba
-from kvmap.trace.scan_layout import (ALL_TOKEN_IDS, A_CAP, A_EPOCH, A_GPU_BLOCKS, A_MAX_BLOCKS, A_MAX_MODEL_LEN,
-    A_MAX_TOKENS, A_ROWS, A_V2, BAD_FORM, BAD_JSON, BLOCK_IDS, CACHED_REQS, C_B_LEN, C_B_OFF, C_ID_E, C_ID_S, C_NB,
-    C_NC, C_ROWS, DRAFTS, FINISHED, FULL, F_ROWS, GUESS, GUESS_W, KEYIDX_LEN, KEY_SLOTS, LEGACY_RESUMED,
+from kvmap.trace.scan_layout import (ALL_TOKEN_IDS, A_EPOCH, A_GPU_BLOCKS, A_INTS, A_KEYIDX, A_KEYTAB, A_MAX_BLOCKS,
+    A_MAX_MODEL_LEN, A_MAX_TOKENS, A_ROWS, A_V2, BAD_FORM, BAD_JSON, BLOCK_IDS, CACHED_REQS, C_B_LEN, C_B_OFF,
+    C_ID_E, C_ID_S, C_NB, C_NC, C_ROWS, DRAFTS, FINISHED, FULL, F_ROWS, GUESS, GUESS_W, KEY_SLOTS, LEGACY_RESUMED,
     LEGACY_TOKENS, MEMO_LEN, MEMO_MAX, MEMO_NEW, MEMO_RUNS, MEMO_SO, META_LEN, MISMATCH, MK_CACHED, MK_REMOVED,
     MK_SCHED, M_BPOS, M_CACHED, M_FINISHED, M_HAS_SAMPLED, M_NB_N, M_NC_N, M_NEW, M_OUT_N, M_PREEMPTED, M_REMOVED,
     M_SAMPLED, M_SCHED, M_SM_OFF, M_SM_SAME, M_SM_TOKENS, M_TOTAL, M_TPOS, NEW_BLOCK_IDS, NEW_B_LEN, NEW_B_OFF,
@@ -1244,17 +1244,17 @@ def _checks(b, num_free, max_num_tokens, max_blocks, epoch, meta, col, num_block
 @_jit
 def scan_line(b, n, expected_step, num_free, arena, num_blocks, tab, row_key):
     """Scan line b[:n] of a one-group trace into the columns. Returns 0 (accepted) or a reason > 0."""
-    meta = arena[:META_LEN]  # the arena's parts (scan_layout), as trace/scan.py cut them
+    meta = arena[:META_LEN]  # the arena's parts (scan_layout), where trace/scan.py cut them
     num_gpu_blocks, max_model_len = np.int64(meta[A_GPU_BLOCKS]), np.int64(meta[A_MAX_MODEL_LEN])
     max_num_tokens, max_blocks, v2 = np.int64(meta[A_MAX_TOKENS]), np.int64(meta[A_MAX_BLOCKS]), meta[A_V2] != 0
-    R, cap = np.int64(meta[A_ROWS]), np.int64(meta[A_CAP])
+    R, at_ints, at_keyidx, at_keytab = (np.int64(meta[A_ROWS]), np.int64(meta[A_INTS]), np.int64(meta[A_KEYIDX]),
+                                        np.int64(meta[A_KEYTAB]))
     slots = tab[:tab.shape[0] - row_key.shape[0]]  # the id table's two int32 arrays (trace/scan.py ReqIdTable)
     row_key_len = tab[tab.shape[0] - row_key.shape[0]:]
-    at = META_LEN + NUM_COLS * R
-    col = arena[META_LEN:at].reshape((NUM_COLS, R))
-    ints = arena[at:at + 2 * cap]
-    keyidx = arena[at + 2 * cap:at + 2 * cap + KEYIDX_LEN]
-    keytab = arena[at + 2 * cap + KEYIDX_LEN:]
+    col = arena[META_LEN:at_ints].reshape((NUM_COLS, R))
+    ints = arena[at_ints:at_keyidx]
+    keyidx = arena[at_keyidx:at_keytab]
+    keytab = arena[at_keytab:]
     epoch = np.int64(meta[A_EPOCH]) + 1  # marks this scan's rows in the MK_* columns
     if epoch >= 1 << 30:
         for c in range(MK_SCHED, MK_REMOVED + 1):

@@ -13,16 +13,18 @@ MK_SCHED, MK_CACHED, MK_REMOVED = 20, 21, 22  # per row: the epoch of the scan t
 C_ID_S, C_ID_E, S_ID_S, S_ID_E = 23, 24, 25, 26  # byte spans of the cached and the scheduled ids in the line
 SCRATCH = 27  # values read and checked, not kept (num_output_tokens)
 NUM_COLS = 28
-# `meta` ([NUM_META] int64): what the line holds, and the scan's cursors
+# `meta` (its first NUM_META entries): what the line holds, and the scan's cursors
 M_NEW, M_CACHED, M_SCHED, M_FINISHED, M_PREEMPTED, M_SAMPLED, M_TOTAL = range(7)
 M_HAS_SAMPLED, M_SM_OFF, M_SM_TOKENS, M_SM_SAME, M_REMOVED = 7, 8, 9, 10, 11
 M_TPOS, M_BPOS, M_NC_N, M_NB_N, M_OUT_N = 12, 13, 14, 15, 16  # the scan's cursors and list lengths
 NUM_META = 17
-# then, in the same array, what trace/scan.py sets once (the scan's parameters) and the scans' count (the
-# epoch, which the kernel counts): `meta` is [META_LEN] int32 (every value is below 2**31: the one count read
-# from the line, total_num_scheduled_tokens, is range-checked), and only its first NUM_META are per line
-A_GPU_BLOCKS, A_MAX_MODEL_LEN, A_MAX_TOKENS, A_MAX_BLOCKS, A_V2, A_EPOCH, A_ROWS, A_CAP = range(NUM_META, NUM_META + 8)
-META_LEN = NUM_META + 8
+# then, in the same array, what trace/scan.py sets once (the scan's parameters, and where each part of the arena
+# below starts: it cuts the arena, the kernel reads the cuts) and the scans' count (the epoch, which the kernel
+# counts): `meta` is [META_LEN] int32 (every value is below 2**31: the one count read from the line,
+# total_num_scheduled_tokens, is range-checked), and only its first NUM_META are per line
+A_GPU_BLOCKS, A_MAX_MODEL_LEN, A_MAX_TOKENS, A_MAX_BLOCKS, A_V2, A_EPOCH, A_ROWS = range(NUM_META, NUM_META + 7)
+A_INTS, A_KEYIDX, A_KEYTAB = range(NUM_META + 7, NUM_META + 10)  # where ints, keyidx, keytab start
+META_LEN = NUM_META + 10
 # `ints` ([2 * cap] int32): token ids of the line in [0, cap) (prompts, then sampled), block ids in [cap, 2cap)
 # `arena` ([META_LEN + NUM_COLS * R + 2 * cap + KEYIDX_LEN + keytab's length] int32): `meta`, `col`, `ints`,
 # `keyidx` and `keytab` back to back, one array for the kernel to take, split into views on both sides. Each
