@@ -285,7 +285,7 @@ def _ext_suffix() -> str:
     return sysconfig.get_config_var("EXT_SUFFIX") or ".so"
 
 
-KERNEL_MODULES = ("kvmap.workers.kernels_cpu", "kvmap.kv.kernels", "kvmap.trace.scan_kernels")
+KERNEL_MODULES = ("kvmap.workers.kernels_cpu", "kvmap.kv.kernels")
 
 
 def twins_on_disk() -> bool:

@@ -1,6 +1,6 @@
 """`kvmap traces`: the bundled traces (usable by name from any folder) with what each holds.
 
-Rules: read-only and lenient: each trace's header is checked (Trace), its step lines are only decoded, to count
+Rules: read-only and lenient: each trace is read through `Trace.steps` (the one decoding interface) to count
 steps, distinct requests and scheduled tokens; a damaged trace is listed with its error, never a traceback.
 """
 
@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-
-import orjson
 
 from kvmap.errors import KvmapError
 from kvmap.files import bundled_traces
@@ -38,12 +36,11 @@ def trace_facts(name: str, path: Path) -> TraceFacts:
         t = Trace(path)
         reqs: set[str] = set()
         steps = tokens = 0
-        for _, raw in t.raw_steps():
-            so = orjson.loads(raw)["scheduler_output"]
-            reqs.update(r["req_id"] for r in so.get("scheduled_new_reqs", ()))
-            tokens += so.get("total_num_scheduled_tokens", 0)
+        for step in t.steps():
+            reqs.update(step.new_req_ids)
+            tokens += step.num_tokens
             steps += 1
-    except (KvmapError, orjson.JSONDecodeError, KeyError, TypeError) as e:
+    except KvmapError as e:
         return TraceFacts(name, path, "", "", 0, 0, 0, size, error=str(e))
     groups = "+".join(dict.fromkeys(SHORT.get(g.kind, g.kind) for g in t.header.kv_cache_groups))
     return TraceFacts(name, path, t.header.model_runner_protocol, groups, steps, len(reqs), tokens, size)

@@ -42,7 +42,7 @@ class _Trace:
     def __init__(self, header, name: str) -> None:
         self.header, self.name = header, name
 
-    def steps(self, start: int = 0, stop: int | None = None, scanner=None):
+    def steps(self, start: int = 0, stop: int | None = None):
         return iter(())
 
 

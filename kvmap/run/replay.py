@@ -116,9 +116,7 @@ def replay(
     seen_measured: set[str] = set()
     h2d_before = 0
     rec = _Recorded(len(phases))
-    # the worker's line scanner, if it has one, decodes the lines it knows straight into flat columns
-    scanner = worker.line_scanner() if source is None else None
-    steps = trace.steps(0, stop, scanner=scanner)
+    steps = trace.steps(0, stop)
     wall0 = time.perf_counter()
     rec.origin = clock()
     i = 0
@@ -181,8 +179,6 @@ def replay(
     # scheduled in the measured steps are the new ones (no per-step id list)
     result.requests_measured = len(seen_measured) if measure_from else len(seen)
     result.standin_tokens = worker.num_standin_tokens
-    if scanner is not None:
-        result.lines_scanned, result.lines_declined = scanner.scanned, dict(scanner.declined)
     result.warmup = int((result.steps < measure_from).sum())
     if len(result.steps) == result.warmup:
         raise empty_window_error(start, stop, warmup, i)

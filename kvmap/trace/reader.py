@@ -13,8 +13,9 @@ Rules:
   is not an error: every complete line is read, and the pass ends with one warning (`Trace.warn`, once per
   trace) saying how many steps were read and where it stopped. A blank line is one error, at its line.
 - Error columns count characters of the line (not bytes), from 1.
-- Each line goes through the typed decoder first, then `fast_step`, then `parse_step`, each stepping aside
-  for the next; a worker's line scanner, when it has one, goes before them all.
+- One decoding interface, `Trace.decode`, behind which two decoders stand: the typed decoder (typed.py) first,
+  and when it steps aside the checked parser (`parse_step`), which names the problem. Both apply the same
+  cross-field rules (invariants.py). Every consumer (replay, validate, explain, the catalog) reads `Step`s.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ try:  # ISA-L inflates gzip about 2.8x faster (measured on the 10x long trace); 
 except ImportError:  # pragma: no cover
     import zlib
 from kvmap.trace.checks import Where, loads
-from kvmap.trace.fast import fast_step
 from kvmap.trace.header import available_memory, parse_header
 from kvmap.trace.parse import parse_step
 from kvmap.trace.records import Step
@@ -333,26 +333,18 @@ class Trace:
 
     # ------------------------------------------------------------------ passes
 
-    def steps(self, start: int = 0, stop: int | None = None, scanner=None) -> Iterator[Step]:
+    def steps(self, start: int = 0, stop: int | None = None) -> Iterator[Step]:
         """Yield steps `start <= step < stop`. Earlier lines are skipped unparsed: a worker that needs their
-        state must read from 0 (replay does, and records only the window). With a `scanner` (trace/scan.py,
-        from the worker), a line it accepts is yielded as its `ScannedStep`, any other decoded."""
+        state must read from 0 (replay does, and records only the window)."""
         decode = self.decode
-        scan = scanner.scan if scanner is not None else None
         first, end = start + 2, (stop + 2 if stop is not None else 1 << 62)  # in line numbers: step i is line i + 2
         with self._lines() as lines:
             next(lines)
             for line, raw in lines:
                 if line >= end:
                     return
-                if line < first:
-                    continue
-                if scan is not None:
-                    scanned = scan(raw, line, line - 2, decode)
-                    if scanned is not None:
-                        yield scanned
-                        continue
-                yield decode(raw, line, line - 2)
+                if line >= first:
+                    yield decode(raw, line, line - 2)
 
     def decode(self, raw: bytes, line: int, i: int) -> Step:
         """Step `i` from its line: the typed decoder (one pass, every value checked), and when it steps aside
@@ -364,7 +356,7 @@ class Trace:
             if not raw.strip():
                 raise where.error("blank line (a trace has one JSON object on every line)", kind="json")
             obj = self._json(raw, line, i)
-            step = fast_step(obj, self.header, where) or parse_step(obj, self.header, where)
+            step = parse_step(obj, self.header, where)
         return step
 
     def _typed_decoder(self):

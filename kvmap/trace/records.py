@@ -125,7 +125,7 @@ class Step:
     draft_token_ids: dict[str, list[int]] | None  # req_id -> drafts proposed after this step
     async_spec: AsyncSpecDecode | None = None  # async scheduling with speculative decoding (None: not recorded)
 
-    # what the replay loop reads of every step, a decoded one or a scanned one (trace/scan.py) alike
+    # what the replay loop reads of every step
     @property
     def num_reqs(self) -> int:
         return len(self.scheduler_output.num_scheduled_tokens)

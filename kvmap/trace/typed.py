@@ -1,15 +1,16 @@
-"""Typed decoding of a step line: JSON text straight to checked values in one pass (msgspec), for `Trace.steps`.
+"""The typed step decoder: JSON text straight to checked values in one pass (msgspec), for `Trace.decode`.
 
 Rules:
-- One more fast path in front of `fast_step`, with the same contract: it returns the `Step` that `parse_step`
-  would return, or None whenever anything is off, and the caller then runs the checked path (orjson,
-  `fast_step`, `parse_step`), which names the problem or converts a legacy form. So every check and message
-  of the checked parser stays; tests/test_trace_fast.py holds all three to the same results.
+- One of the two step decoders (the other is the checked parser, `parse.py`, its oracle). It returns the `Step`
+  that `parse_step` would return, or None whenever anything is off, and the caller then runs `parse_step`,
+  which names the problem or converts a legacy form. tests/test_fuzz_multi.py holds the two to the same
+  results on lines with several fields edited at once.
 - The types carry the header's bounds (token ids in [0, 2**31), block ids in the pool, counts within
-  max_model_len, one list per KV cache group), so the decoder checks every int as it builds it: no second
-  pass over the ids, and unknown keys (most of a vLLM SchedulerOutput) are skipped without building them.
-- What a type cannot say (a list as long as another, keys of one dict present in another, sums, a legacy
-  key's presence) is checked afterwards, per step, as `fast_step` checks it.
+  max_model_len, one list per KV cache group), so the decoder checks every int as it builds it, and unknown
+  keys (most of a vLLM SchedulerOutput) are skipped without building them.
+- What a type cannot say (a list as long as another, keys of one dict present in another, sums) is
+  `invariants.check_step`'s, the same function the checked parser calls. A legacy key's presence sends the line
+  to the checked path.
 - msgspec is optional: without it `typed_decoder` returns None and the checked path does everything.
 """
 
@@ -17,6 +18,8 @@ Rules:
 from collections.abc import Callable
 from typing import Annotated, Any, Optional, Union
 
+from kvmap.errors import TraceError
+from kvmap.trace.invariants import check_step
 from kvmap.trace.records import (TOKEN_ID_LIMIT, AsyncSpecDecode, CachedRequestData, NewRequestData,
                                  SchedulerOutput, Step, TraceHeader)
 
@@ -38,6 +41,7 @@ def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step
     Blk = Annotated[int, M(ge=0, lt=header.num_gpu_blocks)]
     Computed = Annotated[int, M(ge=0, le=limit)]
     Count = Annotated[int, M(ge=1, le=limit)]
+    Draft = Annotated[int, M(ge=-1, lt=TOKEN_ID_LIMIT)]  # async scheduling sends -1 placeholders
     Groups = Annotated[list[list[Blk]], M(min_length=G, max_length=G)]  # [num_groups][blocks]
 
     class NewReq(S):
@@ -62,7 +66,7 @@ def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step
         total_num_scheduled_tokens: int
         scheduled_new_reqs: list[NewReq] = []
         scheduled_cached_reqs: Optional[Cached] = None
-        scheduled_spec_decode_tokens: Optional[dict[str, list[int]]] = None
+        scheduled_spec_decode_tokens: Optional[dict[str, list[Draft]]] = None
         finished_req_ids: Optional[list[str]] = None
         preempted_req_ids: Optional[list[str]] = None
 
@@ -102,59 +106,25 @@ def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step
                 or c.resumed_req_token_ids is not UNSET and c.all_token_ids is None:
             return None  # a legacy form (or a null where the key decides): the checked path converts it
         req_ids = c.req_ids or []
-        n = len(req_ids)
-        nc_list = c.num_computed_tokens
         nb = c.new_block_ids
-        if nb is UNSET:
-            nb = [None] * n
-        if len(nc_list) != n or len(nb) != n or (c.num_output_tokens is not None and len(c.num_output_tokens) != n):
-            return None
-        nst = so.num_scheduled_tokens
-        if len(nst) != len(new_reqs) + n:
-            return None
-        keys = nst.keys()
-        if list(keys) != req_ids and (not keys >= set(req_ids) or any(r.req_id not in nst for r in new_reqs)):
-            return None
-        vals = nst.values()
-        if sum(vals) != so.total_num_scheduled_tokens:
-            return None
-        spec = so.scheduled_spec_decode_tokens or {}
-        for r, drafts in spec.items():
-            count = nst.get(r)
-            if count is None or len(drafts) >= count:
-                return None
-            for t in drafts:  # async scheduling writes -1 placeholders for drafts that live on the GPU
-                if t != -1 and not 0 <= t < TOKEN_ID_LIMIT:
-                    return None
-        sampled = d.sampled_token_ids
-        if sampled is not None and not (sampled.keys() == keys or sampled.keys() <= keys):
-            return None
-        async_spec = None
-        if d.spec_draft_token_ids is not UNSET or d.num_rejected_tokens is not UNSET \
-                or d.num_computed_tokens_correction is not UNSET:
-            async_spec = _async_spec(d, spec, req_ids)
-            if async_spec is None:
-                return None
         resumed = c.resumed_req_ids
-        if resumed and not set(resumed).issubset(req_ids):
-            return None  # a resumed id must be one of the cached requests: the checked path names it
-        # positional, in field order: cheaper than keywords on a per-line path
-        return Step(step, line, SchedulerOutput(
+        step = Step(step, line, SchedulerOutput(  # positional, in field order: cheaper than keywords per line
             new_reqs,
-            CachedRequestData(req_ids, set(resumed) if resumed else set(), nb, nc_list, c.all_token_ids or {},
-                              c.num_output_tokens),
-            nst, so.total_num_scheduled_tokens, spec, so.finished_req_ids or [], so.preempted_req_ids or [],
-        ), sampled, d.draft_token_ids, async_spec)
+            CachedRequestData(req_ids, set(resumed) if resumed else set(), [None] * len(req_ids) if nb is UNSET
+                              else nb, c.num_computed_tokens, c.all_token_ids or {}, c.num_output_tokens),
+            so.num_scheduled_tokens, so.total_num_scheduled_tokens, so.scheduled_spec_decode_tokens or {},
+            so.finished_req_ids or [], so.preempted_req_ids or [],
+        ), d.sampled_token_ids, d.draft_token_ids, _async_spec(d))
+        try:
+            return check_step(step)
+        except TraceError:
+            return None  # the checked path names it, with every earlier problem of the line first
 
-    def _async_spec(d, spec: dict, req_ids: list[str]) -> AsyncSpecDecode | None:
-        """The checks of parse_step's `_async_spec` that a type cannot state; None when one fails."""
-        real = d.spec_draft_token_ids or {}
-        rejected = d.num_rejected_tokens or {}
-        corr = d.num_computed_tokens_correction or {}
-        if any(r not in spec or len(toks) != len(spec[r]) for r, toks in real.items()):
+    def _async_spec(d) -> AsyncSpecDecode | None:
+        if d.spec_draft_token_ids is UNSET and d.num_rejected_tokens is UNSET \
+                and d.num_computed_tokens_correction is UNSET:
             return None
-        if any(k > len(spec.get(r, ())) for r, k in rejected.items()) or not set(req_ids).issuperset(corr):
-            return None
-        return AsyncSpecDecode(real, rejected, corr)
+        return AsyncSpecDecode(d.spec_draft_token_ids or {}, d.num_rejected_tokens or {},
+                               d.num_computed_tokens_correction or {})
 
     return decode

@@ -12,7 +12,7 @@ import json
 from collections import Counter
 
 from kvmap.errors import TraceError
-from kvmap.trace import ASYNC_SPEC_KEYS, Trace, Where, fast_step, loads, parse_step
+from kvmap.trace import ASYNC_SPEC_KEYS, Trace, Where, loads, parse_step
 from kvmap.trace.reader import json_error
 from kvmap.validate.problems import Problem, ValidationReport
 from kvmap.validate.shadow import StopValidation, Validator
@@ -84,8 +84,8 @@ class _Pass:
                 return
         step_idx = self._number(obj, line)
         where = Where(self.trace.name, line, step_idx)
-        try:  # the fast path first (builtins only, the same Step): the checked parser imports numpy
-            step = fast_step(obj, self.trace.header, where) or parse_step(obj, self.trace.header, where)
+        try:
+            step = parse_step(obj, self.trace.header, where)
         except TraceError as e:
             if clean:
                 v.add(e.kind or "schema", e.message, line=line, step_idx=step_idx, req_id=e.req_id, group=e.group,

@@ -39,22 +39,15 @@ class StepBatch:
     num_draft_tokens: np.ndarray  # [num_reqs] int32, scheduler entry -> drafts among them
     order: np.ndarray | None = None  # [num_reqs] batch_idx -> scheduler entry (set by prepare_batch)
     num_tokens: int = 0  # T, known on the host from the trace
-    names: dict[int, str] | None = None  # req_state_idx -> req_id, for `req_ids` on demand (scanned steps)
 
     @property
     def num_reqs(self) -> int:
         return len(self.rows)
 
-    def ids(self) -> list[str] | None:
-        """`req_ids`, looked up from `names` the first time they are asked for (a scanned step has none)."""
-        if self.req_ids is None and self.names is not None:
-            self.req_ids = list(map(self.names.__getitem__, self.rows.tolist()))
-        return self.req_ids
-
     def batch_req_ids(self) -> BatchReqIds:
         """Request ids in batch order (looked up lazily)."""
         assert self.order is not None
-        ids = self.ids()
+        ids = self.req_ids
         return BatchReqIds(ids if ids is not None else [str(r) for r in self.rows.tolist()], self.order)
 
 
@@ -97,11 +90,6 @@ class Worker(ABC):
         nc = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
         nc.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
         return self.v1_batch.update(step, nc)
-
-    def line_scanner(self):
-        """A line scanner (trace/scan.py) whose `ScannedStep`s this worker's `update_states` takes, or None
-        (the default: every step arrives decoded). Asked once, before the first step."""
-        return None
 
     @property
     def num_standin_tokens(self) -> int:

@@ -17,7 +17,6 @@ from kvmap.errors import TraceError
 from kvmap.kv.cache import KVCheckResult, PagedKVCache, RankedKVCache
 from kvmap.layout import rank_layouts, seq_layouts
 from kvmap.trace import Step, TraceHeader
-from kvmap.trace.scan import ScannedStep
 from kvmap.workers import buffers as B
 from kvmap.workers.contract import StepBatch, Worker
 from kvmap.workers.mappings import BatchMappings
@@ -65,28 +64,7 @@ class HostWorker(Worker):
     def num_standin_tokens(self) -> int:
         return self.state.num_standin_tokens
 
-    def line_scanner(self):
-        """The scanner for the compiled worker (CompiledOps write straight into the rows) under Model Runner
-        V2's batch order, one KV cache group, the scan kernels compiled ahead of time (under the JIT they
-        would cost a first run about 20 s of compiling), and not turned off by KVMAP_SCAN=0."""
-        import os
-
-        from kvmap.aot import load
-        from kvmap.workers.state_ops import CompiledOps
-
-        if not isinstance(self.state.ops, CompiledOps) or self.v1_batch is not None \
-                or self.header.num_groups != 1 or os.environ.get("KVMAP_SCAN", "1") == "0":
-            return None
-        if load("kvmap.trace.scan_kernels").kind != "ahead-of-time" and os.environ.get("KVMAP_SCAN") != "1":
-            return None
-        return self.state.line_scanner()
-
     def update_states(self, step: Step) -> None:
-        if type(step) is ScannedStep:
-            rows, counts, drafts = self.state.update_scanned(step)
-            self.set_batch(StepBatch(step, None, rows, counts, drafts, num_tokens=step.num_tokens,
-                                     names=self.state.index_to_req_id))
-            return
         T = step.scheduler_output.total_num_scheduled_tokens
         if T > self.buffers.max_num_tokens:
             raise TraceError(f"{T} tokens exceed the header's token budget {self.buffers.max_num_tokens}",
@@ -114,7 +92,7 @@ class HostWorker(Worker):
         if self.v1_batch is None:
             return self.sort_batch()
         b = self.batch
-        entry = {r: i for i, r in enumerate(b.ids())}
+        entry = {r: i for i, r in enumerate(b.req_ids)}
         order = self.v1_order(b.step)
         b.order = np.fromiter(map(entry.__getitem__, order), np.int32, len(order))
 
@@ -126,8 +104,6 @@ class HostWorker(Worker):
     def append_sampled(self) -> None:
         b = self.batch
         assert b is not None and b.step is not None
-        if type(b.step) is ScannedStep:
-            return self.state.append_scanned(b.step, b.rows)
         self.state.append_sampled(b.step, b.req_ids, b.rows)
 
     # ---------------------------------------------------------------------------------------- KV cache

@@ -12,11 +12,8 @@ Rules:
 - One mode: every write into token rows and block tables goes through `self.writes` (workers/writes.py), which
   device workers set to record; the whole-batch operations (position check, sampled-token append, scatter of
   `num_computed_tokens`) go through `self.ops`, vectorized or compiled (workers/state_ops.py).
-- Two forms of one update: `update(step)` from a decoded `Step`, and `update_scanned(s)` from the columns of
-  a line the scanner took (trace/scan.py), which appends the cached rows' blocks in one kernel call straight
-  into the tables, as `CompiledOps` appends tokens: only host workers with `CompiledOps` are offered a
-  scanner. Both add rows through `_take_row` and remove them through `_remove`, which keep the scanner's id
-  table in step; tests/test_scan.py holds the two forms to the same state after every step.
+- One update, `update(step)`, from the decoded `Step` (the trace layer's one record): rows are added only
+  through `_take_row` and removed only through `_remove`.
 - `num_computed_tokens` is always taken from the trace. Sampled tokens are appended after the step.
 - Problems that need state to detect (unknown request, a full pool of rows, a row that overflows, a scheduled
   position without a block) raise `TraceError` naming step, request, group and field, with the problem kind
@@ -81,7 +78,6 @@ class WorkerState:
         self._ones = np.ones(R, dtype=np.int32)  # [R] counts of a step that samples one token per request
         self._zeros = np.zeros(R, dtype=np.int32)  # [R] draft counts of a step without drafts (never written)
         self.missing_samples = False  # some step had no sampled_token_ids
-        self.ids = None  # the scanner's id table (trace/scan.py ReqIdTable), once a line scanner is made
 
     # ------------------------------------------------------------------ rows
 
@@ -104,11 +100,9 @@ class WorkerState:
         del self.index_to_req_id[row]
         self.preempted.discard(req_id)
         self.free_indices.append(row)
-        if self.ids is not None:
-            self.ids.remove(row)
 
     def _take_row(self, req_id: str, step: Step) -> int:
-        """A free row for a new request (the one rule for adding, both update paths)."""
+        """A free row for a new request (the one rule for adding)."""
         if req_id in self.req_id_to_index:
             raise TraceError("scheduled as a new request while it is still live (not finished or "
                              "preempted)", line=step.line, step=step.step, req_id=req_id,
@@ -119,22 +113,7 @@ class WorkerState:
         row = self.free_indices.pop()
         self.req_id_to_index[req_id] = row
         self.index_to_req_id[row] = req_id
-        if self.ids is not None:
-            self.ids.add(req_id, row)
         return row
-
-    def line_scanner(self):
-        """A `LineScanner` over this state (trace/scan.py): its id table is kept in step from now on."""
-        from kvmap.trace.scan import LineScanner, ReqIdTable
-
-        if self.ids is None:
-            self.ids = ReqIdTable(self.max_num_reqs)
-            for req_id, row in self.req_id_to_index.items():
-                self.ids.add(req_id, row)
-        self._scan_k = self.ids.k
-        self._kv_groups_i4 = np.asarray(self.kv_groups, dtype=np.int32)  # [kv groups] group ids
-        self._spans_i4 = np.asarray(self.block_spans, dtype=np.int32)  # [G] positions per block id
-        return LineScanner(self.header, self.ids, self)
 
     def _set_tokens(self, row: int, tokens: list[int], step: Step, req_id: str, field: str) -> None:
         n = len(tokens)
@@ -231,50 +210,6 @@ class WorkerState:
                 num_drafts[pos_of[r]] = len(d)
         self._check_and_stage_tokens(step, req_ids, rows, counts, num_drafts, spec)
         return req_ids, rows, counts, num_drafts
-
-    def update_scanned(self, s) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`update` for a line the scanner accepted (trace/scan.py `ScannedStep`), from its columns: the same
-        state, the same order (finished, preempted, new, cached, the position check). The scan checked
-        everything else `update` checks, so only the position check can fail. Returns (rows, counts, drafts)."""
-        sc = s.scanner
-        K, col, meta = sc.K, sc.col, sc.m  # meta as Python ints
-        if meta[K.M_REMOVED]:
-            names = self.index_to_req_id
-            gone = col[K.F_ROWS, :meta[K.M_FINISHED]].tolist() + col[K.P_ROWS, :meta[K.M_PREEMPTED]].tolist()
-            for r in gone:
-                if r >= 0 and r in names:
-                    self._remove(names[r])
-        num_new = meta[K.M_NEW]
-        B = s.num_reqs
-        rows = col[K.S_ROWS, :B].copy()  # [B] scheduler entry -> req_state_idx
-        if num_new:
-            new_rows = np.empty(num_new, dtype=np.int32)  # [num_new] new request k -> req_state_idx
-            ids = []
-            ints = sc.ints
-            for k in range(num_new):
-                req_id = sc.new_req_id(k)
-                row = self._take_row(req_id, s)
-                off, n = int(col[K.NEW_TOK_OFF, k]), int(col[K.NEW_TOK_LEN, k])
-                self._set_tokens(row, ints[off:off + n], s, req_id,
-                                 "prefill_token_ids" if col[K.NEW_FIELD, k] else "prompt_token_ids")
-                self.num_computed_tokens[row] = col[K.NEW_NC, k]
-                off, n = int(col[K.NEW_B_OFF, k]), int(col[K.NEW_B_LEN, k])
-                self._set_blocks(row, [ints[off:off + n]], s, req_id, "block_ids")
-                new_rows[k] = row
-                ids.append(req_id)
-            s.new_req_ids = ids
-            new = rows < 0
-            rows[new] = new_rows[-rows[new] - 1]
-        n = meta[K.M_CACHED]
-        if n:
-            self._scan_k.apply_cached(col, sc.ints, n, self.header.max_model_len, self._kv_groups_i4,
-                                      self._spans_i4, self.num_computed_tokens, self.block_tables[0],
-                                      self.num_blocks, self.capacity)
-        counts = col[K.S_COUNTS, :B].copy()  # [B] scheduler entry -> tokens this step
-        num_drafts = self._zeros[:B]
-        self._check_and_stage_tokens(s, _RowIds(rows, self.index_to_req_id), rows, counts, num_drafts, None)
-        s.rows, s.names = rows, self.index_to_req_id
-        return rows, counts, num_drafts
 
     def _correct(self, step: Step, req_ids: list[str], nc: np.ndarray) -> None:
         """Async speculative decoding: the scheduler's num_computed_tokens assumes every in-flight draft was
@@ -393,25 +328,6 @@ class WorkerState:
                 self.num_standin_tokens += int(real_end[j] - known[j])
                 self.total_len[row] = real_end[j]
 
-    def append_scanned(self, s, rows: np.ndarray) -> None:
-        """`append_sampled` for a scanned step, from its columns (the sampled tokens are in the scanner)."""
-        sc = s.scanner
-        K, col, meta = sc.K, sc.col, sc.m  # meta as Python ints
-        if not meta[K.M_HAS_SAMPLED]:
-            self.missing_samples = True
-            return
-        m = meta[K.M_SAMPLED]
-        if not m:
-            return
-        srows = rows if meta[K.M_SM_SAME] else rows[col[K.SM_IDX, :m]]
-        off = meta[K.M_SM_OFF]
-        flat = sc.ints[off:off + meta[K.M_SM_TOKENS]]
-        j = self.ops.append_tokens(self, srows, col[K.SM_COUNT, :m], flat)
-        if j >= 0:
-            raise TraceError("sampled tokens overflow max_model_len", line=s.line, step=s.step,
-                             req_id=self.index_to_req_id[int(srows[j])], field="sampled_token_ids",
-                             kind="max_model_len")
-
     def append_sampled(self, step: Step, req_ids: list[str], rows: np.ndarray) -> None:
         """After the step: append what the model sampled (MRV2's `post_update`). `req_ids`/`rows` are the
         step's scheduled requests; the sampled dict normally lists the same ids in the same order."""
@@ -436,15 +352,3 @@ class WorkerState:
             raise TraceError("sampled tokens overflow max_model_len", line=step.line, step=step.step,
                              req_id=list(sampled)[j], field="sampled_token_ids", kind="max_model_len")
 
-
-class _RowIds:
-    """`req_ids[j]` of a scanned step's batch, looked up only when a message names one."""
-
-    def __init__(self, rows: np.ndarray, names: dict[int, str]) -> None:
-        self.rows, self.names = rows, names
-
-    def __getitem__(self, j) -> str:
-        return self.names[int(self.rows[j])]
-
-    def __len__(self) -> int:
-        return len(self.rows)
