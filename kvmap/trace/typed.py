@@ -29,11 +29,8 @@ except ImportError:  # pragma: no cover
     msgspec = None
 
 
-def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step | None] | None:
-    """A decoder for this header's step lines: `decode(raw, line, step) -> Step | None` (None: use the checked
-    path). None when msgspec is not installed."""
-    if msgspec is None:
-        return None
+def _line_types(header: TraceHeader) -> tuple[type, type]:
+    """(Line, Cached): the msgspec types of a step line and of its cached requests, with this header's bounds."""
     M, S, UNSET, UnsetType = msgspec.Meta, msgspec.Struct, msgspec.UNSET, msgspec.UnsetType
     G = header.num_groups
     limit = header.max_model_len
@@ -81,6 +78,16 @@ def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step
         num_rejected_tokens: Union[dict[str, Annotated[int, M(ge=0)]], UnsetType] = UNSET
         num_computed_tokens_correction: Union[dict[str, Annotated[int, M(ge=0)]], UnsetType] = UNSET
 
+    return Line, Cached
+
+
+def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step | None] | None:
+    """A decoder for this header's step lines: `decode(raw, line, step) -> Step | None` (None: use the checked
+    path). None when msgspec is not installed."""
+    if msgspec is None:
+        return None
+    Line, Cached = _line_types(header)
+    UNSET = msgspec.UNSET
     decode_raw = msgspec.json.Decoder(Line).decode
     empty = Cached()
     DecodeError = msgspec.DecodeError  # ValidationError is a subclass

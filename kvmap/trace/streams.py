@@ -1,0 +1,189 @@
+"""The bytes under a trace: its source (a file or standard input), gzip inflated chunk by chunk, streams spooled.
+
+Rules:
+- gzip is recognised by its magic bytes, whatever the name; concatenated members are one stream, zero padding
+  after the last member is skipped (as gzip does), and a stream that ends early or turns corrupt ends the data
+  with the reason kept (`_Gunzip.stopped`), every byte inflated before it kept.
+- A stream (`-`, a FIFO, a process substitution) is read exactly once, into an unlinked temporary file, its
+  header checked as soon as line 1 has arrived and its lines bounded as they arrive, so an endless or foreign
+  stream fails at once; the spool takes at most half the free space of its folder.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from kvmap.errors import TraceError
+
+try:  # ISA-L inflates gzip faster than zlib (docs/performance.md); zlib is the fallback
+    from isal import isal_zlib as zlib
+except ImportError:  # pragma: no cover
+    import zlib
+
+STDIN = "-"
+CHUNK = 1 << 16
+HEADER_LIMIT = 16 << 20  # bytes of line 1
+PADDING_LIMIT = 1 << 20  # zero bytes after a gzip stream's end that a stream may carry
+LINE_MIN, LINE_MAX = 64 << 20, 1 << 30  # a step line's limit: 1/32 of the memory left, within these
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+class _Inflater:
+    """gzip members inflated chunk by chunk (`cat a.gz b.gz` is one stream); zero padding after the last
+    member is skipped, as gzip does, without being kept. Raises zlib.error where the data turns corrupt,
+    after returning everything inflated before it."""
+
+    def __init__(self) -> None:
+        self.z = zlib.decompressobj(wbits=31)
+        self.padding = 0  # zero bytes seen after a member's end
+
+    @property
+    def complete(self) -> bool:
+        return self.z.eof
+
+    def inflate(self, data: bytes) -> tuple[bytes, zlib.error | None]:
+        """(bytes inflated from `data`, the error where it turned corrupt or None)."""
+        out = []
+        try:
+            while data:
+                if self.z.eof:  # a member ended: what follows is zero padding or the next member
+                    if not data.strip(b"\0"):
+                        self.padding += len(data)
+                        break
+                    self.z = zlib.decompressobj(wbits=31)
+                out.append(self.z.decompress(data))
+                data = self.z.unused_data if self.z.eof else b""
+        except zlib.error as e:
+            return b"".join(out), e
+        return b"".join(out), None
+
+
+class _Gunzip(io.RawIOBase):
+    """gzip members inflated from `src`; a stream that ends early (or turns corrupt) ends the data and
+    records why in `stopped`, keeping every byte inflated before."""
+
+    def __init__(self, src: BinaryIO) -> None:
+        self.src = src
+        self.inflater = _Inflater()
+        self.pending = memoryview(b"")  # inflated, not yet handed out (a view: handing out copies nothing twice)
+        self.stopped: str | None = None
+        self.done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self.pending and not self.done:
+            self._inflate()
+        n = min(len(b), len(self.pending))
+        b[:n] = self.pending[:n]
+        self.pending = self.pending[n:]
+        return n
+
+    def _inflate(self) -> None:
+        data = self.src.read(CHUNK)
+        if not data:
+            if not self.inflater.complete:
+                self.stopped = "the gzip stream ends before its end marker (a recording cut short?)"
+            self.done = True
+            return
+        out, error = self.inflater.inflate(data)
+        self.pending = memoryview(out)
+        if error is not None:  # keep what inflated before the corrupt part
+            self.stopped, self.done = f"the gzip data is corrupt ({error})", True
+
+
+def _source(path: Path, name: str) -> BinaryIO:
+    """An open binary handle: the file, or standard input for `-`."""
+    if name == STDIN:
+        return os.fdopen(os.dup(sys.stdin.fileno()), "rb", CHUNK)
+    try:
+        return open(path, "rb", CHUNK)  # a 64 KiB buffer: the default 8 KiB took a read call per line or two
+    except IsADirectoryError:
+        raise TraceError("is a directory, not a trace file", path=name) from None
+    except OSError as e:
+        raise TraceError(f"cannot read: {e.strerror or e}", path=name) from None
+
+
+class _StreamCheck:
+    """Watches a stream's bytes as they are spooled (inflated if gzip): hands over the first line as soon as
+    it is complete, and refuses a line that runs past its limit (an endless `/dev/zero` fails at once)."""
+
+    def __init__(self, line_limit: int) -> None:
+        self.parts: list[bytes] | None = []  # line 1 so far; None once it is complete
+        self.z = None
+        self.started = False
+        self.run = 0  # bytes since the last newline
+        self.line_limit = line_limit
+        self.stop = False  # nothing readable follows: spool no further
+
+    def feed(self, chunk: bytes) -> bytes | None:
+        """The complete first line when this chunk completes it, else None."""
+        if not self.started:
+            self.started = True
+            if chunk[:2] == GZIP_MAGIC:
+                self.z = _Inflater()
+        if self.z is not None:
+            chunk, error = self.z.inflate(chunk)
+            if error is not None or self.z.padding > PADDING_LIMIT:  # the reader stops at the same place
+                self.stop = True
+        end = chunk.rfind(b"\n")
+        self.run = self.run + len(chunk) if end < 0 else len(chunk) - end - 1
+        first = None
+        if self.parts is not None:
+            head = chunk.find(b"\n")
+            self.parts.append(chunk if head < 0 else chunk[: head + 1])
+            if head >= 0:
+                first, self.parts = b"".join(self.parts), None
+        limit = HEADER_LIMIT if self.parts is not None else self.line_limit
+        if self.run > limit:
+            raise TraceError(f"a line runs past {_size(limit)} without ending" + (
+                ": not a kvmap trace header" if self.parts is not None else ""), kind="json",
+                line=1 if self.parts is not None else None)
+        return first
+
+
+def _spool(f: BinaryIO, name: str, check_header: Callable[[bytes], None], line_limit: int) -> BinaryIO:
+    """Copy a stream into an unlinked temporary file (read once; nothing is left behind on any exit). The
+    header is checked as soon as its line has arrived, so an endless or foreign stream fails at once, and
+    the spool takes at most half the free space of its folder."""
+    try:
+        spool = tempfile.TemporaryFile(prefix="kvmap-")
+        room = shutil.disk_usage(tempfile.gettempdir()).free // 2
+        watch = _StreamCheck(line_limit)
+        total = 0
+        while chunk := f.read(CHUNK):
+            spool.write(chunk)
+            total += len(chunk)
+            first = watch.feed(chunk)
+            if first:
+                check_header(first)
+            if watch.stop:
+                break
+            if total > room:
+                raise TraceError(f"the stream is larger than half the free space ({room >> 20} MiB) of "
+                                 f"{tempfile.gettempdir()}, where it is kept for reading; set TMPDIR", path=name)
+        spool.seek(0)
+    except OSError as e:
+        raise TraceError(f"cannot read the stream into a temporary file: {e.strerror or e}", path=name) from None
+    except TraceError as e:
+        raise e.located(path=name) from None
+    finally:
+        f.close()
+    return spool
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def _column(raw: bytes, pos: int) -> int:
+    """1-based character column of byte offset `pos` in `raw`."""
+    return len(raw[:pos].decode("utf-8", "replace")) + 1
