@@ -163,7 +163,7 @@ def test_summary_shows_per_rank_figures():
 
     from rich.console import Console
 
-    from kvmap.run.report import render_summary, summary_dict
+    from kvmap.render.report import render_summary, summary_dict
 
     r = replay(Trace(TRACES / "dcp2.jsonl"), backend="numpy", verify_kv=True, nvtx=False)
     buf = StringIO()

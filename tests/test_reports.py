@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from kvmap.cli.app import app
 from kvmap.run.replay import replay
-from kvmap.run.report import to_chrome_trace, to_csv
+from kvmap.render.report import to_chrome_trace, to_csv
 from kvmap.run.result import ReplayResult
 from kvmap.trace import Trace
 
@@ -86,7 +86,7 @@ def test_device_times_are_rendered_when_present():
     import numpy as np
     from rich.console import Console
 
-    from kvmap.run.report import render_summary, summary_dict
+    from kvmap.render.report import render_summary, summary_dict
 
     r = replay(Trace(TRACE), nvtx=False)
     r.device = "cuda:0"
@@ -101,7 +101,7 @@ def test_device_times_are_rendered_when_present():
 def test_percentiles_are_numpys_bit_for_bit():
     import numpy as np
 
-    from kvmap.run.report import median, percentiles
+    from kvmap.run.stats import median, percentiles
 
     rng = np.random.default_rng(7)
     for n in (1, 2, 3, 10, 101, 1919):

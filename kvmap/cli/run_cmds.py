@@ -13,13 +13,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvmap.cli.app import (BackendOpt, StepsOpt, TraceArg, WarmupOpt, app, err, out, parse_steps, progress_bar,
-                           spinner, user_errors)
+from kvmap.cli.console import ProgressBar, Spinner, err, out
+from kvmap.cli.guard import user_errors
+from kvmap.cli.options import BackendOpt, StepsOpt, TraceArg, WarmupOpt, parse_steps
 from kvmap import defaults
 from kvmap.errors import KvmapError
 
 
-@app.command()
 @user_errors
 def replay(
     trace: TraceArg = None,
@@ -107,7 +107,7 @@ def replay(
             if d["step"] >= start:
                 dump_file.write(dump_line(d))
 
-        with progress_bar(progress, t, backend) as advance:
+        with ProgressBar(progress, t, backend) as advance:
             result = run_replay(t, backend=backend, device=device, start=start, stop=stop, warmup=warmup,
                                 verify_kv=verify_kv, write_kv=not no_kv, kv_geometry=geometry, nvtx=nvtx,
                                 on_mappings=on_mappings if dump_file else None, on_step=advance,
@@ -119,7 +119,7 @@ def replay(
 def _finish(result, console, json_out, csv_out, trace_out) -> None:
     """Render the summary (unless `console` is None), write the outputs asked for; exit 1 on KV mismatches."""
     from kvmap.files import write_json, write_text
-    from kvmap.run.report import render_summary, summary_dict, to_chrome_trace, to_csv
+    from kvmap.render.report import render_summary, summary_dict, to_chrome_trace, to_csv
 
     if console is not None:
         render_summary(result, console)
@@ -133,7 +133,6 @@ def _finish(result, console, json_out, csv_out, trace_out) -> None:
         raise typer.Exit(1)
 
 
-@app.command()
 @user_errors
 def profile(
     trace: TraceArg = None,
@@ -155,7 +154,7 @@ def profile(
 
     from kvmap.run import profile as P
     from kvmap.files import resolve_trace
-    from kvmap.run.report import render_profile
+    from kvmap.render.report import render_profile
     from kvmap.run.result import ReplayResult
 
     from kvmap.trace import Trace
@@ -178,7 +177,7 @@ def profile(
     if builtin:
         replay(trace_path, backend=backend, steps=steps, warmup=warmup,
                trace_out=output.with_name(output.name + ".trace.json"), progress=False)
-        from kvmap.run.text import say
+        from kvmap.render.text import say
 
         say(out, f"wrote {output.name}.trace.json (open it in https://ui.perfetto.dev)")
         return
@@ -188,7 +187,7 @@ def profile(
                          "`kvmap profile --builtin` for a Perfetto trace without nsys", field="nsys")
     with tempfile.TemporaryDirectory() as tmp:
         res_path = Path(tmp) / "result.json"
-        with spinner(True, f"profiling under {exe}"):
+        with Spinner(True, f"profiling under {exe}"):
             P.run_nsys(exe, output, args + ["--json", str(res_path)], timeout=timeout)
         data = json.loads(res_path.read_text())
     rep = output if output.suffix == ".nsys-rep" else output.with_name(output.name + ".nsys-rep")
@@ -202,7 +201,6 @@ def profile(
     render_profile(result, ranges, out, rep)
 
 
-@app.command()
 @user_errors
 def report(
     result: Annotated[Path, typer.Argument(help="A run saved with `kvmap replay --json`.")],
@@ -211,7 +209,7 @@ def report(
 ) -> None:
     """Re-render a saved run: the same summary `kvmap replay` printed."""
     from kvmap.files import write_json, write_text
-    from kvmap.run.report import render_summary, to_chrome_trace, to_csv
+    from kvmap.render.report import render_summary, to_chrome_trace, to_csv
 
     r = _load_result(result)
     render_summary(r, err if "-" in (str(csv_out), str(trace_out)) else out)
@@ -221,7 +219,6 @@ def report(
         write_json(trace_out, to_chrome_trace(r))
 
 
-@app.command()
 @user_errors
 def compare(
     a: Annotated[Path, typer.Argument(help="Run A (`kvmap replay --json`).")],
@@ -234,7 +231,8 @@ def compare(
 ) -> None:
     """Per-phase ratios B / A of two saved runs of the same work (two backends, two machines, two versions)."""
     from kvmap.files import write_json
-    from kvmap.run.compare import compare_dict, render_compare
+    from kvmap.render.compare import render_compare
+    from kvmap.run.compare import compare_dict
 
     ra, rb = _load_result(a), _load_result(b)
     d = compare_dict(ra, rb)
