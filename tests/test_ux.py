@@ -81,12 +81,13 @@ def test_a_window_from_zero_is_measured_whole_after_a_throwaway_warmup(tmp_path)
 
 
 def test_a_given_worker_takes_its_warmup_from_the_window():
+    from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
     from kvmap.trace import Trace
     from kvmap.workers.registry import make_worker
 
     t = Trace(TRACE)
-    r = replay(t, worker=make_worker("numpy", t.header, "cpu"), warmup=3, nvtx=False)
+    r = replay(t, ReplayConfig(warmup=3, nvtx=False), worker=make_worker("numpy", t.header, "cpu"))
     assert r.prewarm_steps == 0 and list(r.warmup_steps()) == [0, 1, 2] and r.measured_steps()[0] == 3
 
 
