@@ -59,8 +59,7 @@ def summary_dict(r: ReplayResult) -> dict:
         "steps_per_s": n / total_s if total_s else 0.0,
         "tokens_per_s": float(toks.sum()) / total_s if total_s else 0.0,
         "wall_s": r.wall_s,
-        "decoding": ({"scanned": r.lines_scanned, "decoded": sum(r.lines_declined.values()),
-                      "declined": r.lines_declined} if r.lines_scanned is not None else None),
+        "decoding": decoding_dict(r),
         "device": r.device,
         "h2d_bytes_per_step": h2d / max(n, 1),
         "device_phases_p50_us": ({p: median(r.device_phase_ns[r.warmup:, i]) / 1e3
@@ -177,6 +176,15 @@ def _summary_notes(r: ReplayResult, s: dict) -> list[list[tuple[str, str | None]
     for w in s["warnings"]:
         notes.append([("warning:", "yellow"), (" " + safe(w), None)])
     return notes
+
+
+# The line scanner's report (the `decoding` line and `summary.decoding`): these two functions, their one call
+# each (summary_dict, _summary_lines) and replay.py's `scanner` lines go together with the scanner.
+def decoding_dict(r: ReplayResult) -> dict | None:
+    """How the replayed lines were decoded, as data (None: the worker has no line scanner)."""
+    if r.lines_scanned is None:
+        return None
+    return {"scanned": r.lines_scanned, "decoded": sum(r.lines_declined.values()), "declined": r.lines_declined}
 
 
 def decoding_text(r: ReplayResult) -> str:
