@@ -201,6 +201,7 @@ class BaselineWorker(V1StyleWorker, NumbaWorker):
 
 
 def bench_replay(trace_path: Path, runs: int, backends: list[str], args_device: str = "cpu") -> dict:
+    from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
     from kvmap.run.result import MAPPING_PHASES
 
@@ -211,13 +212,13 @@ def bench_replay(trace_path: Path, runs: int, backends: list[str], args_device: 
     names = list(makers)
     dumps: dict[str, list] = {name: [] for name in names}  # an untimed pass first: every worker agrees
     for name in names:
-        replay(Trace(trace_path), nvtx=False, worker=makers[name](), on_mappings=dumps[name].append)
+        replay(Trace(trace_path), ReplayConfig(nvtx=False), worker=makers[name](), on_mappings=dumps[name].append)
     for name, d in dumps.items():
         assert d == dumps["v1_baseline"], f"{name} and the baseline worker disagree on the trace"
     dumps.clear()
     for i in range(runs):
         for name in names[i % len(names):] + names[: i % len(names)]:
-            results[name].append(replay(Trace(trace_path), nvtx=False, warmup=20, worker=makers[name]()))
+            results[name].append(replay(Trace(trace_path), ReplayConfig(nvtx=False, warmup=20), worker=makers[name]()))
     out = {"trace": str(trace_path), "runs": runs, "steps": results[names[0]][0].steps_replayed, "phases": {}}
     for name, rs in results.items():
         m = np.concatenate([r.measured() for r in rs])

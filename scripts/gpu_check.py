@@ -45,6 +45,7 @@ def main() -> None:
         rc = subprocess.call([sys.executable, "-m", "pytest", "-q", str(ROOT / "tests" / "test_gpu.py")])
         print(f"GPU tests: exit code {rc}")
 
+    from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
     from kvmap.run.result import MAPPING_PHASES
     from kvmap.trace import Trace
@@ -52,8 +53,8 @@ def main() -> None:
     trace = args.trace if not cpu else str(ROOT / "traces" / "chunked_prefill.jsonl")
     rows = []
     for backend, device in (("numba", "cpu"), ("torch", args.device), ("triton", args.device)):
-        replay(Trace(trace), backend=backend, device=device, nvtx=False, warmup=5)  # compile, warm caches
-        r = replay(Trace(trace), backend=backend, device=device, nvtx=False, warmup=5)
+        replay(Trace(trace), ReplayConfig(backend=backend, device=device, nvtx=False, warmup=5))  # compile, warm caches
+        r = replay(Trace(trace), ReplayConfig(backend=backend, device=device, nvtx=False, warmup=5))
         m = r.measured()
         mi = [r.phases.index(p) for p in MAPPING_PHASES + ("h2d",) if p in r.phases]
         dev = r.device_phase_ns[r.warmup:] if r.device_phase_ns.size else None

@@ -9,6 +9,7 @@ import importlib.util
 
 import pytest
 
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
 
@@ -41,7 +42,7 @@ def test_slot_mapping_equals_vllms_kernel(name, vllm_block_table):
     trace = Trace(TRACES / name)
     h = trace.header
     dumps: list = []
-    replay(trace, on_mappings=dumps.append, write_kv=False, nvtx=False)
+    replay(trace, ReplayConfig(write_kv=False, nvtx=False), on_mappings=dumps.append)
     steps = 0
     for g, grp in enumerate(h.kv_cache_groups):
         width = -(-(h.max_model_len + h.num_speculative_tokens) // grp.block_size)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvmap import aot
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
 
@@ -102,7 +103,8 @@ def test_ahead_of_time_equals_the_jit_bit_for_bit(fresh, name):
         fresh.setattr(aot, "_LOADED", {})
         fresh.setenv("KVMAP_AOT", env)
         dumps: list[dict] = []
-        r = replay(Trace(TRACES / name), backend="numba", on_mappings=dumps.append, verify_kv=True, nvtx=False)
+        r = replay(Trace(TRACES / name), ReplayConfig(backend="numba", verify_kv=True, nvtx=False),
+                   on_mappings=dumps.append)
         assert r.backend_detail.startswith("kernels compiled ahead" if env == "1" else "kernels under numba")
         assert r.kv_checked > 0 and r.kv_mismatches == 0
         return dumps

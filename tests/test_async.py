@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
 from kvmap.validate import validate
@@ -27,9 +28,9 @@ def _first(lines, key):
 def test_async_traces_validate_and_replay_with_verified_kv():
     for name in ("async_decode.jsonl", "async_spec_decode.jsonl"):
         assert validate(Trace(TRACES / name)).valid, name
-        r = replay(Trace(TRACES / name), verify_kv=True, nvtx=False)
+        r = replay(Trace(TRACES / name), ReplayConfig(verify_kv=True, nvtx=False))
         assert r.kv_checked > 0 and r.kv_mismatches == 0
-    r = replay(Trace(ASYNC_SPEC), nvtx=False)
+    r = replay(Trace(ASYNC_SPEC), ReplayConfig(nvtx=False))
     assert r.standin_tokens == 0  # the real drafts were recorded (spec_draft_token_ids)
 
 
@@ -72,7 +73,7 @@ def test_without_recorded_drafts_the_input_ids_are_honest_stand_ins(tmp_path):
     lines = read_lines(ASYNC_SPEC)
     for d in lines[1:]:
         d.pop("spec_draft_token_ids", None)
-    r = replay(Trace(write_lines(tmp_path / "t.jsonl", lines)), nvtx=False)
+    r = replay(Trace(write_lines(tmp_path / "t.jsonl", lines)), ReplayConfig(nvtx=False))
     placeholders = sum(len(v) for d in lines[1:]
                        for v in d["scheduler_output"]["scheduled_spec_decode_tokens"].values())
     assert r.standin_tokens == placeholders > 0

@@ -12,6 +12,7 @@ import sys
 from typer.testing import CliRunner
 
 from kvmap.cli.app import app
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
 
@@ -31,8 +32,8 @@ def test_example_backend_replays_a_bundled_trace_from_a_file():
 
 def test_backend_by_module_name(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    r = replay(Trace(TRACES / "prefix_caching.jsonl"), backend="example_backend:V1StyleWorker", verify_kv=True,
-               nvtx=False)
+    r = replay(Trace(TRACES / "prefix_caching.jsonl"), ReplayConfig(backend="example_backend:V1StyleWorker",
+                                                                    verify_kv=True, nvtx=False))
     assert r.backend == "v1_style" and r.kv_checked > 0 and r.kv_mismatches == 0
 
 
@@ -54,7 +55,7 @@ def test_validate_deep_names_the_first_wrong_step_request_and_token():
     # where the bug first shows: the first scheduled position p > 0 with p % 16 == 0, in the reference's dumps
     first = None
     ref: list[dict] = []
-    replay(Trace(path), backend="reference", on_mappings=ref.append, write_kv=False, nvtx=False)
+    replay(Trace(path), ReplayConfig(backend="reference", write_kv=False, nvtx=False), on_mappings=ref.append)
     for d in ref:
         for b, r in enumerate(d["req_ids"]):
             lo, hi = d["query_start_loc"][b], d["query_start_loc"][b + 1]

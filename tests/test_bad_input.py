@@ -158,6 +158,7 @@ def test_steps_window_and_json(tmp_path, worked_example):
 def test_sampled_tokens_past_max_model_len(tmp_path, worked_example, backend):
     """The last step's sampled token would be token max_model_len + 1: named, and nothing is appended."""
     from kvmap.errors import TraceError
+    from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
     from kvmap.trace import Trace
 
@@ -170,5 +171,5 @@ def test_sampled_tokens_past_max_model_len(tmp_path, worked_example, backend):
     lines[0]["max_model_len"] = longest - 1
     path = write_lines(tmp_path / "short.jsonl", lines)
     with pytest.raises(TraceError) as e:
-        replay(Trace(path), backend=backend, nvtx=False, write_kv=False)
+        replay(Trace(path), ReplayConfig(backend=backend, nvtx=False, write_kv=False))
     assert "field sampled_token_ids: sampled tokens overflow max_model_len" in str(e.value), e.value

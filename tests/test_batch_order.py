@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.trace import CachedRequestData, NewRequestData, SchedulerOutput, Step, Trace
 from kvmap.workers.mappings import dump_line
@@ -75,7 +76,7 @@ def test_every_backend_has_the_same_v1_order(path, threshold):
     dumps = {}
     for backend in ("reference", "numpy", "numba", "torch"):
         lines: list[str] = []
-        replay(Trace(path), backend=backend, batch_order="v1", reorder_batch_threshold=threshold, verify_kv=True,
-               nvtx=False, on_mappings=lambda d: lines.append(dump_line(d)))
+        replay(Trace(path), ReplayConfig(backend=backend, batch_order="v1", reorder_batch_threshold=threshold,
+                                         verify_kv=True, nvtx=False), on_mappings=lambda d: lines.append(dump_line(d)))
         dumps[backend] = lines
     assert dumps["numpy"] == dumps["reference"] == dumps["numba"] == dumps["torch"]

@@ -39,6 +39,7 @@ def test_process_baseline_maps_what_kvmap_maps(tmp_path, name):
     import json
     import subprocess
 
+    from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
     from kvmap.trace import Trace
 
@@ -47,7 +48,7 @@ def test_process_baseline_maps_what_kvmap_maps(tmp_path, name):
     out = subprocess.run([sys.executable, str(script), str(TRACES / name)], capture_output=True, text=True,
                          check=True).stdout
     records = []
-    replay(Trace(TRACES / name), backend="numpy", write_kv=False, nvtx=False, on_mappings=records.append)
+    replay(Trace(TRACES / name), ReplayConfig(backend="numpy", write_kv=False, nvtx=False), on_mappings=records.append)
     tokens = sum(len(r["positions"]) for r in records)
     checksum = sum(sum(map(sum, r["slot_mapping"])) if r["slot_mapping"] and isinstance(r["slot_mapping"][0], list)
                    else sum(r["slot_mapping"]) for r in records)

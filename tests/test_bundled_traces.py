@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
 
@@ -29,8 +30,8 @@ _REFERENCE: dict = {}
 
 def _dump(path, backend) -> list[str]:
     lines: list[str] = []
-    replay(Trace(path), backend=backend, on_mappings=lambda d: lines.append(dump_line(d)), write_kv=False,
-           nvtx=False)
+    replay(Trace(path), ReplayConfig(backend=backend, write_kv=False, nvtx=False),
+           on_mappings=lambda d: lines.append(dump_line(d)))
     return lines
 
 
@@ -58,13 +59,13 @@ def test_vectorized_block_appends_equal_the_row_writes(path, monkeypatch):
 
     monkeypatch.setattr(kvmap.workers.state, "ROW_WRITES_MAX", -1)
     got, want = [], []
-    replay(Trace(path), backend="numpy", on_mappings=got.append, write_kv=False, nvtx=False)
-    replay(Trace(path), backend="reference", on_mappings=want.append, write_kv=False, nvtx=False)
+    replay(Trace(path), ReplayConfig(backend="numpy", write_kv=False, nvtx=False), on_mappings=got.append)
+    replay(Trace(path), ReplayConfig(backend="reference", write_kv=False, nvtx=False), on_mappings=want.append)
     assert got == want
 
 
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name)
 def test_verify_kv_finds_no_mismatch(path):
-    r = replay(Trace(path), verify_kv=True, nvtx=False)
+    r = replay(Trace(path), ReplayConfig(verify_kv=True, nvtx=False))
     assert r.kv_checked > 0
     assert r.kv_mismatches == 0, r.kv_examples[:3]

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from kvmap.cli.app import app
 from kvmap.kv.cache import KVCheckResult, canary, canary_torch
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.run.timing import EventTimer
 from kvmap.trace import Trace
@@ -22,7 +23,7 @@ SMALL = ["worked_example.jsonl", "chunked_prefill.jsonl", "prefix_caching.jsonl"
 
 def reference(path):
     out: list = []
-    replay(Trace(path), backend="reference", on_mappings=out.append, write_kv=False, nvtx=False)
+    replay(Trace(path), ReplayConfig(backend="reference", write_kv=False, nvtx=False), on_mappings=out.append)
     return out
 
 
@@ -30,7 +31,7 @@ def reference(path):
 def test_torch_worker_equals_reference_and_kv_reads_back(path):
     got: list = []
     verify = "long_mixed" not in path.name  # 57 M read-backs in torch on CPU: the numba path checks that one
-    r = replay(Trace(path), backend="torch", on_mappings=got.append, verify_kv=verify, nvtx=False)
+    r = replay(Trace(path), ReplayConfig(backend="torch", verify_kv=verify, nvtx=False), on_mappings=got.append)
     assert got == reference(path)
     assert r.kv_mismatches == 0 and (r.kv_checked > 0 or not verify)
     assert "h2d" in r.phases and r.h2d_bytes > 0
@@ -40,7 +41,7 @@ def test_torch_worker_equals_reference_and_kv_reads_back(path):
 def test_triton_kernels_equal_reference_under_the_interpreter(name):
     pytest.importorskip("triton")
     got: list = []
-    r = replay(Trace(TRACES / name), backend="triton", on_mappings=got.append, verify_kv=True, nvtx=False)
+    r = replay(Trace(TRACES / name), ReplayConfig(backend="triton", verify_kv=True, nvtx=False), on_mappings=got.append)
     assert got == reference(TRACES / name)
     assert r.kv_checked > 0 and r.kv_mismatches == 0
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
 from kvmap.workers.mappings import dump_line
@@ -22,8 +23,8 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 def _emulated(path, **kw) -> bytes:
     lines: list[str] = []
-    replay(Trace(path), backend="numpy", on_mappings=lambda d: lines.append(dump_line(d)), write_kv=False,
-           nvtx=False, **kw)
+    replay(Trace(path), ReplayConfig(backend="numpy", write_kv=False, nvtx=False, **kw),
+           on_mappings=lambda d: lines.append(dump_line(d)))
     return "".join(lines).encode()
 
 

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmap.errors import TraceError
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
 from kvmap.validate import validate
@@ -27,7 +28,7 @@ SAME = {"unknown_request": {"unknown_request", "scheduled_after_finish"}}
 def replay_outcome(path):
     """('refused', TraceError) or ('ran', first KV-mismatch step or None)."""
     try:
-        r = replay(Trace(path), backend="numpy", verify_kv=True, nvtx=False, warmup=0)
+        r = replay(Trace(path), ReplayConfig(backend="numpy", verify_kv=True, nvtx=False, warmup=0))
     except TraceError as e:
         return "refused", e
     first = min((e["step"] for e in r.kv_examples), default=None)

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmap.errors import KvmapError
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
 from kvmap.validate import validate
@@ -34,7 +35,7 @@ def run_both(path) -> str:
     except KvmapError:
         outcome = "error"
     try:
-        replay(Trace(path), nvtx=False, write_kv=False, warmup=0)
+        replay(Trace(path), ReplayConfig(nvtx=False, write_kv=False, warmup=0))
     except KvmapError:
         outcome = "error"
     return outcome

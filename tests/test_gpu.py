@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay  # noqa: E402
 from kvmap.trace import Trace  # noqa: E402
 from kvmap.workers.registry import make_worker  # noqa: E402
@@ -17,7 +18,7 @@ from .conftest import TRACES, bundled_traces  # noqa: E402
 
 def reference(path):
     out: list = []
-    replay(Trace(path), backend="reference", on_mappings=out.append, write_kv=False, nvtx=False)
+    replay(Trace(path), ReplayConfig(backend="reference", write_kv=False, nvtx=False), on_mappings=out.append)
     return out
 
 
@@ -25,7 +26,8 @@ def reference(path):
 @pytest.mark.parametrize("path", bundled_traces(), ids=lambda p: p.name)
 def test_gpu_worker_equals_reference(path, backend):
     got: list = []
-    r = replay(Trace(path), backend=backend, device="cuda", on_mappings=got.append, verify_kv=True, nvtx=False)
+    r = replay(Trace(path), ReplayConfig(backend=backend, device="cuda", verify_kv=True, nvtx=False),
+               on_mappings=got.append)
     assert got == reference(path)
     assert r.kv_mismatches == 0 and r.kv_checked > 0
     assert r.device_phase_ns.shape == r.phase_ns.shape  # one CUDA-event time per phase and step
@@ -55,7 +57,7 @@ def test_nccl_processes_equal_the_emulation(tmp_path):
     dump = tmp_path / "nccl.jsonl"
     r = launch(path, 2, backend="triton", device="cuda", verify_kv=True, dump_mappings=dump, timeout=300)
     want: list[str] = []
-    replay(Trace(path), backend="reference", on_mappings=lambda d: want.append(dump_line(d)), write_kv=False,
-           nvtx=False)
+    replay(Trace(path), ReplayConfig(backend="reference", write_kv=False, nvtx=False),
+           on_mappings=lambda d: want.append(dump_line(d)))
     assert dump.read_text() == "".join(want)
     assert r.kv_mismatches == 0 and r.world_size == 2

@@ -7,6 +7,7 @@ import pytest
 
 from kvmap.kv.cache import KV_DTYPES, KVCheckResult, KVGeometry, PagedKVCache
 from kvmap.kv.canary import canary, canary_value
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
 from kvmap.workers.registry import make_worker
@@ -82,7 +83,7 @@ def test_verify_finds_a_corrupted_slot(use_kernels):
     blk = int(w.state.block_tables[0][row, 0])
     slot = blk * 16 + 3
     kv.bits[0][:, slot] += 1
-    r = replay(Trace(path), stop=None, verify_kv=True, nvtx=False)  # a clean replay finds nothing
+    r = replay(Trace(path), ReplayConfig(stop=None, verify_kv=True, nvtx=False))  # a clean replay finds nothing
     assert r.kv_mismatches == 0
     w.run_step(next(t.steps(6, 7)))
     w.write_kv(kv)

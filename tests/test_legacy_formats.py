@@ -9,6 +9,7 @@ import json
 from typer.testing import CliRunner
 
 from kvmap.cli.app import app
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
 
@@ -40,8 +41,8 @@ def test_legacy_forms_replay_identically(tmp_path):
     old = write_lines(tmp_path / "old.jsonl", legacy(lines))
     assert "resumed_from_preemption" in old.read_text()
     a, b = [], []
-    replay(Trace(TRACES / "preemption_v1.jsonl"), on_mappings=a.append, write_kv=False, nvtx=False)
-    r = replay(Trace(old), on_mappings=b.append, verify_kv=True, nvtx=False)
+    replay(Trace(TRACES / "preemption_v1.jsonl"), ReplayConfig(write_kv=False, nvtx=False), on_mappings=a.append)
+    r = replay(Trace(old), ReplayConfig(verify_kv=True, nvtx=False), on_mappings=b.append)
     assert a == b and r.kv_mismatches == 0
     assert runner.invoke(app, ["validate", str(old)]).exit_code == 0
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvmap.layout import PAD_SLOT_ID
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
 from kvmap.workers.mappings import dump_line
@@ -24,8 +25,8 @@ MULTI = ["dcp2", "dcp4_interleave8", "kernel_block_split", "vllm51031", "dcp2_ma
 
 def _dump(path, backend="reference", **kw) -> list[str]:
     lines: list[str] = []
-    replay(Trace(path), backend=backend, on_mappings=lambda d: lines.append(dump_line(d)), write_kv=False,
-           nvtx=False, **kw)
+    replay(Trace(path), ReplayConfig(backend=backend, write_kv=False, nvtx=False, **kw),
+           on_mappings=lambda d: lines.append(dump_line(d)))
     return lines
 
 
@@ -64,8 +65,8 @@ def test_triton_equals_the_reference_on_every_rank(name):
     path = TRACES / f"{name}.jsonl"
     stop = 12  # the interpreter is slow: the first steps (prefill chunks, decodes, block crossings)
     got: list[str] = []
-    r = replay(Trace(path), backend="triton", stop=stop, on_mappings=lambda d: got.append(dump_line(d)),
-               verify_kv=True, nvtx=False)
+    r = replay(Trace(path), ReplayConfig(backend="triton", stop=stop, verify_kv=True, nvtx=False),
+               on_mappings=lambda d: got.append(dump_line(d)))
     assert got == _ref(path)[:stop]
     assert r.kv_checked > 0 and r.kv_mismatches == 0
 
@@ -75,7 +76,7 @@ def test_handmade_dcp_traces(handmade, backend):
     pytest.importorskip("numba" if backend == "numba" else "numpy")
     for p in handmade:
         assert _dump(p, backend) == _dump(p)
-        r = replay(Trace(p), backend=backend, verify_kv=True, nvtx=False)
+        r = replay(Trace(p), ReplayConfig(backend=backend, verify_kv=True, nvtx=False))
         assert r.kv_mismatches == 0 and r.kv_checked > 0
 
 
@@ -83,7 +84,7 @@ def test_handmade_dcp_traces(handmade, backend):
 @pytest.mark.parametrize("name", MULTI)
 def test_every_rank_reads_back_clean(name, backend):
     pytest.importorskip({"numba": "numba", "torch": "torch"}.get(backend, "numpy"))
-    r = replay(Trace(TRACES / f"{name}.jsonl"), backend=backend, verify_kv=True, nvtx=False)
+    r = replay(Trace(TRACES / f"{name}.jsonl"), ReplayConfig(backend=backend, verify_kv=True, nvtx=False))
     assert r.kv_checked > 0 and r.kv_mismatches == 0, r.kv_examples[:2]
     h = Trace(TRACES / f"{name}.jsonl").header
     if h.decode_context_parallel_size > 1:
@@ -130,7 +131,7 @@ def test_one_rank_is_a_slice_of_all_ranks(backend):
             assert a["dcp_ranks"] == [r]
             assert a["slot_mapping"] == [b["slot_mapping"][r]]
             assert a["dcp_local_seq_lens"] == [b["dcp_local_seq_lens"][r]]
-        res = replay(Trace(path), backend=backend, ranks=[r], verify_kv=True, nvtx=False)
+        res = replay(Trace(path), ReplayConfig(backend=backend, ranks=[r], verify_kv=True, nvtx=False))
         assert res.ranks == [r] and res.kv_mismatches == 0
 
 
@@ -139,8 +140,8 @@ def test_tp_shards_the_heads():
 
     assert KVGeometry(8, 64).tp_shard(4).num_kv_heads == 2
     assert KVGeometry(1, 64).tp_shard(2).num_kv_heads == 1  # replicated when tp > heads
-    r = replay(Trace(TRACES / "dcp4_interleave8.jsonl"), backend="numpy", kv_geometry=KVGeometry(8, 16),
-               nvtx=False)
+    r = replay(Trace(TRACES / "dcp4_interleave8.jsonl"), ReplayConfig(backend="numpy", kv_geometry=KVGeometry(8, 16),
+                                                                      nvtx=False))
     assert r.kv_geometry["num_kv_heads"] == 8 and r.tp_size == 4
     assert r.rank_kv_bytes[0] * 4 == r.kv_bytes  # 4 DCP shards, each with 8 // 4 heads
     assert r.rank_kv_bytes[0] == 10 * 16 * 2 * 2 * 16 * 2  # blocks * block_size * K,V * heads * head * bytes
@@ -151,7 +152,7 @@ def test_planted_vllm51031_mistake_is_caught():
     t = Trace(path)
     w = VirtualBlockFromKernelSize(t.header)
     got: list[str] = []
-    r = replay(t, worker=w, on_mappings=lambda d: got.append(dump_line(d)), verify_kv=True, nvtx=False)
+    r = replay(t, ReplayConfig(verify_kv=True, nvtx=False), worker=w, on_mappings=lambda d: got.append(dump_line(d)))
     want = _ref(path)
     first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
     assert json.loads(got[first])["step"] == json.loads(want[first])["step"]
@@ -163,16 +164,16 @@ def test_summary_shows_per_rank_figures():
 
     from rich.console import Console
 
-    from kvmap.run.report import render_summary, summary_dict
+    from kvmap.render.report import render_summary, summary_dict
 
-    r = replay(Trace(TRACES / "dcp2.jsonl"), backend="numpy", verify_kv=True, nvtx=False)
+    r = replay(Trace(TRACES / "dcp2.jsonl"), ReplayConfig(backend="numpy", verify_kv=True, nvtx=False))
     buf = StringIO()
     render_summary(r, Console(file=buf, width=120))
     text = buf.getvalue()
     assert "per DCP rank" in text and "DCP 2 (interleave 1), TP 2" in text
     per = summary_dict(r)["ranks"]["per_rank"]
     assert [x["rank"] for x in per] == [0, 1] and sum(x["local_tokens"] for x in per) == r.tokens_scheduled
-    assert "ranks" not in summary_dict(replay(Trace(TRACES / "worked_example.jsonl"), nvtx=False))
+    assert "ranks" not in summary_dict(replay(Trace(TRACES / "worked_example.jsonl"), ReplayConfig(nvtx=False)))
 
 
 def test_explain_shows_the_chain_on_every_rank():

@@ -10,8 +10,9 @@ import json
 from typer.testing import CliRunner
 
 from kvmap.cli.app import app
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
-from kvmap.run.report import to_chrome_trace, to_csv
+from kvmap.render.report import to_chrome_trace, to_csv
 from kvmap.run.result import ReplayResult
 from kvmap.trace import Trace
 
@@ -41,13 +42,13 @@ def test_compare_with_itself_is_one(tmp_path):
 
 
 def test_result_json_round_trip():
-    r = replay(Trace(TRACE), nvtx=False)
+    r = replay(Trace(TRACE), ReplayConfig(nvtx=False))
     back = ReplayResult.from_json(json.loads(json.dumps(r.to_json())))
     assert (back.phase_ns == r.phase_ns).all() and back.phases == r.phases and (back.steps == r.steps).all()
 
 
 def test_chrome_trace_is_valid_trace_event_json():
-    r = replay(Trace(TRACE), nvtx=False)
+    r = replay(Trace(TRACE), ReplayConfig(nvtx=False))
     d = json.loads(json.dumps(to_chrome_trace(r)))
     events = d["traceEvents"]
     steps = [e for e in events if e["ph"] == "X" and e["tid"] == 0]
@@ -68,7 +69,7 @@ def test_chrome_trace_is_valid_trace_event_json():
 
 
 def test_csv_one_row_per_step_and_phase():
-    r = replay(Trace(TRACE), nvtx=False)
+    r = replay(Trace(TRACE), ReplayConfig(nvtx=False))
     rows = list(csv.DictReader(io.StringIO(to_csv(r))))
     assert len(rows) == 107 * len(r.phases)
     assert {x["phase"] for x in rows} == set(r.phases)
@@ -86,9 +87,9 @@ def test_device_times_are_rendered_when_present():
     import numpy as np
     from rich.console import Console
 
-    from kvmap.run.report import render_summary, summary_dict
+    from kvmap.render.report import render_summary, summary_dict
 
-    r = replay(Trace(TRACE), nvtx=False)
+    r = replay(Trace(TRACE), ReplayConfig(nvtx=False))
     r.device = "cuda:0"
     r.device_phase_ns = np.full_like(r.phase_ns, 2000)  # as CUDA events would give, 2 us a phase
     console = Console(record=True, width=120)
@@ -101,7 +102,7 @@ def test_device_times_are_rendered_when_present():
 def test_percentiles_are_numpys_bit_for_bit():
     import numpy as np
 
-    from kvmap.run.report import median, percentiles
+    from kvmap.run.stats import median, percentiles
 
     rng = np.random.default_rng(7)
     for n in (1, 2, 3, 10, 101, 1919):
@@ -116,7 +117,7 @@ def test_requests_measured_are_the_requests_scheduled_in_the_measured_steps():
     path = TRACES / "long_mixed.jsonl.gz"
     decoded = list(Trace(path).steps())
     for start, stop in ((0, None), (0, 300), (500, 900), (1800, None)):
-        r = replay(Trace(path), start=start, stop=stop, warmup=2, write_kv=False, nvtx=False)
+        r = replay(Trace(path), ReplayConfig(start=start, stop=stop, warmup=2, write_kv=False, nvtx=False))
         measured = set(r.measured_steps().tolist())
         want = {rid for s in decoded if s.step in measured for rid in s.scheduled_req_ids()}
         assert r.requests_measured == len(want), (start, stop)
@@ -125,7 +126,7 @@ def test_requests_measured_are_the_requests_scheduled_in_the_measured_steps():
 def test_each_steps_phases_lie_inside_its_span():
     """The per-step clock reads, differenced once at the end: every phase time is positive, a step's phases
     add up to at most the time until the next step starts."""
-    r = replay(Trace(TRACES / "chunked_prefill.jsonl"), nvtx=False)
+    r = replay(Trace(TRACES / "chunked_prefill.jsonl"), ReplayConfig(nvtx=False))
     assert r.phase_ns.shape == (len(r.steps), len(r.phases)) and (r.phase_ns > 0).all()
     starts = r.step_start_ns
     assert (starts[1:] - starts[:-1] >= r.phase_ns[:-1].sum(axis=1)).all() and starts[0] >= 0

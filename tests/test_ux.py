@@ -81,12 +81,13 @@ def test_a_window_from_zero_is_measured_whole_after_a_throwaway_warmup(tmp_path)
 
 
 def test_a_given_worker_takes_its_warmup_from_the_window():
+    from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
     from kvmap.trace import Trace
     from kvmap.workers.registry import make_worker
 
     t = Trace(TRACE)
-    r = replay(t, worker=make_worker("numpy", t.header, "cpu"), warmup=3, nvtx=False)
+    r = replay(t, ReplayConfig(warmup=3, nvtx=False), worker=make_worker("numpy", t.header, "cpu"))
     assert r.prewarm_steps == 0 and list(r.warmup_steps()) == [0, 1, 2] and r.measured_steps()[0] == 3
 
 
@@ -323,3 +324,25 @@ def test_bundled_traces_by_name_from_any_folder(tmp_path, monkeypatch):
     assert row[1:4] == ["1919", "300", "278,131"]
     res = runner.invoke(app, ["replay", "long_mixed", "--steps", "10:20", "-q", "--no-progress"])
     assert res.exit_code == 0, res.output
+
+
+def test_an_unwritable_output_is_one_line_not_a_traceback():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NVTX_DISABLE": "1"}
+    for k in ("COLUMNS", "TTY_COMPATIBLE", "FORCE_COLOR", "TTY_INTERACTIVE"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "kvmap", "replay", "--no-progress"]
+    if os.path.exists("/dev/full"):  # a full disk, under the piped summary, Rich's output and `-` as FILE
+        for args in ([], ["-q", "--json", "-"], ["-q", "--dump-mappings", "-"]):
+            with open("/dev/full", "w") as full:
+                proc = subprocess.run(cmd + args, stdout=full, stderr=subprocess.PIPE, text=True, env=env,
+                                      timeout=120)
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr)
+            assert proc.stderr.strip() == "kvmap: error: cannot write the output: No space left on device", args
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run([sys.executable, "-m", "kvmap", "validate", str(TRACES / "worked_example.jsonl")],
+                                  stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "No space left" in proc.stderr
+    # standard output closed before kvmap starts (`>&-`): nothing to write to, and no traceback on the way out
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, timeout=120,
+                          preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr

@@ -265,3 +265,20 @@ def test_deep_compares_every_backend_and_the_kv_cache():
     assert r.valid
     assert r.deep["backends"]["numpy"]["differing_steps"] == 0
     assert r.deep["backends"]["numpy"]["kv_mismatches"] == 0 and r.deep["backends"]["numpy"]["kv_checked"] > 0
+
+
+def test_a_bad_lines_well_formed_parts_are_read_and_nothing_else():
+    """salvage.py reads only what is well-formed; the validator applies it (Validator.salvage)."""
+    from kvmap.validate.salvage import read_bad_line
+
+    bad = read_bad_line({"scheduler_output": {
+        "finished_req_ids": ["A", 7], "preempted_req_ids": "B",
+        "scheduled_new_reqs": [{"req_id": "N"}, {"req_id": None}, 3],
+        "scheduled_cached_reqs": {"req_ids": ["C", "R", 5, "D", "E"], "resumed_req_ids": ["R"],
+                                  "new_block_ids": [[[1, 2]], [[3]], [[4]], None, [[5, "x"]]]}},
+        "sampled_token_ids": {"C": [11, 12], "D": "oops", "E": None, "F": [1.5]}})
+    assert bad.finished == ["A"] and bad.preempted == []
+    assert bad.new_ids == {"N"} and bad.resumed == {"R"} and bad.cached == ["C", "R", "D", "E"]
+    assert bad.appended == [("C", [[1, 2]])]  # R is resumed, 5 no id, D no blocks, E a bad block list
+    assert bad.sampled == {"C": [11, 12]} and bad.sampled_bad == {"D", "F"}  # E: None, as if absent
+    assert read_bad_line("not an object") == read_bad_line({})

@@ -2,6 +2,7 @@
 16 computed, blocks [81, 44]) computes 8. Model Runner V2 sorts the batch by scheduled tokens, so B is batch
 row 0 (the explainer's "B is batch row 2" contradicts its own query_start_loc [0, 1, 9])."""
 
+from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
 
@@ -10,7 +11,7 @@ from .conftest import TRACES
 
 def _step(path, backend, n):
     dumps = []
-    replay(Trace(path), backend=backend, on_mappings=dumps.append, stop=n + 1, nvtx=False, warmup=0)
+    replay(Trace(path), ReplayConfig(backend=backend, stop=n + 1, nvtx=False, warmup=0), on_mappings=dumps.append)
     return dumps[n]
 
 
@@ -37,7 +38,7 @@ def test_step_2_needs_a_third_block_for_b(worked_example):
 
 
 def test_verify_kv_reads_back_every_position(worked_example):
-    r = replay(Trace(worked_example), verify_kv=True, nvtx=False)
+    r = replay(Trace(worked_example), ReplayConfig(verify_kv=True, nvtx=False))
     assert r.kv_mismatches == 0
     # step 0: 16 + 31, step 1: 32 + 24, step 2: 33 + 25 readable positions
     assert r.kv_checked == (16 + 31) + (32 + 24) + (33 + 25)
@@ -60,7 +61,8 @@ def test_a_trace_without_sampled_tokens_uses_stand_ins_and_says_so(tmp_path):
     path = write_lines(tmp_path / "nosamples.jsonl", lines)
     for backend in ("numpy", "reference"):
         dumps = []
-        r = replay(Trace(path), backend=backend, on_mappings=dumps.append, verify_kv=backend == "numpy", nvtx=False)
+        r = replay(Trace(path), ReplayConfig(backend=backend, verify_kv=backend == "numpy", nvtx=False),
+                   on_mappings=dumps.append)
         assert r.standin_tokens == 1 + 2  # B at position 31 in step 1; B at 32 and A at 24 in step 2
         assert dumps[1]["input_ids"][0] == 0 and dumps[1]["slot_mapping"] == [[207] + list(range(704, 712))]
         assert dumps[2]["input_ids"] == [0, 0]

@@ -1,14 +1,12 @@
 """The `kvmap` command line: parse options, call the library, render. No computation lives here.
 
 `main` is the entry point: `kvmap --help` is drawn before typer loads (cli/root_help.py); everything else
-runs the Typer app, `kvmap.cli.app.app` (cli/app.py, which loads every command module).
+runs the Typer app, `kvmap.cli.app.app` (cli/app.py, which registers every command).
 
 Before anything imports numpy, `main` gives OpenBLAS one thread unless the user chose a count
 (`OPENBLAS_NUM_THREADS`, or `OMP_NUM_THREADS`, which OpenBLAS also reads): kvmap makes no BLAS call, and the
-thread pool numpy's OpenBLAS starts at import spins on the other core for about 0.14 s of CPU (measured:
-`import numpy` took 0.255 s of CPU against 0.117 s with one thread, and a whole replay 0.635 s against 0.526 s).
-On a 2-core machine whose other core is busy that spin is wall time: a replay of the long trace took 0.589 s
-against 0.530 s. Child processes (`kvmap profile`, multi-process replay) inherit it.
+thread pool numpy's OpenBLAS starts at import spins on another core (its cost: docs/performance.md). Child
+processes (`kvmap profile`, multi-process replay) inherit it.
 """
 
 import os

@@ -8,12 +8,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvmap.cli.app import TraceArg, app, out, spinner, user_errors
+from kvmap.cli.console import Spinner, out
+from kvmap.cli.guard import user_errors
+from kvmap.cli.options import TraceArg
 from kvmap import defaults
 from kvmap.errors import KvmapError
 
 
-@app.command()
 @user_errors
 def validate(
     trace: Annotated[Path, typer.Argument(help="Trace file (.jsonl or .jsonl.gz).")],
@@ -43,7 +44,7 @@ def validate(
     if json_out and str(json_out) == "-":
         print(json.dumps(report.to_json(), indent=1))
     else:
-        from kvmap.cli.render_validate import render_validation
+        from kvmap.render.validate import render_validation
 
         render_validation(report, out)
         if json_out:
@@ -52,7 +53,6 @@ def validate(
         raise typer.Exit(1)
 
 
-@app.command()
 @user_errors
 def explain(
     trace: TraceArg = None,
@@ -71,7 +71,7 @@ def explain(
     from kvmap.explain.build import explain as run_explain
     from kvmap.kv.cache import KVGeometry
     from kvmap.files import resolve_trace
-    from kvmap.explain.render import render_explain
+    from kvmap.render.explain import render_explain
     from kvmap.trace import Trace
 
     d = run_explain(Trace(resolve_trace(trace)), step, req, token, group, KVGeometry(kv_heads, head_size, kv_dtype))
@@ -81,7 +81,6 @@ def explain(
         render_explain(d, out)
 
 
-@app.command()
 @user_errors
 def record(
     workload: Annotated[Path, typer.Argument(help="Workload file (YAML): scheduler settings and requests.")],
@@ -98,7 +97,7 @@ def record(
     tmp = output.with_name(f".{output.name}.partial")
     if not output.parent.is_dir():
         raise KvmapError(f"folder {output.parent} does not exist", path=str(output))
-    with spinner(progress, f"recording {w.name}") as tick:
+    with Spinner(progress, f"recording {w.name}") as tick:
         try:
             s = run_record(w, str(tmp) + (".gz" if output.name.endswith(".gz") else ""), on_step=tick)
         except BaseException:
@@ -107,7 +106,7 @@ def record(
             raise
     written = Path(s.path)
     written.replace(output)
-    from kvmap.run.text import say
+    from kvmap.render.text import say
 
     say(out, f"recorded {output}: {s.steps} steps, {s.requests} requests, {s.tokens} tokens, "
               f"{s.preemptions} preemptions, {s.prefix_hit_tokens} prefix-hit tokens, "
@@ -116,7 +115,6 @@ def record(
 
 
 
-@app.command()
 @user_errors
 def traces() -> None:
     """List the bundled traces: each name works as TRACE from any folder (`kvmap replay long_mixed`)."""
@@ -124,7 +122,7 @@ def traces() -> None:
 
     from kvmap.files import bundled_traces_dir
     from kvmap.run.catalog import catalog
-    from kvmap.run.text import fit_table, safe, say
+    from kvmap.render.text import fit_table, safe, say
 
     rows = catalog()
     if not rows:

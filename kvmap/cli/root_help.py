@@ -3,16 +3,17 @@ one drawing of the root help.
 
 Rules: `draw` is the root help's only renderer. `KvmapGroup.format_help` calls it with the live app's options
 and commands; `kvmap.cli.main` calls it with `OPTIONS` and `COMMANDS` below before anything imports typer
-(typer and the command modules were about 0.1 s of every `kvmap --help`, measured). tests/test_startup.py holds
-the two outputs equal byte for byte, so these lists cannot drift from the app. This module imports only the
-standard library (and kvmap/run/plain.py's constants) at load, and rich when it draws.
+(typer and the command modules stay unloaded; its cost is in docs/performance.md, "Speed twins").
+tests/test_startup.py holds the two outputs equal byte for byte, so these lists cannot drift from the app. This
+module imports only the standard library (and kvmap/render/text.py's constants) at load, and rich when it draws.
 """
 
 from __future__ import annotations
 
 import os
 
-from kvmap.run.plain import PIPED_WIDTH  # tables when stdout is not a terminal and COLUMNS is unset
+from kvmap.render.text import PIPED_WIDTH
+
 HELP = "Replay, time, check and explain how vLLM scheduler decisions become paged-KV GPU input tensors."
 OPTIONS = (("--version", "Print the version and exit."), ("--help", "Show this message and exit."))
 # (name, the first paragraph of its docstring), in the app's order: the command modules' registration order
@@ -41,7 +42,7 @@ def fit_width(console) -> None:
 
 def draw(console, prog: str, help_text: str, options, commands) -> None:
     """The root help as typer lays it out (usage, text, an Options and a Commands panel), with rich's panel and
-    table: typer's rich help formatter imports rich.markdown, markdown_it and pygments (about 0.1 s)."""
+    table: typer's rich help formatter imports rich.markdown, markdown_it and pygments, which kvmap never loads."""
     from rich.box import ROUNDED
     from rich.padding import Padding
     from rich.panel import Panel

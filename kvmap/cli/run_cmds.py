@@ -13,13 +13,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvmap.cli.app import (BackendOpt, StepsOpt, TraceArg, WarmupOpt, app, err, out, parse_steps, progress_bar,
-                           spinner, user_errors)
+from kvmap.cli.console import ProgressBar, Spinner, err, out
+from kvmap.cli.guard import user_errors
+from kvmap.cli.options import BackendOpt, StepsOpt, TraceArg, WarmupOpt, parse_steps
 from kvmap import defaults
 from kvmap.errors import KvmapError
 
 
-@app.command()
 @user_errors
 def replay(
     trace: TraceArg = None,
@@ -63,11 +63,10 @@ def replay(
                                                  min=1)] = None,
 ) -> None:
     """Replay a trace step by step: every index mapping, a real paged KV cache, a timing summary."""
+    from kvmap.files import check_outputs, resolve_trace
     from kvmap.kv.cache import KVGeometry
-    from kvmap.files import atomic_open, check_outputs, resolve_trace
-    from kvmap.run.replay import replay as run_replay
+    from kvmap.run.config import ReplayConfig
     from kvmap.trace import Trace
-    from kvmap.workers.mappings import dump_line
     from kvmap.workers.registry import default_backend
 
     if device != "cpu" and backend is None:
@@ -82,44 +81,57 @@ def replay(
                          field=to_stdout[1])
     check_outputs(outputs, [trace])
     t = Trace(trace)
-    geometry = KVGeometry(kv_heads, head_size, kv_dtype).check()
-    if rank is not None and rank >= t.header.decode_context_parallel_size:
-        raise KvmapError(f"the trace has {t.header.decode_context_parallel_size} DCP rank(s): --rank must be "
-                         f"below that", field="--rank")
+    config = ReplayConfig(backend=backend, device=device, start=start, stop=stop, warmup=warmup, verify_kv=verify_kv,
+                          write_kv=not no_kv, kv_geometry=KVGeometry(kv_heads, head_size, kv_dtype).check(),
+                          nvtx=nvtx, capture=nvtx_capture, batch_order=batch_order,
+                          reorder_batch_threshold=reorder_threshold, ranks=None if rank is None else [rank])
+    cp = t.header.decode_context_parallel_size
+    if rank is not None and rank >= cp:
+        raise KvmapError(f"the trace has {cp} DCP rank(s): --rank must be below that", field="--rank")
     if nproc is not None:
-        from kvmap.run.distributed import launch
-
-        if rank is not None:
-            raise KvmapError("--rank and --nproc exclude each other: with --nproc every process is a rank",
-                             field="--rank")
-        cp = t.header.decode_context_parallel_size
-        if nproc % cp:  # said before any process starts (each rank would say it again after seconds)
-            raise KvmapError(f"{nproc} processes cannot form DCP groups of {cp}: use a multiple of {cp}",
-                             field="--nproc")
-        result = launch(trace, nproc, backend=backend, device=device, verify_kv=verify_kv, write_kv=not no_kv,
-                        kv_geometry=geometry, dump_mappings=dump_mappings, start=start, stop=stop, warmup=warmup)
-        _finish(result, None if quiet else out, json_out, csv_out, trace_out)
+        _finish(_launch(trace, cp, nproc, rank, config, dump_mappings), None if quiet else out, json_out, csv_out,
+                trace_out)
         return
-    with ExitStack() as stack:  # the dump is renamed into place only if the whole replay succeeds
+    result = _replay_here(t, config, dump_mappings, progress)
+    _finish(result, None if quiet else (err if to_stdout else out), json_out, csv_out, trace_out)
+
+
+def _launch(trace: Path, cp: int, nproc: int, rank: int | None, config, dump_mappings: Path | None):
+    """`--nproc`: one process per rank under torchrun; its options checked before any process starts."""
+    from kvmap.run.distributed import launch
+
+    if rank is not None:
+        raise KvmapError("--rank and --nproc exclude each other: with --nproc every process is a rank",
+                         field="--rank")
+    if nproc % cp:  # said before any process starts (each rank would say it again after seconds)
+        raise KvmapError(f"{nproc} processes cannot form DCP groups of {cp}: use a multiple of {cp}",
+                         field="--nproc")
+    return launch(trace, nproc, backend=config.backend, device=config.device, verify_kv=config.verify_kv,
+                  write_kv=config.write_kv, kv_geometry=config.kv_geometry, dump_mappings=dump_mappings,
+                  start=config.start, stop=config.stop, warmup=config.warmup)
+
+
+def _replay_here(t, config, dump_mappings: Path | None, progress: bool):
+    """The replay in this process; the dump is renamed into place only if the whole replay succeeds."""
+    from kvmap.files import atomic_open
+    from kvmap.run.replay import replay as run_replay
+    from kvmap.workers.mappings import dump_line
+
+    with ExitStack() as stack:
         dump_file = stack.enter_context(atomic_open(dump_mappings)) if dump_mappings else None
 
         def on_mappings(d: dict) -> None:
-            if d["step"] >= start:
+            if d["step"] >= config.start:
                 dump_file.write(dump_line(d))
 
-        with progress_bar(progress, t, backend) as advance:
-            result = run_replay(t, backend=backend, device=device, start=start, stop=stop, warmup=warmup,
-                                verify_kv=verify_kv, write_kv=not no_kv, kv_geometry=geometry, nvtx=nvtx,
-                                on_mappings=on_mappings if dump_file else None, on_step=advance,
-                                capture=nvtx_capture, batch_order=batch_order,
-                                reorder_batch_threshold=reorder_threshold, ranks=None if rank is None else [rank])
-    _finish(result, None if quiet else (err if to_stdout else out), json_out, csv_out, trace_out)
+        with ProgressBar(progress, t, config.backend) as advance:
+            return run_replay(t, config, on_mappings=on_mappings if dump_file else None, on_step=advance)
 
 
 def _finish(result, console, json_out, csv_out, trace_out) -> None:
     """Render the summary (unless `console` is None), write the outputs asked for; exit 1 on KV mismatches."""
     from kvmap.files import write_json, write_text
-    from kvmap.run.report import render_summary, summary_dict, to_chrome_trace, to_csv
+    from kvmap.render.report import render_summary, summary_dict, to_chrome_trace, to_csv
 
     if console is not None:
         render_summary(result, console)
@@ -133,7 +145,6 @@ def _finish(result, console, json_out, csv_out, trace_out) -> None:
         raise typer.Exit(1)
 
 
-@app.command()
 @user_errors
 def profile(
     trace: TraceArg = None,
@@ -155,7 +166,7 @@ def profile(
 
     from kvmap.run import profile as P
     from kvmap.files import resolve_trace
-    from kvmap.run.report import render_profile
+    from kvmap.render.report import render_profile
     from kvmap.run.result import ReplayResult
 
     from kvmap.trace import Trace
@@ -178,7 +189,7 @@ def profile(
     if builtin:
         replay(trace_path, backend=backend, steps=steps, warmup=warmup,
                trace_out=output.with_name(output.name + ".trace.json"), progress=False)
-        from kvmap.run.text import say
+        from kvmap.render.text import say
 
         say(out, f"wrote {output.name}.trace.json (open it in https://ui.perfetto.dev)")
         return
@@ -188,7 +199,7 @@ def profile(
                          "`kvmap profile --builtin` for a Perfetto trace without nsys", field="nsys")
     with tempfile.TemporaryDirectory() as tmp:
         res_path = Path(tmp) / "result.json"
-        with spinner(True, f"profiling under {exe}"):
+        with Spinner(True, f"profiling under {exe}"):
             P.run_nsys(exe, output, args + ["--json", str(res_path)], timeout=timeout)
         data = json.loads(res_path.read_text())
     rep = output if output.suffix == ".nsys-rep" else output.with_name(output.name + ".nsys-rep")
@@ -202,7 +213,6 @@ def profile(
     render_profile(result, ranges, out, rep)
 
 
-@app.command()
 @user_errors
 def report(
     result: Annotated[Path, typer.Argument(help="A run saved with `kvmap replay --json`.")],
@@ -211,7 +221,7 @@ def report(
 ) -> None:
     """Re-render a saved run: the same summary `kvmap replay` printed."""
     from kvmap.files import write_json, write_text
-    from kvmap.run.report import render_summary, to_chrome_trace, to_csv
+    from kvmap.render.report import render_summary, to_chrome_trace, to_csv
 
     r = _load_result(result)
     render_summary(r, err if "-" in (str(csv_out), str(trace_out)) else out)
@@ -221,7 +231,6 @@ def report(
         write_json(trace_out, to_chrome_trace(r))
 
 
-@app.command()
 @user_errors
 def compare(
     a: Annotated[Path, typer.Argument(help="Run A (`kvmap replay --json`).")],
@@ -234,7 +243,8 @@ def compare(
 ) -> None:
     """Per-phase ratios B / A of two saved runs of the same work (two backends, two machines, two versions)."""
     from kvmap.files import write_json
-    from kvmap.run.compare import compare_dict, render_compare
+    from kvmap.render.compare import render_compare
+    from kvmap.run.compare import compare_dict
 
     ra, rb = _load_result(a), _load_result(b)
     d = compare_dict(ra, rb)

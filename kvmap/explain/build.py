@@ -4,7 +4,7 @@ Rules: replay (numpy worker, no KV cache) up to the step, then describe it as pl
 order, batch order, `idx_mapping`, `query_start_loc`, `seq_lens`, what changed), a request (row, batch row,
 token range, positions, block-table rows per group with the blocks this step touches), and a token (the whole
 chain, each link with its arithmetic, for every KV cache group, and the bytes it occupies). Renderers
-(render_explain.py) draw it; `--json` prints it. Nothing here formats for a terminal.
+(kvmap/render/explain.py) draw it; `--json` prints it. Nothing here formats for a terminal.
 """
 
 from __future__ import annotations
@@ -25,13 +25,38 @@ def _list(items: list[str], limit: int = 12) -> str:
 
 def explain(trace: Trace, step: int, req_id: str | None = None, token: int | None = None,
             group: int | None = None, geometry: KVGeometry | None = None) -> dict:
+    """The step as plain data; with `req_id` (or a flat `token` index) its request, with `token` the token's
+    whole chain, in every KV cache group (or only `group`)."""
     h = trace.header
     geometry = (geometry or KVGeometry()).check()
     if step < 0:
         raise KvmapError(f"step {step} does not exist: steps are numbered from 0", field="--step")
     if group is not None and not 0 <= group < h.num_groups:
         raise KvmapError(f"group {group} does not exist: the trace has groups 0..{h.num_groups - 1}", field="--group")
-    worker = NumpyWorker(h)
+    worker, target = _replay_to(trace, step)
+    m = worker.mappings()
+    qsl = m.query_start_loc.tolist()
+    groups = [g for g in range(h.num_groups) if group is None or g == group]
+    origin = _origins(target.scheduler_output)
+    out = _step_dict(trace, target, m, origin, geometry)
+    if req_id is None:
+        if token is not None:  # a flat token index
+            if not 0 <= token < m.num_tokens:
+                raise KvmapError(f"token {token} does not exist: step {step} has flat tokens 0..{m.num_tokens - 1}",
+                                 field="--token")
+            b = int(np.searchsorted(m.query_start_loc, token, side="right")) - 1
+            req_id, token = m.req_ids[b], token - qsl[b]
+        else:
+            return out
+    out["request"] = _request_dict(worker, target, m, req_id, origin, groups)
+    if token is not None:
+        out["token"] = _token_chain(worker, target, m, out["request"], token, groups, geometry)
+    return out
+
+
+def _replay_to(trace: Trace, step: int) -> tuple[NumpyWorker, object]:
+    """A numpy worker (no KV cache) replayed through `step`; (the worker, the step)."""
+    worker = NumpyWorker(trace.header)
     target = None
     last = -1
     for s in trace.steps(0, step + 1):
@@ -44,18 +69,13 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
     if target is None:
         raise KvmapError(f"step {step} does not exist: the trace has steps 0..{last}", path=trace.name,
                          field="--step")
-    m = worker.mappings()
-    so = target.scheduler_output
-    st = worker.state
-    batch_of = {r: b for b, r in enumerate(m.req_ids)}
-    qsl = m.query_start_loc.tolist()
+    return worker, target
+
+
+def _origins(so):
+    """How each request of the step got there: new (with its prefix hit), resumed (v1 or v2), or cached."""
     new_ids = {nr.req_id: nr for nr in so.scheduled_new_reqs}
     c = so.scheduled_cached_reqs
-    appended = {}
-    for r, new in zip(c.req_ids, c.new_block_ids):
-        if new is not None:
-            appended[r] = {"replaced" if r in c.resumed_req_ids else "appended": new}
-    groups = [g for g in range(h.num_groups) if group is None or g == group]
 
     def origin(r: str) -> str:
         if r in new_ids:
@@ -65,9 +85,23 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
             return "new" + (f" (prefix hit: {nr.num_computed_tokens} tokens)" if nr.num_computed_tokens else "")
         return "resumed (v1)" if r in c.resumed_req_ids else "cached"
 
-    out: dict = {
+    return origin
+
+
+def _step_dict(trace: Trace, target, m, origin, geometry: KVGeometry) -> dict:
+    """The step: groups, scheduler order, batch order, the mappings, what changed, the KV geometry."""
+    h = trace.header
+    so = target.scheduler_output
+    qsl = m.query_start_loc.tolist()
+    new_ids = {nr.req_id: nr for nr in so.scheduled_new_reqs}
+    c = so.scheduled_cached_reqs
+    appended = {}
+    for r, new in zip(c.req_ids, c.new_block_ids):
+        if new is not None:
+            appended[r] = {"replaced" if r in c.resumed_req_ids else "appended": new}
+    return {
         "trace": trace.name,
-        "step": step,
+        "step": target.step,
         "line": target.line,
         "protocol": h.model_runner_protocol,
         "groups": [{"group": g, "kind": h.kv_cache_groups[g].kind, "block_size": h.kv_cache_groups[g].block_size,
@@ -90,15 +124,14 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
         "kv_geometry": {"num_kv_heads": geometry.num_kv_heads, "head_size": geometry.head_size,
                         "dtype": geometry.dtype, "bytes_per_token": geometry.bytes_per_token},
     }
-    if req_id is None:
-        if token is not None:  # a flat token index
-            if not 0 <= token < m.num_tokens:
-                raise KvmapError(f"token {token} does not exist: step {step} has flat tokens 0..{m.num_tokens - 1}",
-                                 field="--token")
-            b = int(np.searchsorted(m.query_start_loc, token, side="right")) - 1
-            req_id, token = m.req_ids[b], token - qsl[b]
-        else:
-            return out
+
+
+def _request_dict(worker: NumpyWorker, target, m, req_id: str, origin, groups: list[int]) -> dict:
+    """One scheduled request: its rows, token range, positions, and block-table rows with each block's state."""
+    h, st, step = worker.header, worker.state, target.step
+    so = target.scheduler_output
+    qsl = m.query_start_loc.tolist()
+    batch_of = {r: b for b, r in enumerate(m.req_ids)}
     if req_id not in batch_of:
         where = "is not scheduled in" if req_id in st.req_id_to_index else "does not exist at"
         raise KvmapError(f"request {req_id!r} {where} step {step}; scheduled: {_list(list(m.req_ids))}",
@@ -135,9 +168,17 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
         if not grp.uses_slot_mapping:
             entries = [dict(e, state="state index") for e in entries]
         req["block_tables"].append({"group": g, "kind": grp.kind, "block_size": grp.block_size, "entries": entries})
-    out["request"] = req
-    if token is None:
-        return out
+    return req
+
+
+def _token_chain(worker: NumpyWorker, target, m, req: dict, token: int, groups: list[int],
+                 geometry: KVGeometry) -> dict:
+    """One token's whole chain, request -> batch -> row -> flat token -> position -> block -> slot -> bytes, in
+    every group (on every rank: `_rank_chain`), each link with its arithmetic."""
+    h, st, step = worker.header, worker.state, target.step
+    req_id, b, row = req["req_id"], req["batch_idx"], req["row"]
+    nc, n, drafts = req["num_computed_tokens"], req["num_scheduled_tokens"], req["num_draft_tokens"]
+    qsl = m.query_start_loc.tolist()
     if not 0 <= token < n:
         raise KvmapError(f"token {token} does not exist: request {req_id!r} has {n} token"
                          f"{'s' if n != 1 else ''} in step {step} (0..{n - 1})", field="--token")
@@ -177,8 +218,7 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
                 f"K at {k0}..{k0 + H * D * elem - 1}, "
                 f"V at {plane + k0}..{plane + k0 + H * D * elem - 1} ({H * D * elem} bytes each)",
             ]})
-    out["token"] = chain
-    return out
+    return chain
 
 
 def _rank_chain(worker: NumpyWorker, m, g: int, b: int, row: int, t: int, p: int, geometry: KVGeometry) -> dict:

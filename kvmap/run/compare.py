@@ -1,10 +1,11 @@
-"""`kvmap compare`: per-phase ratios B / A of two saved runs, and whether the two runs did the same work.
+"""`kvmap compare`'s data: per-phase ratios B / A of two saved runs, and whether the two runs did the same work
+(drawn by render/compare.py).
 
 Rules: a ratio means something only between runs of the same work: the same trace (by name), the same
 measured steps with the same token counts, the same KV cache groups, KV geometry and size, the same phases.
 `differences` lists every way two runs differ in their work; the CLI refuses them unless asked
 (`--allow-different`), and then warns loudly. The backend, the device and the machine may differ: that is what
-a comparison is for. Each run's own noise warnings (report.py `warnings`) travel with the ratios.
+a comparison is for. Each run's own noise warnings (stats.py `warnings`) travel with the ratios.
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ from __future__ import annotations
 from pathlib import PurePath
 
 import numpy as np
-from rich.console import Console
-from rich.text import Text
 
-from kvmap.run.report import fit_table, phase_stats, safe, say, warnings, window_text
 from kvmap.run.result import ReplayResult
+from kvmap.run.stats import phase_stats, warnings, window_text
 
 
 def differences(a: ReplayResult, b: ReplayResult) -> list[str]:
@@ -60,26 +59,3 @@ def compare_dict(a: ReplayResult, b: ReplayResult) -> dict:
 
     return {"a": run(a), "b": run(b), "same_work": not differences(a, b), "differences": differences(a, b),
             "phases": rows}
-
-
-def render_compare(d: dict, console: Console, names: tuple[str, str]) -> None:
-    for diff in d["differences"]:
-        say(console, Text.assemble(("warning: the runs did different work: ", "bold yellow"), safe(diff)))
-    table = fit_table(console, Text(f"B / A per phase (A = {safe(names[0])}, B = {safe(names[1])}; below 1.00 "
-                                    "means B is faster)"))
-    for col in ("phase", "A p50 us", "B p50 us", "B/A p50", "A mean us", "B mean us", "B/A mean"):
-        table.add_column(col, justify="left" if col == "phase" else "right", no_wrap=col == "phase")
-
-    def fmt(x):
-        return "n/a" if x is None else f"{x:.2f}"
-
-    for name, row in d["phases"].items():
-        table.add_row(name, f"{row['a_p50_us']:.1f}", f"{row['b_p50_us']:.1f}", fmt(row["ratio_p50"]),
-                      f"{row['a_mean_us']:.1f}", f"{row['b_mean_us']:.1f}", fmt(row["ratio_mean"]),
-                      style="bold" if name in ("mappings", "step") else None)
-    console.print(table)
-    for key, label in (("a", "A"), ("b", "B")):
-        for w in d[key]["warnings"]:
-            say(console, Text.assemble((f"warning: {label}: ", "yellow"), safe(w)))
-    if d["differences"]:
-        say(console, Text("warning: these ratios compare unlike work (see above)", style="bold yellow"))

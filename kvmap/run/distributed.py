@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from kvmap.kv.cache import KVGeometry
+    from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
     from kvmap.trace import Trace
 
@@ -163,10 +164,11 @@ def run(args: argparse.Namespace) -> None:
             dump.write(dump_line(d))
 
         geometry = KVGeometry(args.kv_heads, args.head_size, args.kv_dtype)
-        result = replay(_Trace(header, name) if trace is None else trace, backend=args.backend,
-                        device=str(device) if cuda else "cpu", start=args.start, stop=args.stop, warmup=args.warmup,
-                        verify_kv=args.verify_kv, write_kv=not args.no_kv, kv_geometry=geometry, nvtx=False,
-                        on_mappings=on_mappings, ranks=[dcp_rank], source=source, cross_rank=check)
+        config = ReplayConfig(backend=args.backend, device=str(device) if cuda else "cpu", start=args.start,
+                              stop=args.stop, warmup=args.warmup, verify_kv=args.verify_kv, write_kv=not args.no_kv,
+                              kv_geometry=geometry, nvtx=False, ranks=[dcp_rank])
+        result = replay(_Trace(header, name) if trace is None else trace, config, on_mappings=on_mappings,
+                        source=source, cross_rank=check)
         if dump is not None:
             dump.close()
         result.world_size = world

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from typing import Protocol
-from dataclasses import asdict
 
 import numpy as np
 
 from kvmap import defaults
 from kvmap.errors import KvmapError
 from kvmap.kv.cache import KVCheckResult, KVGeometry
+from kvmap.run.config import ReplayConfig
 from kvmap.run.markers import Markers
 from kvmap.run.result import PHASES, ReplayResult, empty_window_error, warmup_window
 from kvmap.trace import Trace
@@ -43,56 +44,56 @@ class StepSource(Protocol):
 
 def replay(
     trace: Trace,
+    config: ReplayConfig = ReplayConfig(),
     *,
-    backend: str | None = None,
-    device: str = "cpu",
-    start: int = 0,
-    stop: int | None = None,
-    warmup: int = defaults.WARMUP,
-    verify_kv: bool = False,
-    write_kv: bool = True,
-    kv_geometry: KVGeometry | None = None,
-    nvtx: bool = True,
+    worker: Worker | None = None,
     on_mappings: Callable[[object], None] | None = None,
     on_step: Callable[[int], None] | None = None,
-    worker: Worker | None = None,
-    capture: bool = False,
-    batch_order: str = "mrv2",
-    reorder_batch_threshold: int | None = None,
-    ranks: Sequence[int] | None = None,
     source: StepSource | None = None,
     cross_rank: Callable[[Worker], None] | None = None,
 ) -> ReplayResult:
-    """Replay `trace` (backend None: the default); `worker` (an instance) overrides `backend`, for benchmarks
-    of other mapping code. `capture`: wrap the measured steps (window minus warm-up) in the NVTX capture
-    range for nsys. `batch_order`: "mrv2" or "v1" (workers/order.py). `ranks`: the DCP ranks to compute (None:
-    every rank, in this process). Distributed (run/distributed.py): `source` reads (rank 0) and broadcasts each
-    step, timed as `read_step` and `broadcast`; `cross_rank(worker)` checks the cross-rank invariants after the
-    step (`cross_rank`)."""
-    prewarm = start == 0 and warmup > 0 and worker is None and source is None
-    record_from, measure_from = warmup_window(start, stop, warmup, prewarm=prewarm)
+    """Replay `trace` with the settings of `config` (config.py). `worker` (an instance) overrides
+    `config.backend`, for benchmarks of other mapping code. `on_mappings(d)` gets every step's mappings as a
+    dict, `on_step(step)` every step's index, both outside timed regions. Distributed (run/distributed.py):
+    `source` reads (rank 0) and broadcasts each step, timed as `read_step` and `broadcast`; `cross_rank(worker)`
+    checks the cross-rank invariants after the step (`cross_rank`)."""
+    c = config
+    prewarm = c.start == 0 and c.warmup > 0 and worker is None and source is None
+    record_from, measure_from = warmup_window(c.start, c.stop, c.warmup, prewarm=prewarm)
     if prewarm:
-        _prewarm(trace, warmup, backend=backend, device=device, verify_kv=verify_kv, write_kv=write_kv,
-                 kv_geometry=kv_geometry, batch_order=batch_order, reorder_batch_threshold=reorder_batch_threshold,
-                 ranks=ranks)
+        _prewarm(trace, c)
     header = trace.header
-    worker = worker if worker is not None else make_worker(backend, header, device, batch_order,
-                                                           reorder_batch_threshold)
-    if ranks is not None:
-        worker.set_ranks(ranks)
-    geometry = (kv_geometry or KVGeometry()).check()
-    kv = worker.make_kv_cache(geometry) if (write_kv or verify_kv) else None
-    phases = [p for p in PHASES if (p != "kv_verify" or verify_kv) and (not p.startswith("kv_") or kv)
+    worker = worker if worker is not None else make_worker(c.backend, header, c.device, c.batch_order,
+                                                           c.reorder_batch_threshold)
+    if c.ranks is not None:
+        worker.set_ranks(c.ranks)
+    geometry = (c.kv_geometry or KVGeometry()).check()
+    kv = worker.make_kv_cache(geometry) if (c.write_kv or c.verify_kv) else None
+    phases = [p for p in PHASES if (p != "kv_verify" or c.verify_kv) and (not p.startswith("kv_") or kv)
               and (p != "h2d" or worker.has_h2d) and (p != "broadcast" or source)
               and (p != "cross_rank" or cross_rank)]
-    markers = Markers(phases, enabled=nvtx)
-    result = _new_result(trace, worker, kv, geometry, phases, prewarm_steps=warmup if prewarm else 0,
-                         warmup=warmup, step_window=[start, stop], kv_verified=verify_kv)
+    result = _new_result(trace, worker, kv, geometry, phases, prewarm_steps=c.warmup if prewarm else 0,
+                         warmup=c.warmup, step_window=[c.start, c.stop], kv_verified=c.verify_kv)
     check = KVCheckResult(max_examples=defaults.MAX_KV_EXAMPLES)
-    ranks_tally = _RankTally(header, worker, kv) if header.decode_context_parallel_size > 1 else None
+    run = _Run(worker, _stages(worker, kv, check, cross_rank, phases), Markers(phases, enabled=c.nvtx), result)
+    run.ranks_tally = _RankTally(header, worker, kv) if header.decode_context_parallel_size > 1 else None
+    steps = trace.steps(0, c.stop)
+    try:
+        i = run.loop(steps, source, c.stop, record_from, measure_from, measure_from if c.capture else None,
+                     on_mappings, on_step)
+    except KvmapError as e:
+        raise e.located(path=trace.name) from None
+    run.store(check if c.verify_kv else None, measure_from)
+    result.kv_checked, result.kv_mismatches = check.checked, check.mismatches
+    result.kv_examples = [asdict(e) for e in check.examples]
+    if len(result.steps) == result.warmup:
+        raise empty_window_error(c.start, c.stop, c.warmup, i)
+    return result
 
-    # every phase after update_states is a call with no arguments: the worker holds the current step
-    stages = [(name, fn) for name, fn in (
+
+def _stages(worker: Worker, kv, check: KVCheckResult, cross_rank, phases: list[str]) -> list[tuple[str, Callable]]:
+    """Every phase after update_states, as a call with no arguments (the worker holds the current step)."""
+    return [(name, fn) for name, fn in (
         ("batch_order", worker.prepare_batch),
         ("h2d", worker.copy_to_device),
         ("prepare_inputs", worker.prepare_inputs),
@@ -103,29 +104,41 @@ def replay(
         ("post_update", worker.append_sampled),
         ("cross_rank", lambda: cross_rank(worker)),
     ) if name in phases]
-    clock = time.perf_counter_ns
-    pop = markers.pop
-    events = None  # device time per phase from CUDA events (device workers on a GPU)
-    if worker.device.startswith("cuda"):
-        import torch as _t
 
-        from kvmap.run.timing import EventTimer
 
-        events = EventTimer(len(phases), lambda: _t.cuda.Event(enable_timing=True))
-    seen: set[str] = set()
-    seen_measured: set[str] = set()
-    h2d_before = 0
-    rec = _Recorded(len(phases))
-    steps = trace.steps(0, stop)
-    wall0 = time.perf_counter()
-    rec.origin = clock()
-    i = 0
-    capture_from = measure_from if capture else None
-    capturing = False
-    try:
+class _Run:
+    """One replay's loop and what it tallies: the steps seen, the recorded steps' clock reads, the bytes copied
+    to the device before the measured steps, per-rank figures."""
+
+    def __init__(self, worker: Worker, stages, markers: Markers, result: ReplayResult) -> None:
+        self.worker, self.stages, self.markers, self.result = worker, stages, markers, result
+        self.events = None  # device time per phase from CUDA events (device workers on a GPU)
+        if worker.device.startswith("cuda"):
+            import torch as _t
+
+            from kvmap.run.timing import EventTimer
+
+            self.events = EventTimer(len(result.phases), lambda: _t.cuda.Event(enable_timing=True))
+        self.seen: set[str] = set()
+        self.seen_measured: set[str] = set()
+        self.h2d_before = 0
+        self.rec = _Recorded(len(result.phases))
+        self.ranks_tally: _RankTally | None = None
+        self.wall0 = 0.0
+
+    def loop(self, steps, source, stop, record_from: int, measure_from: int, capture_from: int | None,
+             on_mappings, on_step) -> int:
+        """Replay steps until `stop` or the trace's end; the number of steps read."""
+        worker, stages, markers, events, result = self.worker, self.stages, self.markers, self.events, self.result
+        rec, seen, seen_measured, ranks_tally = self.rec, self.seen, self.seen_measured, self.ranks_tally
+        pop = markers.pop
+        self.wall0 = time.perf_counter()
+        rec.origin = time.perf_counter_ns()
+        i = 0
+        capturing = False
         while stop is None or i < stop:
             if i == measure_from:
-                h2d_before = worker.h2d_bytes
+                self.h2d_before = worker.h2d_bytes
             if i == capture_from:
                 markers.push_capture()
                 capturing = True
@@ -138,13 +151,13 @@ def replay(
                 if events:
                     events.current.clear()
                 result.steps_in_trace = i
-                break
+                return i
             markers.mark_counts(step.num_reqs, step.num_tokens)
             _run_phases(worker, step, stages, markers, events, ts)
             pop()  # step
             if events:
                 events.end_step(keep=step.step >= record_from)
-            if measure_from and step.step >= measure_from:  # from 0 it is `seen` (see below)
+            if measure_from and step.step >= measure_from:  # from 0 it is `seen` (see `store`)
                 seen_measured.update(step.scheduled_req_ids())
             if step.step >= record_from:
                 rec.add(step, ts)
@@ -158,31 +171,28 @@ def replay(
             if on_step is not None:
                 on_step(step.step)
             i += 1
-        else:
-            if capturing:
-                markers.pop()
-    except KvmapError as e:
-        raise e.located(path=trace.name) from None
-    result.kv_checked, result.kv_mismatches = check.checked, check.mismatches
-    result.kv_examples = [asdict(e) for e in check.examples]
-    if ranks_tally is not None:
-        ranks_tally.store(result, check if verify_kv else None)
-    rec.store(result)
-    if events:
-        result.device_phase_ns = events.finish()
-    result.device = worker.device
-    result.h2d_bytes = worker.h2d_bytes
-    result.h2d_bytes_measured = worker.h2d_bytes - h2d_before
-    result.wall_s = time.perf_counter() - wall0
-    result.requests_seen = len(seen)
-    # a state learns requests only as new ones, each scheduled in its first step: from step 0 the requests
-    # scheduled in the measured steps are the new ones (no per-step id list)
-    result.requests_measured = len(seen_measured) if measure_from else len(seen)
-    result.standin_tokens = worker.num_standin_tokens
-    result.warmup = int((result.steps < measure_from).sum())
-    if len(result.steps) == result.warmup:
-        raise empty_window_error(start, stop, warmup, i)
-    return result
+        if capturing:
+            markers.pop()
+        return i
+
+    def store(self, check: KVCheckResult | None, measure_from: int) -> None:
+        """The run's tallies into its result."""
+        result, worker = self.result, self.worker
+        if self.ranks_tally is not None:
+            self.ranks_tally.store(result, check)
+        self.rec.store(result)
+        if self.events:
+            result.device_phase_ns = self.events.finish()
+        result.device = worker.device
+        result.h2d_bytes = worker.h2d_bytes
+        result.h2d_bytes_measured = worker.h2d_bytes - self.h2d_before
+        result.wall_s = time.perf_counter() - self.wall0
+        result.requests_seen = len(self.seen)
+        # a state learns requests only as new ones, each scheduled in its first step: from step 0 the requests
+        # scheduled in the measured steps are the new ones (no per-step id list)
+        result.requests_measured = len(self.seen_measured) if measure_from else len(self.seen)
+        result.standin_tokens = worker.num_standin_tokens
+        result.warmup = int((result.steps < measure_from).sum())
 
 
 def _read_step(steps, source: StepSource | None, markers: Markers, events) -> tuple[object, list[int]]:
@@ -295,10 +305,11 @@ class _RankTally:
             result.rank_kv_mismatches = [check.rank_mismatches.get(r, 0) for r in self.ranks]
 
 
-def _prewarm(trace: Trace, steps: int, **kw) -> None:
-    """Replay the first `steps` steps with a throwaway worker and KV cache, untimed and without NVTX ranges, so
-    that compiling, caches and the allocator are warm before a window that starts at 0."""
-    r = replay(trace, stop=steps, warmup=0, nvtx=False, **kw)
+def _prewarm(trace: Trace, config: ReplayConfig) -> None:
+    """Replay the first `config.warmup` steps with a throwaway worker and KV cache, untimed and without NVTX
+    ranges, so that compiling, caches and the allocator are warm before a window that starts at 0."""
+    steps = config.warmup
+    r = replay(trace, replace(config, start=0, stop=steps, warmup=0, nvtx=False, capture=False))
     if r.steps_in_trace is not None and r.steps_in_trace < steps:
         raise KvmapError(f"{steps} warm-up steps, but the trace has only {r.steps_in_trace}; lower --warmup",
                          field="--warmup")

@@ -93,10 +93,6 @@ class ReplayResult:
     steps_in_trace: int | None = None  # set when the replay reached the trace's end before the window's
     h2d_bytes_measured: int | None = None  # h2d_bytes during the measured steps
     standin_tokens: int = 0  # input ids made up because the trace lacks sampled_token_ids
-    # the worker's line scanner (trace/scan.py), all replayed steps: lines it took, and why it left others to
-    # the decoder (None: the worker has no scanner, every line was decoded)
-    lines_scanned: int | None = None
-    lines_declined: dict[str, int] = field(default_factory=dict)
     kv_bytes: int = 0
     kv_geometry: dict = field(default_factory=dict)
     kv_verified: bool = False

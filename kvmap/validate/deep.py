@@ -58,6 +58,7 @@ def _chain(trace: Trace, step: int, where: dict) -> list[str]:
 
 def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: int = 5) -> tuple[dict, list[dict]]:
     """Replay `backend` against the reference dumps `ref` with the KV canary read back every step."""
+    from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
     from kvmap.workers.registry import make_worker
 
@@ -65,7 +66,7 @@ def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: i
     got: list[dict] = []
     problems: list[dict] = []
     try:
-        kv = replay(trace, worker=worker, on_mappings=got.append, verify_kv=True, nvtx=False, warmup=0)
+        kv = replay(trace, ReplayConfig(verify_kv=True, nvtx=False, warmup=0), worker=worker, on_mappings=got.append)
     except KvmapError as e:
         problems.append(asdict(Problem("conformance", f"{backend} failed: {e.message}", e.line, e.step, e.req_id,
                                        e.group, e.field)))
@@ -106,12 +107,14 @@ def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: i
 def deep_check(trace: Trace, backends: list[str] | None = None) -> dict:
     """Replay through `backends` (default: every built-in one that loads here) and compare each step with the
     reference; KV canary read back every step. A named backend that cannot load is a problem, not a skip."""
+    from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
     from kvmap.workers.registry import BACKENDS
 
     ref: list[dict] = []
     try:
-        r = replay(trace, backend="reference", on_mappings=ref.append, write_kv=False, nvtx=False, warmup=0)
+        r = replay(trace, ReplayConfig(backend="reference", write_kv=False, nvtx=False, warmup=0),
+                   on_mappings=ref.append)
     except KvmapError as e:
         return {"backends": {}, "skipped": {}, "problems": [asdict(Problem(
             "schema", f"replay failed: {e.message}", e.line, e.step, e.req_id, e.group, e.field))]}

@@ -1,56 +1,45 @@
-"""validate's salvage of a step line that did not parse: its well-formed parts still inform the shadow model.
+"""What a step line that did not parse still says: its well-formed parts, read leniently, for the validator's
+shadow model to follow (shadow.py `Validator.salvage` applies them).
 
-Rules: finished and preempted ids that parse are applied (so a bad field elsewhere on the line cannot cause
-false double allocations later); cached ids the model does not know are reported as on a parsed line;
-appended blocks and sampled tokens that parse are followed; requests whose state the line hid (added,
-resumed, or with nothing usable) become uncertain until they finish or are added again.
+Rules: only what is well-formed is read (ids that are strings, block lists of lists of ints, token lists of
+ints); anything else is left out, never guessed. Nothing here knows the shadow model: `read_bad_line` takes the
+decoded object and returns plain data.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from kvmap.validate.shadow import Validator
+__all__ = ["BadLine", "read_bad_line"]
 
 
-def salvage(v: Validator, obj: object, mentioned: set[str], line: int, step_idx: int) -> None:
-    """A step line that did not parse: its well-formed parts still count (finished and preempted ids,
-    cached ids the model does not know, appended blocks, sampled tokens); what it hid stops being
-    checked: requests it added stay unchecked until they finish, the others skip their next
-    num_computed_tokens check."""
+@dataclass(frozen=True, slots=True)
+class BadLine:
+    finished: list[str]  # finished_req_ids that are strings
+    preempted: list[str]  # preempted_req_ids that are strings
+    new_ids: frozenset[str]  # scheduled_new_reqs' req_ids that are strings
+    resumed: frozenset[str]  # scheduled_cached_reqs.resumed_req_ids that are strings
+    cached: list[str]  # scheduled_cached_reqs.req_ids that are strings
+    appended: list[tuple[str, list[list[int]]]]  # (req_id, new_block_ids per group), not resumed, well-formed
+    sampled: dict[str, list[int]]  # sampled_token_ids whose list is well-formed
+    sampled_bad: frozenset[str]  # sampled_token_ids present with a malformed value
+
+
+def read_bad_line(obj: object) -> BadLine:
     so = _get(obj, "scheduler_output")
     c = _get(so, "scheduled_cached_reqs")
-    finished, preempted = _strs(_get(so, "finished_req_ids")), _strs(_get(so, "preempted_req_ids"))
-    v._free(finished, preempted)
-    new_ids = set(_strs([_get(nr, "req_id") for nr in _list(_get(so, "scheduled_new_reqs"))]))
-    resumed = set(_strs(_get(c, "resumed_req_ids")))
-    for r in _strs(_get(c, "req_ids")):
-        if r not in v.reqs and r not in v.uncertain and r not in new_ids:
-            v._unknown(None, r, line=line, step_idx=step_idx)
-    appended: set[str] = set()
-    for r, new in zip(_list(_get(c, "req_ids")), _list(_get(c, "new_block_ids"))):
-        req = v.reqs.get(r) if isinstance(r, str) and r not in resumed else None
-        if req is None or new is None:
-            continue
-        if (isinstance(new, list) and len(new) == len(req.blocks)
-                and all(isinstance(b, list) and all(type(x) is int for x in b) for b in new)):
-            for g, b in enumerate(new):
-                req.blocks[g].extend(b)
-            appended.add(r)
-    sampled = _get(obj, "sampled_token_ids")
-    for r in mentioned:
-        req = v.reqs.get(r)
-        if req is None or r in resumed or r in new_ids:
-            v.uncertain.add(r)
-            continue
-        req.expected_nc = None  # resynchronise from the next value the scheduler sends
-        toks = sampled.get(r) if isinstance(sampled, dict) else None
-        if isinstance(toks, list) and all(type(t) is int for t in toks):
-            req.tokens.extend(toks)
-        elif toks is None and r not in appended:
-            v.uncertain.add(r)
-
+    resumed = frozenset(_strs(_get(c, "resumed_req_ids")))
+    appended = [(r, new) for r, new in zip(_list(_get(c, "req_ids")), _list(_get(c, "new_block_ids")))
+                if isinstance(r, str) and r not in resumed and isinstance(new, list)
+                and all(isinstance(b, list) and all(type(x) is int for x in b) for b in new)]
+    raw = _get(obj, "sampled_token_ids")
+    sampled = raw if isinstance(raw, dict) else {}
+    good = {r: t for r, t in sampled.items() if isinstance(t, list) and all(type(x) is int for x in t)}
+    return BadLine(
+        finished=_strs(_get(so, "finished_req_ids")), preempted=_strs(_get(so, "preempted_req_ids")),
+        new_ids=frozenset(_strs([_get(nr, "req_id") for nr in _list(_get(so, "scheduled_new_reqs"))])),
+        resumed=resumed, cached=_strs(_get(c, "req_ids")), appended=appended, sampled=good,
+        sampled_bad=frozenset(r for r, t in sampled.items() if t is not None and r not in good))
 
 
 def _get(obj: object, key: str) -> object:

@@ -18,7 +18,7 @@ from kvmap.trace import Step, TraceHeader
 from kvmap.validate.blocks import BlockOwners
 from kvmap.validate import model_output, multirank
 from kvmap.validate.problems import KINDS, Problem
-from kvmap.validate.salvage import salvage
+from kvmap.validate.salvage import read_bad_line
 
 
 class StopValidation(Exception):
@@ -116,8 +116,33 @@ class Validator:
     # ------------------------------------------------------------------ steps
 
     def salvage(self, obj: object, mentioned: set[str], line: int, step_idx: int) -> None:
-        """A step line that did not parse: follow its well-formed parts (validate/salvage.py)."""
-        salvage(self, obj, mentioned, line, step_idx)
+        """A step line that did not parse: its well-formed parts (salvage.py) still count. Finished and preempted
+        ids are applied (so a bad field elsewhere cannot cause false double allocations later); cached ids the
+        model does not know are reported as on a parsed line; appended blocks and sampled tokens are followed.
+        What it hid stops being checked: requests it added or resumed, or with nothing usable, become uncertain
+        until they finish or are added again; the others skip their next num_computed_tokens check."""
+        bad = read_bad_line(obj)
+        self._free(bad.finished, bad.preempted)
+        for r in bad.cached:
+            if r not in self.reqs and r not in self.uncertain and r not in bad.new_ids:
+                self._unknown(None, r, line=line, step_idx=step_idx)
+        appended: set[str] = set()
+        for r, new in bad.appended:
+            req = self.reqs.get(r)
+            if req is not None and len(new) == len(req.blocks):
+                for g, b in enumerate(new):
+                    req.blocks[g].extend(b)
+                appended.add(r)
+        for r in mentioned:
+            req = self.reqs.get(r)
+            if req is None or r in bad.resumed or r in bad.new_ids:
+                self.uncertain.add(r)
+                continue
+            req.expected_nc = None  # resynchronise from the next value the scheduler sends
+            if r in bad.sampled:
+                req.tokens.extend(bad.sampled[r])
+            elif r not in bad.sampled_bad and r not in appended:
+                self.uncertain.add(r)
 
     def step(self, step: Step) -> None:
         """Follow one parsed step through the shadow model, adding every problem it shows."""

@@ -1,147 +1,28 @@
-"""Renderers: turn a `ReplayResult` into a summary (Rich's, or for a pipe the same text without Rich:
-plain.py), JSON, CSV, a Chrome trace (comparisons: compare.py).
+"""The run's renderers: a `ReplayResult` as the replay's summary (Rich), as data (`summary_dict`, for
+`--json`), CSV, a Chrome trace, and beside nsys's NVTX ranges (`kvmap profile`).
 
 Rules: renderers only read results; nothing here measures. Every number is over the measured steps
-(result.py's one definition, stated in the summary's `steps` line and in `--json`'s `scope`); rates divide by
-the sum of the measured steps' phase times, not wall time. Safe printing lives in text.py (`safe`, `say`,
-`fit_table`, `rich_table`) for every renderer: names and ids are never markup, control characters are escaped,
-messages are not wrapped when piped, tables keep key columns whole at 80 columns. The summary's content is
-built once (lines as (text, style) parts, the phase table as a `TableSpec`) and drawn by one of the two.
-Outliers use the MAD-based modified z-score (as hyperfine does) with threshold 14; the noise warning fires
-when the median absolute deviation of step time exceeds 25% of the median.
+(result.py's one definition, stated in the summary's `steps` line and in `--json`'s `scope`; the statistics
+are run/stats.py's); rates divide by the sum of the measured steps' phase times, not wall time. Safe printing
+lives in text.py (`safe`, `say`, `fit_table`) for every renderer: names and ids are never markup, control
+characters are escaped, messages are not wrapped when piped, tables keep key columns whole at 80 columns.
 """
 
 from __future__ import annotations
 
 import csv
 import io
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvmap.run.plain import TableSpec, draw_table
-from kvmap.run.result import MAPPING_PHASES, ReplayResult
-from kvmap.run.text import fit_table, rich_table, safe, say
+from kvmap.render.text import fit_table, safe, say
+from kvmap.run.result import ReplayResult
+from kvmap.run.stats import median, percentiles, phase_stats, step_span, steps_text, warnings
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
     from rich.table import Table
-
-OUTLIER_Z = 14.0  # modified z-score threshold (hyperfine's)
-NOISE_MAD = 0.25  # MAD / median above this -> noisy
-
-
-@dataclass(frozen=True, slots=True)
-class PhaseStats:
-    name: str
-    mean_us: float
-    p50_us: float
-    p90_us: float
-    p99_us: float
-    min_us: float
-    max_us: float
-    total_ms: float
-    share: float  # of the step total
-
-
-def percentiles(values: np.ndarray, qs) -> list[float]:
-    """`np.percentile(values, qs)` (its default, linear interpolation, and its rounding), from one sort.
-    (np.percentile itself imports numpy.ma on first use: 20 ms of every replay.)"""
-    a = np.sort(values, kind="stable")
-    n = len(a)
-    out = []
-    for q in qs:
-        idx = q / 100 * (n - 1)
-        lo = int(idx)
-        hi = min(lo + 1, n - 1)
-        t = idx - lo
-        x, y = float(a[lo]), float(a[hi])
-        out.append(y - (y - x) * (1 - t) if t >= 0.5 else x + (y - x) * t)  # numpy's _lerp
-    return out
-
-
-def median(values: np.ndarray) -> float:
-    """`np.median` of a 1-D array (the mean of the middle two when even), without its numpy.ma import."""
-    a = np.sort(values, kind="stable")
-    n = len(a)
-    return float(a[n // 2]) if n % 2 else (float(a[n // 2 - 1]) + float(a[n // 2])) / 2
-
-
-def _stats(name: str, ns: np.ndarray, step_total_ns: float) -> PhaseStats:
-    if not len(ns):
-        return PhaseStats(name, *([0.0] * 8))
-    us = ns / 1e3
-    p50, p90, p99 = percentiles(us, (50, 90, 99))
-    return PhaseStats(name, float(us.mean()), float(p50), float(p90), float(p99), float(us.min()),
-                      float(us.max()), float(ns.sum() / 1e6), float(ns.sum() / step_total_ns) if step_total_ns else 0.0)
-
-
-def phase_stats(r: ReplayResult) -> list[PhaseStats]:
-    """Per phase, then `mappings` (the four mapping phases) and `step` (all phases)."""
-    m = r.measured()
-    total = m.sum(axis=1) if len(m) else np.zeros(0, dtype=np.int64)
-    all_ns = float(total.sum())
-    rows = [_stats(p, m[:, i], all_ns) for i, p in enumerate(r.phases)]
-    mi = [r.phases.index(p) for p in MAPPING_PHASES if p in r.phases]
-    rows.append(_stats("mappings", m[:, mi].sum(axis=1) if len(m) else total, all_ns))
-    rows.append(_stats("step", total, all_ns))
-    return rows
-
-
-def window_text(r: ReplayResult) -> str:
-    """`START:END` as asked (END empty when open)."""
-    start, stop = r.step_window
-    return f"{start}:{'' if stop is None else stop}"
-
-
-def _span(steps: np.ndarray) -> str:
-    return f"{int(steps[0])}..{int(steps[-1])}" if len(steps) else "none"
-
-
-def steps_text(r: ReplayResult) -> str:
-    """Which steps were replayed, measured and warm-up, in words: the one definition, stated."""
-    ms, ws = r.measured_steps(), r.warmup_steps()
-    text = f"{r.steps_replayed} replayed; {len(ms)} measured ({_span(ms)}"
-    text += f", the window {window_text(r)})" if r.step_window[0] or r.step_window[1] is not None else ")"
-    if r.prewarm_steps:
-        return text + (f"; warm-up 0..{r.prewarm_steps - 1} replayed first by a throwaway worker, untimed (the "
-                       "window starts at 0)")
-    if not len(ws):
-        return text + "; no warm-up"
-    where = ("just before the window" if r.warmup_before_window() else
-             "the window's first steps (a given worker cannot be warmed apart)")
-    return text + f"; warm-up {_span(ws)}: timed, not counted, {where}"
-
-
-def warnings(r: ReplayResult) -> list[str]:
-    out = []
-    m = r.measured()
-    start, stop = r.step_window
-    if r.steps_in_trace is not None and stop is not None and r.steps_in_trace < stop:
-        out.append(f"the window {window_text(r)} runs past the trace's end ({r.steps_in_trace} steps): measured "
-                   f"{_span(r.measured_steps())}")
-    if len(m) < 10:
-        out.append(f"only {len(m)} measured steps: statistics are rough; replay a longer trace or window")
-    if len(m) >= 3:
-        total = m.sum(axis=1).astype(np.float64)
-        med = median(total)
-        mad = median(np.abs(total - med))
-        if med and mad / med > NOISE_MAD:
-            out.append(f"noisy timings: the median absolute deviation is {mad / med:.0%} of the median step "
-                       "time; close other work or compare medians of several runs")
-        if mad:
-            z = 0.6745 * (total - med) / mad
-            outliers = np.flatnonzero(z > OUTLIER_Z)
-            if len(outliers):
-                worst = int(outliers[np.argmax(total[outliers])])
-                step = int(r.measured_steps()[worst])
-                out.append(f"{len(outliers)} outlier step(s), the worst step {step} at {total[worst] / 1e3:.0f} us "
-                           f"vs a median of {med / 1e3:.0f} us (first-touch or a busy machine: raise --warmup "
-                           "or replay again)")
-    if r.standin_tokens:
-        out.append(f"{r.standin_tokens} input ids are stand-ins: the trace does not record sampled_token_ids")
-    return out
 
 
 def _span_list(steps: np.ndarray) -> list[int] | None:
@@ -178,8 +59,6 @@ def summary_dict(r: ReplayResult) -> dict:
         "steps_per_s": n / total_s if total_s else 0.0,
         "tokens_per_s": float(toks.sum()) / total_s if total_s else 0.0,
         "wall_s": r.wall_s,
-        "decoding": ({"scanned": r.lines_scanned, "decoded": sum(r.lines_declined.values()),
-                      "declined": r.lines_declined} if r.lines_scanned is not None else None),
         "device": r.device,
         "h2d_bytes_per_step": h2d / max(n, 1),
         "device_phases_p50_us": ({p: median(r.device_phase_ns[r.warmup:, i]) / 1e3
@@ -240,37 +119,21 @@ def render_ranks(r: ReplayResult, console: Console) -> None:
     console.print(t)
 
 
-def render_summary(r: ReplayResult, console) -> None:
-    """The summary: its lines, the phase table, its notes. `console` is a Rich console, or the CLI's console
-    that can say where Rich would draw plainly (`plain_width()`: a file or a pipe): there the summary is drawn
-    without Rich (plain.py), the same bytes, unless it holds something only Rich draws (the per-rank and
-    device tables, or a table that would wrap)."""
-    s = summary_dict(r)
-    lines = _summary_lines(r, s)
-    spec = _phase_spec(r)
-    notes = _summary_notes(r, s)
-    width = console.plain_width() if hasattr(console, "plain_width") else None
-    ranks = r.cp_size > 1 or r.kernel_block_sizes or r.world_size > 1
-    table = draw_table(spec, width) if width is not None and not ranks and not r.device_phase_ns.size else None
-    if table is not None:
-        console.write_lines([*map(_unstyled, lines), *table, *map(_unstyled, notes)])
-        return
+def render_summary(r: ReplayResult, console: Console) -> None:
+    """The summary: its lines, the per-rank tables (multi-rank runs), the phase table, the device table (CUDA
+    events), its notes."""
     from rich.text import Text
 
-    for parts in lines:
+    s = summary_dict(r)
+    for parts in _summary_lines(r, s):
         say(console, Text.assemble(*parts))
-    if ranks:
+    if r.cp_size > 1 or r.kernel_block_sizes or r.world_size > 1:
         render_ranks(r, console)
-    console.print(rich_table(spec, console))
+    console.print(_phase_table(r, console))
     if r.device_phase_ns.size:
         console.print(_device_table(r, console))
-    for parts in notes:
+    for parts in _summary_notes(r, s):
         say(console, Text.assemble(*parts))
-
-
-def _unstyled(parts: list[tuple[str, str | None]]) -> str:
-    """A line's (text, style) parts as the text Rich writes without colour."""
-    return "".join(text for text, _ in parts)
 
 
 def _summary_lines(r: ReplayResult, s: dict) -> list[list[tuple[str, str | None]]]:
@@ -284,8 +147,6 @@ def _summary_lines(r: ReplayResult, s: dict) -> list[list[tuple[str, str | None]
                        f"per step, {s['mean_reqs_per_step']:.1f} requests per step"),
             ("throughput", f"{s['steps_per_s']:,.0f} steps/s, {s['tokens_per_s']:,.0f} tokens/s (measured steps "
                            f"over the sum of their phase times, {s['time_s'] * 1e3:.2f} ms; not wall time)")]
-    if r.lines_scanned is not None:
-        head.insert(2, ("decoding", decoding_text(r)))
     if r.kv_bytes:
         g = r.kv_geometry
         head.append(("KV cache", f"{r.kv_bytes / 2**20:.1f} MiB ({g.get('num_kv_heads')} heads x "
@@ -314,32 +175,25 @@ def _summary_notes(r: ReplayResult, s: dict) -> list[list[tuple[str, str | None]
     return notes
 
 
-def decoding_text(r: ReplayResult) -> str:
-    """How the replayed lines were decoded: by the worker's line scanner, or (why not) the checked decoder."""
-    declined = sum(r.lines_declined.values())
-    n = r.lines_scanned
-    text = f"{n} line{'' if n == 1 else 's'} scanned straight into the worker's arrays, {declined} decoded"
-    if declined:
-        text += " (" + "; ".join(f"{n}: {safe(why)}" for why, n in sorted(r.lines_declined.items(),
-                                                                            key=lambda x: -x[1])) + ")"
-    return text
-
-
-def _phase_spec(r: ReplayResult) -> TableSpec:
+def _phase_table(r: ReplayResult, console: Console) -> Table:
     """The phase table. Phase names are never truncated (no_wrap): at 80 columns every column fits without
-    borders."""
-    spec = TableSpec("time per measured step (us)", "mappings = the four mapping phases; step = all phases")
+    borders. Cells are `Text`: plain strings would go through markup and emoji parsing."""
+    from rich.text import Text
+
+    table = fit_table(console, "time per measured step (us)", "mappings = the four mapping phases; step = all phases")
     for col in ("phase", "mean", "p50", "p90", "p99", "min", "max", "total ms", "share"):
         if col == "phase":
-            spec.add_column(col, "left", no_wrap=True, min_width=len("prepare_inputs"))
+            table.add_column(Text(col), justify="left", no_wrap=True, min_width=len("prepare_inputs"),
+                             overflow="ellipsis")
         else:
-            spec.add_column(col, "right")
+            table.add_column(Text(col), justify="right", overflow="fold")
     for st in phase_stats(r):
-        spec.add_row(st.name, f"{st.mean_us:.1f}", f"{st.p50_us:.1f}", f"{st.p90_us:.1f}", f"{st.p99_us:.1f}",
-                     f"{st.min_us:.1f}", f"{st.max_us:.1f}", f"{st.total_ms:.2f}",
-                     "" if st.name == "step" else f"{st.share:.0%}",
-                     style="bold" if st.name in ("mappings", "step") else None, end_section=st.name == r.phases[-1])
-    return spec
+        cells = (st.name, f"{st.mean_us:.1f}", f"{st.p50_us:.1f}", f"{st.p90_us:.1f}", f"{st.p99_us:.1f}",
+                 f"{st.min_us:.1f}", f"{st.max_us:.1f}", f"{st.total_ms:.2f}",
+                 "" if st.name == "step" else f"{st.share:.0%}")
+        table.add_row(*map(Text, cells), style="bold" if st.name in ("mappings", "step") else None,
+                      end_section=st.name == r.phases[-1])
+    return table
 
 
 def _device_table(r: ReplayResult, console: Console) -> Table:
@@ -407,9 +261,9 @@ def render_profile(r: ReplayResult, ranges: list, console: Console, report_path)
                       f"{k.mean_us:.1f}" if k else "")
     console.print(table)
     first = int(r.measured_steps()[0]) if n else 0
-    before = (f"steps 0..{first - 1} replayed first, outside the capture, {_span(r.warmup_steps())} of them as "
-              "timed warm-up" if first else
+    before = (f"steps 0..{first - 1} replayed first, outside the capture, {step_span(r.warmup_steps())} of them "
+              "as timed warm-up" if first else
               f"warm-up 0..{r.prewarm_steps - 1} replayed first by a throwaway worker, outside the capture"
               if r.prewarm_steps else "nothing replayed before them")
-    say(console, f"steps {_span(r.measured_steps())} captured; {before}; nsys ranges include the NVTX calls "
+    say(console, f"steps {step_span(r.measured_steps())} captured; {before}; nsys ranges include the NVTX calls "
                  "themselves")

@@ -12,7 +12,7 @@ from rich.table import Table  # noqa: F401  (the type of _order_table)
 from rich.text import Text
 from rich.tree import Tree
 
-from kvmap.run.text import fit_table, safe, say
+from kvmap.render.text import fit_table, safe, say
 
 STATE_MARK = {"written this step": "*", "read": "", "allocated ahead": "+", "null": "",
               "out of window (stale: never read or written again)": "~"}

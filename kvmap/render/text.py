@@ -2,23 +2,23 @@
 
 Rules: every file name, request id or message kvmap prints goes through `say` or `safe` (control characters
 escaped, never Rich markup); tables come from `fit_table` (full borders from WIDE columns, none below, key
-columns whole), or from a `TableSpec` (plain.py) through `rich_table`. No numpy, no run data: validate and
-explain render with these too. Rich is imported when something is drawn with it, not at load (plain.py draws
-a pipe's summary without it).
+columns whole). No numpy, no run data: every renderer uses these. Rich is imported when something is drawn
+with it, not at load (the CLI's root help reads PIPED_WIDTH from here before Rich loads).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvmap.run.plain import WIDE, TableSpec
-
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-__all__ = ["WIDE", "fit_box", "fit_table", "rich_table", "safe", "say"]
+__all__ = ["PIPED_WIDTH", "WIDE", "fit_box", "fit_table", "safe", "say"]
+
+PIPED_WIDTH = 120  # tables when stdout is not a terminal and COLUMNS is unset
+WIDE = 100  # from this width tables have full borders (`fit_table`)
 
 
 def say(console: Console, text: str | Text, style: str | None = None) -> None:
@@ -55,17 +55,3 @@ def fit_table(console: Console, title: str | Text, caption: str | Text | None = 
     caption = Text(caption) if isinstance(caption, str) else caption
     return Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=fit_box(console),
                  show_edge=wide, pad_edge=wide, padding=(0, 1) if wide else (0, 1, 0, 0))
-
-
-def rich_table(spec: TableSpec, console: Console) -> Table:
-    """The Rich table of a `TableSpec` (plain.py `draw_table` draws the same without Rich). Cells are `Text`:
-    plain strings would go through markup and emoji parsing (a third of a table's time, measured)."""
-    from rich.text import Text
-
-    table = fit_table(console, spec.title, spec.caption)
-    for header, justify, no_wrap, min_width in spec.columns:
-        table.add_column(Text(header), justify=justify, no_wrap=no_wrap, min_width=min_width,
-                         overflow="ellipsis" if no_wrap else "fold")
-    for cells, style, end_section in spec.rows:
-        table.add_row(*map(Text, cells), style=style, end_section=end_section)
-    return table

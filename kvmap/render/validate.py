@@ -10,7 +10,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.text import Text
 
-from kvmap.run.text import WIDE, fit_table, safe, say
+from kvmap.render.text import WIDE, fit_table, safe, say
 
 MAX_ROWS = 200
 KEY_COLUMNS = ("line", "step", "request", "group", "kind")

@@ -1,0 +1,52 @@
+"""The options several commands share (the trace, the step window, the warm-up, the backend) and `--steps`'s
+one parser.
+
+Rules: an option shared by two commands is stated once, here, so that its name, help and default cannot drift
+between them; a bad `--steps` is a located `KvmapError` naming the option.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvmap.errors import KvmapError
+from kvmap.workers.registry import BUILTIN
+
+__all__ = ["BACKEND_HELP", "BackendOpt", "StepsOpt", "TraceArg", "WarmupOpt", "parse_steps"]
+
+
+def parse_steps(spec: str | None) -> tuple[int, int | None]:
+    """`START:END`, `START:` or `:END` (END exclusive) -> (start, stop)."""
+    if not spec:
+        return 0, None
+    try:
+        a, _, b = spec.partition(":")
+        if not _:
+            raise ValueError
+        start = int(a) if a.strip() else 0
+        stop = int(b) if b.strip() else None
+    except ValueError:
+        raise KvmapError(f"expected START:END (e.g. 100:200, 100: or :50), got {spec!r}", field="--steps") from None
+    if start < 0 or (stop is not None and stop <= start):
+        raise KvmapError(f"needs 0 <= START < END, got {spec!r}", field="--steps")
+    return start, stop
+
+
+BACKEND_HELP = " | ".join(f"{b.name} ({b.summary})" for b in BUILTIN.values())
+TraceArg = Annotated[Optional[Path], typer.Argument(help="Trace file (.jsonl or .jsonl.gz), or a bundled trace's "
+                                                         "name (`kvmap traces`) from any folder. Default: the "
+                                                         "bundled worked example.", show_default=False)]
+StepsOpt = Annotated[Optional[str], typer.Option("--steps", metavar="START:END", help="Measure steps START:END "
+                                                  "(END exclusive, either may be left out); earlier steps are still "
+                                                  "replayed.")]
+WarmupOpt = Annotated[int, typer.Option("--warmup", help="Steps replayed first and not counted: the N steps just "
+                                         "before the --steps window (timed, excluded), or for a window from 0 its "
+                                         "first N steps, by a throwaway worker (untimed).", min=0)]
+BackendOpt = Annotated[Optional[str], typer.Option("--backend", "-b", metavar="NAME", help=f"Worker implementation: "
+                                                   f"{BACKEND_HELP} (triton on CPU needs TRITON_INTERPRET=1); or "
+                                                   "your own as module:Class or file.py:Class (a subclass of "
+                                                   "kvmap.workers.contract.Worker), or a kvmap.backends entry point.",
+                                                   show_default=False)]
