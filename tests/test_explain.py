@@ -74,3 +74,13 @@ def test_unknown_things_list_what_exists(args, fragment):
     assert code == 2 and "Traceback" not in out + err
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 1 and fragment in lines[0], err
+
+
+@pytest.mark.parametrize("trace", ["vllm51031", "dcp2_mamba", "dcp4_interleave8"])
+def test_multirank_token_chain_json_is_plain_json(trace):
+    """A token's per-rank chain (`holds`, `slot`) is plain JSON, not numpy scalars (was a TypeError traceback)."""
+    code, out, _ = explain(trace, "--step", 5, "--req", "req-0" if trace == "dcp4_interleave8" else "a",
+                           "--token", 0, "--json")
+    assert code == 0, out
+    ranks = json.loads(out)["token"]["groups"][0]["ranks"]
+    assert sum(r["holds"] for r in ranks) == 1

@@ -262,7 +262,7 @@ def _rank_chain(worker: NumpyWorker, m, g: int, b: int, row: int, t: int, p: int
     for i, rl in enumerate(lays):
         r = rl.cp_rank
         got = int(m.rank_slot_mapping[i, g, t]) if m.rank_slot_mapping is not None else int(m.slot_mapping[g, t])
-        want = rl.slot(st.block_tables[g][row], p)
+        want = int(rl.slot(st.block_tables[g][row], p))
         assert got == want, (got, want)
         rd: dict = {"rank": r, "holds": want != PAD_SLOT_ID, "slot": want, "links": []}
         rlinks = rd["links"]
