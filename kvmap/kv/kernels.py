@@ -31,7 +31,7 @@ def canary(token, position, lane):
     return x
 
 
-@_jit
+@nb.njit(cache=True, nogil=True, boundscheck=False, inline="always")  # inlined: cp = 1 callers' constants fold
 def slot_of(row, p, block_size, cp_size, cp_rank, interleave):
     """`layout.GroupLayout.slot` of position p through block-table row `row`: virtual block vb = p // (block_size
     * cp), offset off = p % that; local iff (off // I) % cp == rank, then slot = row[vb] * block_size

@@ -121,37 +121,32 @@ def gather_block_tables(state: WorkerState, buf: InputBuffers, B: int) -> None:
 def compute_slot_mappings(state: WorkerState, buf: InputBuffers, B: int, T: int) -> None:
     """Every group's `slot_mapping` (cp = 1): the row entry at `pos // block_size`, read from the persistent
     row-indexed table through `idx_mapping` (as MRV2's kernel does), then `GroupLayout.slots`."""
-    pos = buf.positions[:T]
-    ids = buf.tmp_blk[:T]
+    pos, ids, tmp = buf.positions[:T], buf.tmp_blk[:T], buf.tmp_tok2[:T]
     for g, lay in enumerate(buf.layouts):
         if lay.has_slots:
-            _gather_block_ids(state.block_tables[g], buf, lay, B, T, out=ids)
-        lay.slots(ids, pos, out=buf.slot_mapping[g, :T], tmp=buf.tmp_tok2[:T])
+            _gather_block_ids(state.block_tables[g], buf, lay, B, T, pos, tmp, ids)
+        lay.slots(ids, pos, out=buf.slot_mapping[g, :T], tmp=tmp)
 
 
-def _gather_block_ids(table: np.ndarray, buf: InputBuffers, lay, B: int, T: int, out: np.ndarray) -> np.ndarray:
-    """[T] the row entry at `pos // virtual_block_size` of each token's request row (through `idx_mapping`)."""
-    n = buf.num_scheduled_tokens[:B]
-    flat = buf.tmp_tok[:T]
-    rowbase = buf.tmp_req[:B]
+def _gather_block_ids(table: np.ndarray, buf: InputBuffers, lay, B: int, T: int, pos: np.ndarray, tmp: np.ndarray,
+                      out: np.ndarray) -> None:
+    """out [T]: the row entry at `pos // virtual_block_size` of each token's request row (through `idx_mapping`);
+    tmp [T] int64 scratch."""
+    flat, rowbase = buf.tmp_tok[:T], buf.tmp_req[:B]
     np.multiply(buf.idx_mapping[:B], table.shape[1], out=rowbase)
-    if T == B:
-        flat[:] = rowbase
-    else:
-        flat[:] = np.repeat(rowbase, n)
-    flat += lay.block_indices(buf.positions[:T], out=buf.tmp_tok2[:T])
-    return np.take(table.reshape(-1), flat, out=out, mode="clip")
+    flat[:] = rowbase if T == B else np.repeat(rowbase, buf.num_scheduled_tokens[:B])
+    flat += lay.block_indices(pos, out=tmp)
+    np.take(table.reshape(-1), flat, out=out, mode="clip")
 
 
 def compute_rank_slot_mappings(state: WorkerState, buf: InputBuffers, layouts, B: int, T: int) -> None:
     """Every computed DCP rank's `slot_mapping` (layouts: [num_ranks][G] `GroupLayout`): the row entry at
     `pos // virtual_block_size` read through `idx_mapping`, then `GroupLayout.slots` (PAD_SLOT_ID where another
     rank holds the token)."""
-    pos = buf.positions[:T]
-    ids = buf.tmp_blk[:T]
+    pos, ids, tmp = buf.positions[:T], buf.tmp_blk[:T], buf.tmp_tok2[:T]
     for g, table in enumerate(state.block_tables):
         if layouts[0][g].has_slots:
-            _gather_block_ids(table, buf, layouts[0][g], B, T, out=ids)
+            _gather_block_ids(table, buf, layouts[0][g], B, T, pos, tmp, ids)
         for i, lays in enumerate(layouts):
             lays[g].slots(ids, pos, out=buf.rank_slot_mapping[i, g, :T])
 
