@@ -1,9 +1,12 @@
 """The one owner of the address arithmetic: where a token's KV lives, and which positions a step may read.
 
 Rules:
-- `GroupLayout.slot` is the spec, one token at a time in plain integers: every vectorized (numpy), compiled
-  (numba) and Triton form of the slot rule is tested against it (tests/test_layout.py), and the reference
-  worker calls it directly. Nothing else in kvmap writes `block * block_size + offset` on its own.
+- `GroupLayout.slot` is the spec, one token at a time in plain integers. The rule has one form per array
+  language, each covering cp = 1, DCP and the KV read-back and each tested against the spec
+  (tests/test_layout.py): numpy `GroupLayout.slots` (here), numba `kv/kernels.py slot_of`, torch
+  `workers/torch_worker.py slots`, Triton `workers/triton_worker.py _slots`. The reference worker calls the
+  spec directly. Nothing else in kvmap writes `block * block_size + offset` on its own, and every block span
+  (`block_size * cp`) is read from `virtual_block_size`.
 - Block sizes (trace-format.md, "Which block size is which"): `block_size` is the tokens one rank stores per
   block id (vLLM's `KVCacheSpec.block_size`); with decode context parallelism a block id spans
   `block_size * cp_size` global positions (`virtual_block_size`); `kernel_block_size` divides `block_size`
@@ -12,6 +15,7 @@ Rules:
   `num_computed_tokens` may read; `readable_lo` is the same rule for a batch.
 - Padding and tokens another rank holds are `PAD_SLOT_ID` (-1), never slot 0; so is every token of a group
   without a slot mapping (`uses_slot_mapping` false: Mamba state groups, whose rows hold state indices).
+- The scalar spec needs no numpy (validate's multi-rank rules use it); the batch forms import it on first use.
 - Kernel blocks: manager id `b` is kernel ids `b*k .. b*k+k-1` (`k = block_size // kernel_block_size`);
   `kernel_slot` over the expanded row gives the same value as `slot` (tests/test_layout.py). The virtual block
   is always taken from `block_size * cp_size`, never from the kernel block size (vllm#51031).
@@ -20,11 +24,24 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 PAD_SLOT_ID = -1  # slot_mapping entry for padding and for tokens that are not local to this rank
+
+
+_np = None  # numpy, once a batch form has run
+
+
+def _numpy():
+    global _np
+    import numpy
+
+    _np = numpy
+    return numpy
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +57,15 @@ class GroupLayout:
     cp_rank: int = 0  # this rank, 0 .. cp_size - 1
     interleave: int = 1  # cp_kv_cache_interleave_size: consecutive tokens per rank
     uses_slot_mapping: bool = True  # False: a state group (slots all PAD_SLOT_ID, rows hold state indices)
+    # derived: log2 of the block span when a power of two, of the block size when that and cp = 1 (else -1)
+    _span_shift: int = field(init=False, repr=False, compare=False)
+    _slot_shift: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        vbs, bs = self.virtual_block_size, self.block_size
+        object.__setattr__(self, "_span_shift", vbs.bit_length() - 1 if vbs & (vbs - 1) == 0 else -1)
+        object.__setattr__(self, "_slot_shift", bs.bit_length() - 1 if bs & (bs - 1) == 0 and self.cp_size == 1
+                           and self.has_slots else -1)
 
     @classmethod
     def of(cls, group, cp_size: int = 1, cp_rank: int = 0, interleave: int = 1) -> GroupLayout:
@@ -133,6 +159,7 @@ class GroupLayout:
 
     def readable_lo(self, num_computed_tokens: np.ndarray) -> np.ndarray:
         """`readable_start` for a batch: [num_reqs] int64 -> [num_reqs] first readable position."""
+        np = _np or _numpy()
         if self.kind == "sliding_window":
             return np.maximum(num_computed_tokens - self.sliding_window + 1, 0)
         if self.kind == "chunked_local":
@@ -140,13 +167,35 @@ class GroupLayout:
             return num_computed_tokens // c * c
         return np.zeros_like(num_computed_tokens)
 
-    def slots(self, block_ids: np.ndarray, positions: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Vectorized `slot`: `block_ids` [n] are the row entries at `positions // virtual_block_size`."""
+    def block_indices(self, positions: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Vectorized `block_of(p)[0]`: [n] positions -> [n] indices into the row, `pos // virtual_block_size`
+        (a shift for a power-of-two span)."""
+        np = _np or _numpy()
+        if self._span_shift >= 0:
+            return np.right_shift(positions, self._span_shift, out=out)
+        return np.floor_divide(positions, self.virtual_block_size, out=out)
+
+    def slots(self, block_ids: np.ndarray, positions: np.ndarray, out: np.ndarray | None = None,
+              tmp: np.ndarray | None = None) -> np.ndarray:
+        """Vectorized `slot`: `block_ids` [n] are the row entries at `positions // virtual_block_size`; `out`
+        [n] int64, `tmp` [n] int64 scratch (cp = 1: no temporaries when both are given). cp = 1 with a
+        power-of-two block size: `block_id << log2(bs) | pos & (bs - 1)`."""
+        np = _np or _numpy()
         bs = self.block_size
+        if self._slot_shift >= 0 and out is not None and tmp is not None:  # cp = 1, a power of two: shifts, masks
+            np.bitwise_and(positions, bs - 1, out=tmp)
+            np.left_shift(block_ids, self._slot_shift, out=out)
+            out |= tmp
+            return out
         if not self.has_slots:
             if out is None:
                 return np.full(len(positions), PAD_SLOT_ID, dtype=np.int64)
             out[:] = PAD_SLOT_ID
+            return out
+        if self.cp_size == 1 and out is not None and tmp is not None:
+            np.remainder(positions, bs, out=tmp)
+            np.multiply(block_ids, bs, out=out)
+            out += tmp
             return out
         out = np.multiply(block_ids, bs, out=out, dtype=np.int64, casting="unsafe")
         if self.cp_size == 1:
@@ -158,6 +207,7 @@ class GroupLayout:
 
     def local_mask(self, positions: np.ndarray) -> np.ndarray:
         """Vectorized `is_local`: [n] positions -> [n] bool."""
+        np = _np or _numpy()
         if self.cp_size == 1:
             return np.ones(len(positions), dtype=bool)
         return positions % self.virtual_block_size // self.interleave % self.cp_size == self.cp_rank
@@ -170,6 +220,7 @@ class GroupLayout:
 
     def dcp_local_seq_lens(self, seq_lens: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Vectorized `dcp_local_seq_len`: [n] seq_lens -> [n] int32 local lengths on this rank."""
+        np = _np or _numpy()
         I, cp = self.interleave, self.cp_size
         s = seq_lens.astype(np.int64)
         v = s // (cp * I) * I + np.clip(s % (cp * I) - self.cp_rank * I, 0, I)
@@ -180,6 +231,7 @@ class GroupLayout:
 
     def kernel_rows(self, table: np.ndarray) -> np.ndarray:
         """Vectorized `kernel_row`: [n, W] manager ids -> [n, W * k] int32 kernel ids."""
+        np = _np or _numpy()
         k = self.kernel_blocks_per_block
         return (table[:, :, None].astype(np.int32) * k + np.arange(k, dtype=np.int32)).reshape(
             len(table), table.shape[1] * k)

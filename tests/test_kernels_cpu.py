@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvmap.layout import GroupLayout
 from kvmap.workers.buffers import batch_order
 
 kc = pytest.importorskip("kvmap.workers.kernels_cpu")
@@ -52,5 +53,5 @@ def test_inputs_and_slots_match_numpy(block_size):
     slots = np.full(T + 5, -1, np.int64)
     kc.slot_mapping(idx, ns, nc, table, block_size, slots)
     rr = np.repeat(r, n)
-    want = table[rr, want_pos // block_size].astype(np.int64) * block_size + want_pos % block_size
+    want = GroupLayout(block_size).slots(table[rr, want_pos // block_size], want_pos)  # the rule's numpy form
     assert slots[:T].tolist() == want.tolist() and slots[T:].tolist() == [-1] * 5

@@ -1,5 +1,7 @@
-"""The address arithmetic has one spec (`GroupLayout.slot`, plain integers); every vectorized, compiled and
-Triton form of the slot rule, and the read-back window, is held to it."""
+"""The address arithmetic has one spec (`GroupLayout.slot`, plain integers); the slot rule's one form per
+language (numpy `GroupLayout.slots`, numba `slot_of`, torch `slots`, Triton `_slots`), each through every
+kernel that calls it, and the read-back window, are held to it: cp = 1, DCP with interleave, a kernel split,
+the read-back."""
 
 from __future__ import annotations
 
@@ -38,49 +40,129 @@ def test_window_rule():
         assert lay.readable_lo(nc).tolist() == [lay.readable_start(int(x)) for x in nc]
 
 
-def _case(seed=0, rows=6, width=12, nreq=4):
+# ---------------------------------------------------------------- the one form per language, held to the spec
+# Each form is checked on the same batches: cp = 1 and DCP with interleave (CASES), a kernel split (the kernel
+# row's slot equals the manager row's), and its read-back. Worked values first, as arithmetic.
+
+CASES = [(1, 1), (2, 1), (2, 4), (4, 8), (2, 16), (4, 1)]  # (cp, interleave), interleave divides BS
+WORKED = [  # (layout, row, position, slot)
+    (GroupLayout(BS), [37, 12], 31, 12 * 16 + 15),
+    (GroupLayout(BS, cp_size=2, cp_rank=1, interleave=4), [7, 9], 37, 9 * 16 + 1),  # vb 1, off 5, local 1
+    (GroupLayout(BS, cp_size=2, cp_rank=0, interleave=4), [7, 9], 37, PAD_SLOT_ID),
+    (GroupLayout(64, kernel_block_size=16, cp_size=2, cp_rank=0, interleave=32), [7, 3], 200, 3 * 64 + 40),
+]
+
+
+def _case(cp=1, seed=0, rows=6, width=6, nreq=4):
+    """A persistent table of rows of block ids spanning BS * cp positions each, and a batch over it."""
     rng = np.random.default_rng(seed)
     table = rng.permutation(rows * width * 3)[: rows * width].astype(np.int32).reshape(rows, width)
     idx = rng.choice(rows, nreq, replace=False).astype(np.int32)
-    n = rng.integers(1, 40, nreq).astype(np.int32)
-    nc = rng.integers(0, width * BS - 40, nreq).astype(np.int32)
+    n = rng.integers(1, 50, nreq).astype(np.int32)
+    nc = rng.integers(0, width * BS * cp - 50, nreq).astype(np.int32)
     qsl = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
     pos = np.concatenate([np.arange(a, a + m) for a, m in zip(nc, n)]).astype(np.int64)
-    lay = GroupLayout(BS)
-    want = [lay.slot(table[idx[b]].tolist(), int(p)) for b in range(nreq) for p in range(nc[b], nc[b] + n[b])]
-    return table, idx, n, nc, qsl, pos, want
+    return table, idx, n, nc, qsl, pos
 
 
-def test_vectorized_form_equals_the_spec():
-    table, idx, n, nc, qsl, pos, want = _case()
-    rows = np.repeat(idx, n)
-    assert GroupLayout(BS).slots(table[rows, pos // BS], pos).tolist() == want
+def _spec_slots(lay, table, idx, n, nc):
+    """The spec, token by token; through the kernel row too when the layout splits blocks."""
+    want = [lay.slot(table[idx[b]].tolist(), int(p)) for b in range(len(idx)) for p in range(nc[b], nc[b] + n[b])]
+    if lay.kernel_blocks_per_block > 1:
+        krows = [lay.kernel_row(table[idx[b]].tolist()) for b in range(len(idx))]
+        assert want == [lay.kernel_slot(krows[b], int(p)) for b in range(len(idx)) for p in range(nc[b], nc[b] + n[b])]
+    return want
 
 
-def test_numpy_worker_form_equals_the_spec():
+def _layouts(cp, I):
+    """Every rank's layout, and a kernel split (k = 4) of each."""
+    return [GroupLayout(BS, kernel_block_size=kbs, cp_size=cp, cp_rank=r, interleave=I)
+            for r in range(cp) for kbs in (None, BS // 4)]
+
+
+def _read_back_case(lay, table, idx, n, nc, pos, tokens):
+    """A cache written at the spec's slots with the 3rd local token's slot corrupted: (bits, want, local)."""
+    kk = pytest.importorskip("kvmap.kv.kernels")
+    want = np.array(_spec_slots(lay, table, idx, n, nc), np.int64)
+    bits = np.zeros((2, int(table.max() + 1) * BS, 4), np.uint16)
+    kk.kv_write(tokens[np.repeat(idx, n), pos], pos, want, bits, np.uint64(0xFFFF), np.zeros(bits.shape[1], bool))
+    local = np.flatnonzero(want >= 0)
+    bits[0, want[local[2]], 0] ^= 1
+    return bits, want, local
+
+
+def test_numpy_form_equals_the_spec():
+    """`GroupLayout.slots`, as the numpy worker calls it: cp = 1 (power-of-two and not), DCP, the read-back."""
     from types import SimpleNamespace
 
     from kvmap.workers import buffers
 
-    for seed in range(5):
-        table, idx, n, nc, qsl, pos, want = _case(seed)
+    for lay, row, p, slot in WORKED:
+        assert lay.slots(np.array([row[lay.block_of(p)[0]]]), np.array([p])).tolist() == [slot]
+    assert GroupLayout(12).slots(np.array([5], np.int32), np.array([7]), np.zeros(1, np.int64),
+                                 np.zeros(1, np.int64)).tolist() == [5 * 12 + 7]
+    for cp, I in CASES:
+        table, idx, n, nc, qsl, pos = _case(cp, seed=cp * 10 + I)
+        lays = _layouts(cp, I)
         T, B = len(pos), len(idx)
-        state = SimpleNamespace(block_tables=[table], block_sizes=[BS], kv_groups=[0])
-        buf = SimpleNamespace(idx_mapping=idx, num_scheduled_tokens=n, positions=pos,
+        state = SimpleNamespace(block_tables=[table])
+        buf = SimpleNamespace(idx_mapping=idx, num_scheduled_tokens=n, positions=pos, layouts=lays[:1],
                               tmp_tok=np.zeros(T, np.int64), tmp_tok2=np.zeros(T, np.int64),
                               tmp_blk=np.zeros(T, np.int32), tmp_req=np.zeros(B, np.int64),
-                              slot_mapping=np.full((1, T), -7, np.int64))
-        buffers.compute_slot_mappings(state, buf, B, T)
-        assert buf.slot_mapping[0].tolist() == want
+                              slot_mapping=np.full((1, T), -7, np.int64),
+                              rank_slot_mapping=np.full((len(lays), 1, T), -7, np.int64))
+        if cp == 1:
+            buffers.compute_slot_mappings(state, buf, B, T)
+            assert buf.slot_mapping[0].tolist() == _spec_slots(lays[0], table, idx, n, nc)
+        buffers.compute_rank_slot_mappings(state, buf, [[lay] for lay in lays], B, T)
+        for i, lay in enumerate(lays):
+            want = _spec_slots(lay, table, idx, n, nc)
+            assert buf.rank_slot_mapping[i, 0].tolist() == want
+            assert lay.slots(table[np.repeat(idx, n), pos // lay.virtual_block_size], pos).tolist() == want
 
 
 def test_numba_form_equals_the_spec():
+    """`slot_of` and the three kernels that call it: cp = 1 slot mapping, DCP slot mapping, read-back."""
+    kk = pytest.importorskip("kvmap.kv.kernels")
     kc = pytest.importorskip("kvmap.workers.kernels_cpu")
-    for seed in range(5):
-        table, idx, n, nc, qsl, pos, want = _case(seed)
+    for lay, row, p, slot in WORKED:
+        assert kk.slot_of(np.array(row, np.int32), p, lay.block_size, lay.cp_size, lay.cp_rank, lay.interleave) == slot
+    for cp, I in CASES:
+        table, idx, n, nc, qsl, pos = _case(cp, seed=cp + I)
+        tokens = np.arange(table.shape[0] * table.shape[1] * BS * cp, dtype=np.int32).reshape(table.shape[0], -1)
+        for lay in _layouts(cp, I):
+            want = _spec_slots(lay, table, idx, n, nc)
+            out = np.full(len(pos), -7, np.int64)
+            kc.slot_mapping_dcp(idx, n, nc, table, BS, cp, lay.cp_rank, I, True, out)
+            assert out.tolist() == want
+            if cp == 1:
+                kc.slot_mapping(idx, n, nc, table, BS, out)
+                assert out.tolist() == want
+            bits, want, local = _read_back_case(lay, table, idx, n, nc, pos, tokens)
+            bad = np.zeros((4, 3), np.int64)
+            got = kk.kv_verify_dcp(idx, nc.astype(np.int64), (nc + n).astype(np.int32), tokens, table, BS, cp,
+                                   lay.cp_rank, I, bits, np.uint64(0xFFFF), bad)
+            assert got == (len(local), 1) and bad[0, 2] == want[local[2]]
         out = np.full(len(pos), -7, np.int64)
-        kc.slot_mapping(idx, n, nc, table, BS, out)
-        assert out.tolist() == want
+        kc.slot_mapping_dcp(idx, n, nc, table, BS, cp, 0, I, False, out)  # a state group
+        assert (out == PAD_SLOT_ID).all()
+
+
+def test_torch_form_equals_the_spec():
+    """`torch_worker.slots`, which the torch worker's cp = 1, DCP and read-back paths call."""
+    torch = pytest.importorskip("torch")
+    from kvmap.workers.torch_worker import slots
+
+    for lay, row, p, slot in WORKED:
+        got = slots(torch.tensor([row], dtype=torch.int32), torch.tensor([0]), torch.tensor([p]), lay)
+        assert got.tolist() == [slot]
+    for cp, I in CASES:
+        table, idx, n, nc, qsl, pos = _case(cp, seed=cp * 3 + I)
+        rows = torch.from_numpy(np.repeat(idx, n).astype(np.int64))
+        for lay in _layouts(cp, I):
+            out = torch.full((len(pos),), -7, dtype=torch.int64)
+            slots(torch.from_numpy(table), rows, torch.from_numpy(pos), lay, out=out)
+            assert out.tolist() == _spec_slots(lay, table, idx, n, nc)
 
 
 def _triton_device():
@@ -95,57 +177,37 @@ def _triton_device():
 
 
 def test_triton_form_equals_the_spec():
+    """`_slots` through the slot mapping kernel (CP a constexpr branch; padding from the actual count) and the
+    read-back kernel, which locates a corrupted slot."""
     torch, dev = _triton_device()
-    from kvmap.workers.triton_worker import BLOCK, _slot_mapping_kernel
+    from kvmap.workers.triton_worker import BLOCK, _kv_verify_kernel, _slot_mapping_kernel
 
-    table, idx, n, nc, qsl, pos, want = _case(1)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
-    T = len(pos)
-    out = torch.full((T + 5,), 99, dtype=torch.int64, device=dev)
-    tab = t(table)
-    _slot_mapping_kernel[(len(idx) + 1,)](t(idx.astype(np.int64)), t(n), t(qsl), t(nc), tab, tab.stride(0), BS, out,
-                                          len(idx), T, T + 5, BLOCK=BLOCK)
-    got = out.cpu().numpy().tolist()
-    assert got[:T] == want and got[T:] == [PAD_SLOT_ID] * 5  # padding from the actual count
-
-
-def test_kv_read_back_slot_equals_the_spec():
-    """The numba read-back locates a corrupted slot at the spec's address."""
-    kk = pytest.importorskip("kvmap.kv.kernels")
-    table, idx, n, nc, qsl, pos, want = _case(2)
-    tokens = np.zeros((table.shape[0], table.shape[1] * BS), np.int32)
-    bits = np.zeros((2, int(table.max() + 1) * BS, 4), np.uint16)
-    written = np.zeros(bits.shape[1], bool)
-    mask = np.uint64(0xFFFF)
-    ids = tokens[np.repeat(idx, n), pos]
-    kk.kv_write(ids, pos, np.array(want, np.int64), bits, mask, written)
-    bits[0, want[3], 0] ^= 1  # corrupt the 4th token's slot
-    bad = np.zeros((4, 3), np.int64)
-    seq = (nc + n).astype(np.int32)
-    checked, mismatches = kk.kv_verify(idx, nc.astype(np.int64), seq, tokens, table, BS, bits, mask, bad)
-    assert (checked, mismatches) == (len(pos), 1) and bad[0, 2] == want[3]
+    for cp, I in [(1, 1), (4, 8)]:
+        table, idx, n, nc, qsl, pos = _case(cp, seed=3)
+        T, tab = len(pos), t(table)
+        for lay in _layouts(cp, I)[:: max(1, 2 * cp - 2)]:  # cp = 1 with and without a split; ranks 0 and 3
+            out = torch.full((T + 3,), 99, dtype=torch.int64, device=dev)
+            _slot_mapping_kernel[(len(idx) + 1,)](t(idx.astype(np.int64)), t(n), t(qsl), t(nc), tab, tab.stride(0),
+                                                  BS, cp, lay.cp_rank, I, out, len(idx), T, T + 3, CP=cp > 1,
+                                                  BLOCK=BLOCK)
+            got = out.cpu().numpy().tolist()
+            assert got[:T] == _spec_slots(lay, table, idx, n, nc) and got[T:] == [PAD_SLOT_ID] * 3
+    table, idx, n, nc, qsl, pos = _case(1, seed=2)
+    tokens = np.arange(table.shape[0] * table.shape[1] * BS, dtype=np.int32).reshape(table.shape[0], -1)
+    bits, want, local = _read_back_case(GroupLayout(BS), table, idx, n, nc, pos, tokens)
+    bits = t(bits.view(np.int16))
+    bad, first = (torch.zeros(len(idx), dtype=dt, device=dev) for dt in (torch.int32, torch.int64))
+    _kv_verify_kernel[(len(idx),)](t(idx.astype(np.int64)), t(nc.astype(np.int64)), t((nc + n).astype(np.int32)),
+                                   t(tokens), tokens.shape[1], t(table), table.shape[1], BS, bits, bits.stride(0), bad,
+                                   first, HALF=4, LANES=4, WIDTH=16, BLOCK=32)
+    b = int(np.searchsorted(qsl, local[2], side="right")) - 1  # the request of the corrupted token
+    assert bad.cpu().tolist() == [int(i == b) for i in range(len(idx))] and int(first[b]) == pos[local[2]]
 
 
 # ---------------------------------------------------------------- multi-rank: DCP, kernel blocks, state groups
 
-DCP_CASES = [(2, 1), (2, 4), (4, 8), (2, 16), (4, 1)]  # (cp, interleave), interleave divides BS
-
-
-def _dcp_case(cp, seed=0, rows=6, width=6, nreq=4):
-    """Rows of block ids spanning BS * cp positions each."""
-    rng = np.random.default_rng(seed)
-    vbs = BS * cp
-    table = rng.permutation(rows * width * 3)[: rows * width].astype(np.int32).reshape(rows, width)
-    idx = rng.choice(rows, nreq, replace=False).astype(np.int32)
-    n = rng.integers(1, 50, nreq).astype(np.int32)
-    nc = rng.integers(0, width * vbs - 50, nreq).astype(np.int32)
-    qsl = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
-    pos = np.concatenate([np.arange(a, a + m) for a, m in zip(nc, n)]).astype(np.int64)
-    return table, idx, n, nc, qsl, pos
-
-
-def _spec_slots(lay, table, idx, n, nc):
-    return [lay.slot(table[idx[b]].tolist(), int(p)) for b in range(len(idx)) for p in range(nc[b], nc[b] + n[b])]
+DCP_CASES = CASES[1:]
 
 
 @pytest.mark.parametrize("cp,I", DCP_CASES)
@@ -197,55 +259,6 @@ def test_kernel_slot_equals_slot(cp, I, k):
             assert lay.kernel_slot(krow, p) == lay.slot(row, p)
 
 
-@pytest.mark.parametrize("cp,I", DCP_CASES)
-def test_dcp_vectorized_forms_equal_the_spec(cp, I):
-    table, idx, n, nc, qsl, pos, = _dcp_case(cp, seed=cp * 10 + I)
-    rows = np.repeat(idx, n)
-    seq = (nc + n).astype(np.int32)
-    for r in range(cp):
-        lay = GroupLayout(BS, cp_size=cp, cp_rank=r, interleave=I)
-        want = _spec_slots(lay, table, idx, n, nc)
-        assert lay.slots(table[rows, pos // (BS * cp)], pos).tolist() == want
-        assert lay.local_mask(pos).tolist() == [lay.is_local(int(p)) for p in pos]
-        assert lay.dcp_local_seq_lens(seq).tolist() == [lay.dcp_local_seq_len(int(s)) for s in seq]
-
-
-@pytest.mark.parametrize("cp,I", DCP_CASES)
-def test_dcp_numba_form_equals_the_spec(cp, I):
-    kc = pytest.importorskip("kvmap.workers.kernels_cpu")
-    table, idx, n, nc, qsl, pos = _dcp_case(cp, seed=cp + I)
-    seq = (nc + n).astype(np.int32)
-    for r in range(cp):
-        lay = GroupLayout(BS, cp_size=cp, cp_rank=r, interleave=I)
-        out = np.full(len(pos), -7, np.int64)
-        kc.slot_mapping_dcp(idx, n, nc, table, BS, cp, r, I, True, out)
-        assert out.tolist() == _spec_slots(lay, table, idx, n, nc)
-        lens = np.zeros(len(seq), np.int32)
-        kc.dcp_local_seq_lens(seq, cp, r, I, lens)
-        assert lens.tolist() == [lay.dcp_local_seq_len(int(s)) for s in seq]
-    out = np.full(len(pos), -7, np.int64)
-    kc.slot_mapping_dcp(idx, n, nc, table, BS, cp, 0, I, False, out)  # a state group
-    assert (out == PAD_SLOT_ID).all()
-
-
-def test_dcp_triton_form_equals_the_spec():
-    torch, dev = _triton_device()
-    from kvmap.workers.triton_worker import BLOCK, _slot_mapping_dcp_kernel
-
-    cp, I = 4, 8
-    table, idx, n, nc, qsl, pos = _dcp_case(cp, seed=3)
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
-    T = len(pos)
-    tab = t(table)
-    for r in (0, 3):
-        out = torch.full((T + 3,), 99, dtype=torch.int64, device=dev)
-        _slot_mapping_dcp_kernel[(len(idx) + 1,)](t(idx.astype(np.int64)), t(n), t(qsl), t(nc), tab, tab.stride(0),
-                                                  BS, cp, r, I, out, len(idx), T, T + 3, BLOCK=BLOCK)
-        got = out.cpu().numpy().tolist()
-        want = _spec_slots(GroupLayout(BS, cp_size=cp, cp_rank=r, interleave=I), table, idx, n, nc)
-        assert got[:T] == want and got[T:] == [PAD_SLOT_ID] * 3
-
-
 def test_replicated_and_state_groups():
     """A group with dcp_sharded false sees cp = 1 on every rank; a state group has no slots."""
     from kvmap.trace.records import KVCacheGroup
@@ -258,22 +271,3 @@ def test_replicated_and_state_groups():
     assert (m.slots(np.array([4, 4]), np.array([0, 1])) == PAD_SLOT_ID).all()
 
 
-@pytest.mark.parametrize("cp,I", DCP_CASES[:3])
-def test_dcp_kv_read_back_slot_equals_the_spec(cp, I):
-    """The compiled per-rank read-back reads only the rank's positions, at the spec's slot."""
-    kk = pytest.importorskip("kvmap.kv.kernels")
-    table, idx, n, nc, qsl, pos = _dcp_case(cp, seed=7)
-    tokens = np.zeros((table.shape[0], table.shape[1] * BS * cp), np.int32)
-    mask = np.uint64(0xFFFF)
-    for r in range(cp):
-        lay = GroupLayout(BS, cp_size=cp, cp_rank=r, interleave=I)
-        want = np.array(_spec_slots(lay, table, idx, n, nc), np.int64)
-        bits = np.zeros((2, int(table.max() + 1) * BS, 4), np.uint16)
-        written = np.zeros(bits.shape[1], bool)
-        kk.kv_write(tokens[np.repeat(idx, n), pos], pos, want, bits, mask, written)
-        local = np.flatnonzero(want >= 0)
-        bits[0, want[local[2]], 0] ^= 1  # corrupt the third local token's slot
-        bad = np.zeros((4, 3), np.int64)
-        checked, mismatches = kk.kv_verify_dcp(idx, nc.astype(np.int64), (nc + n).astype(np.int32), tokens, table,
-                                               BS, cp, r, I, bits, mask, bad)
-        assert (checked, mismatches) == (len(local), 1) and bad[0, 2] == want[local[2]]

@@ -2,8 +2,9 @@
 batch's readable context back through its block-table rows.
 
 Rules: the canary is `kv.canary.canary_value` (its constants, tested bit for bit); `PAD_SLOT_ID` slots are
-skipped; the read-back's slot is the layout rule for cp = 1 (tests/test_layout.py holds it to
-`GroupLayout.slot`). Importing this module imports numba: import it lazily.
+skipped. `slot_of` is the slot rule's one numba form (cp = 1 and DCP), used here by the read-back and by the
+slot mapping kernels (workers/kernels_cpu.py); tests/test_layout.py holds it to `GroupLayout.slot`. Importing
+this module imports numba: import it lazily.
 """
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ def canary(token, position, lane):
     return x
 
 
+@nb.njit(cache=True, nogil=True, boundscheck=False, inline="always")  # inlined: cp = 1 callers' constants fold
+def slot_of(row, p, block_size, cp_size, cp_rank, interleave):
+    """`layout.GroupLayout.slot` of position p through block-table row `row`: virtual block vb = p // (block_size
+    * cp), offset off = p % that; local iff (off // I) % cp == rank, then slot = row[vb] * block_size
+    + off // (I * cp) * I + off % I, else -1 (PAD_SLOT_ID). cp = 1, I = 1: row[p // bs] * bs + p % bs."""
+    vbs = np.int64(block_size) * cp_size
+    vb = p // vbs
+    off = p - vb * vbs
+    if (off // interleave) % cp_size != cp_rank:
+        return np.int64(-1)
+    return np.int64(row[vb]) * block_size + off // (interleave * cp_size) * interleave + off % interleave
+
+
 @_jit
 def kv_write(input_ids, positions, slots, bits, mask, written):
     """bits: [2, num_slots, H*D] unsigned view of the cache; lane l of K is l, of V is H*D + l.
@@ -48,30 +62,21 @@ def kv_write(input_ids, positions, slots, bits, mask, written):
 
 
 @_jit
-def kv_verify(idx_mapping, lo, seq_lens, token_ids, table, block_size, bits, mask, bad):
-    """Read back positions lo[b] .. seq_lens[b] - 1 of every batch request through its block-table row.
-    Writes up to len(bad) mismatches as (batch_idx, position, slot) rows; returns (checked, mismatches)."""
-    return kv_verify_dcp(idx_mapping, lo, seq_lens, token_ids, table, block_size, 1, 0, 1, bits, mask, bad)
-
-
-@_jit
 def kv_verify_dcp(idx_mapping, lo, seq_lens, token_ids, table, block_size, cp_size, cp_rank, interleave, bits,
                   mask, bad):
-    """`kv_verify` on one DCP rank's shard: only the positions the rank holds, at the per-rank slot
-    (layout.GroupLayout.slot): vb = p // (block_size * cp), off = p % that, local iff (off // I) % cp == rank,
-    slot = row[vb] * block_size + off // (I * cp) * I + off % I."""
+    """Read back positions lo[b] .. seq_lens[b] - 1 of every batch request that this DCP rank holds (all of them
+    when cp = 1), at `slot_of` through its block-table row. Writes up to len(bad) mismatches as (batch_idx,
+    position, slot) rows; returns (checked, mismatches)."""
     half = bits.shape[2]
-    vbs = np.int64(block_size) * cp_size
     checked = 0
     mismatches = 0
     for b in range(idx_mapping.shape[0]):
         row = idx_mapping[b]
+        trow = table[row]
         for p in range(lo[b], seq_lens[b]):
-            vb = p // vbs
-            off = p - vb * vbs
-            if (off // interleave) % cp_size != cp_rank:
+            s = slot_of(trow, p, block_size, cp_size, cp_rank, interleave)
+            if s < 0:  # another rank holds this token
                 continue
-            s = np.int64(table[row, vb]) * block_size + off // (interleave * cp_size) * interleave + off % interleave
             tok = token_ids[row, p]
             checked += 1
             for l in range(2 * half):

@@ -1,9 +1,10 @@
 """Multi-rank rules for `kvmap validate` (trace-format.md, "Extensions for vLLM as deployed today").
 
 Rules:
-- Block sizes: a group's row addresses `block_size * cp` positions per id (`block_spans`; a replicated group,
-  `dcp_sharded` false, `block_size`); a state group (`uses_slot_mapping` false) holds state indices, so its
-  row covers no positions (span None). The shadow model takes its spans from here.
+- Block sizes: a group's row addresses `block_size * cp` positions per id (`block_spans`, the layout's
+  `virtual_block_size`; a replicated group, `dcp_sharded` false, `block_size`); a state group
+  (`uses_slot_mapping` false) holds state indices, so its row covers no positions (span None). The shadow
+  model takes its spans from here.
 - Header: `cp_kv_cache_interleave_size` divides every sharded group's block size, `kernel_block_size` divides
   its group's block size (the parser rejects both; re-stated here so a validator built from a header object
   sees them too).
@@ -16,7 +17,7 @@ Rules:
 
 from __future__ import annotations
 
-PAD_SLOT_ID = -1  # kvmap.layout's (not imported here: it brings numpy, which a valid trace's validate never needs)
+from kvmap.layout import PAD_SLOT_ID, group_layouts
 
 
 def cdiv(a: int, b: int) -> int:
@@ -24,10 +25,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 def block_spans(h) -> list[int | None]:
-    """[G] global positions one block id of the group covers (None: a state group)."""
-    cp = h.decode_context_parallel_size
-    return [None if not g.uses_slot_mapping else g.block_size * (cp if g.dcp_sharded else 1)
-            for g in h.kv_cache_groups]
+    """[G] global positions one block id of the group covers, the layout's `virtual_block_size` (None: a state
+    group)."""
+    return [lay.virtual_block_size if g.uses_slot_mapping else None
+            for g, lay in zip(h.kv_cache_groups, group_layouts(h))]
 
 
 def header_problems(h) -> list[tuple[str, int | None, str]]:

@@ -8,8 +8,8 @@ Rules:
 - No per-token Python. Per-token arrays come from `np.repeat` of per-request bases plus `arange` (the one
   per-step temporary: numpy's repeat has no output argument); a step of pure decodes needs no expansion.
 - Slots are computed from the persistent row-indexed block tables through `idx_mapping` (as MRV2's kernel
-  does), not from the gathered batch table. Power-of-two block sizes use shifts and masks here; the compiled
-  kernels go block by block instead (one table read and one division per block).
+  does), not from the gathered batch table; the rule itself is `GroupLayout.slots` (layout.py), whose block
+  span is the layout's `virtual_block_size`.
 - Batch order is Model Runner V2's: a stable ascending sort by scheduled tokens; with speculative decoding,
   requests with drafts, then requests of exactly `1 + num_speculative_tokens` tokens, come first (#47381).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvmap.layout import PAD_SLOT_ID
+from kvmap.layout import PAD_SLOT_ID, group_layouts
 from kvmap.workers.mappings import BatchMappings, BatchReqIds
 from kvmap.workers.state import WorkerState
 
@@ -48,6 +48,7 @@ class InputBuffers:
         self.input_ids = np.zeros(T, dtype=np.int32)  # [T]
         self.slot_mapping = np.full((G, T), PAD_SLOT_ID, dtype=np.int64)  # [G, T]
         self.block_tables = [np.zeros((N, w), dtype=np.int32) for w in state.max_num_blocks]  # [G] x [N, W_g]
+        self.layouts = group_layouts(state.header)  # [G] rank 0's layouts: the cp = 1 slot mapping's rule
         self.num_blocks = np.zeros((G, N), dtype=np.int32)  # [G, N]
         # multi-rank (allocated only when used): [cp, G, T] every DCP rank's slots, [cp, N] local lengths,
         # [G] x [N, W_g * k_g] kernel block rows
@@ -118,54 +119,34 @@ def gather_block_tables(state: WorkerState, buf: InputBuffers, B: int) -> None:
 
 
 def compute_slot_mappings(state: WorkerState, buf: InputBuffers, B: int, T: int) -> None:
-    """`slot = block_table[row, pos // bs] * bs + pos % bs` for every token and group, read from the
-    persistent row-indexed table through `idx_mapping` (as MRV2's kernel does)."""
-    idx = buf.idx_mapping[:B]
-    n = buf.num_scheduled_tokens[:B]
-    pos = buf.positions[:T]
-    blk = buf.tmp_tok[:T]
-    off = buf.tmp_tok2[:T]
-    ids = buf.tmp_blk[:T]
-    rowbase = buf.tmp_req[:B]
-    for g, table in enumerate(state.block_tables):
-        bs = state.block_sizes[g]
-        out = buf.slot_mapping[g, :T]
-        if g not in state.kv_groups:  # a state group: no slot mapping
-            out.fill(PAD_SLOT_ID)
-            continue
-        np.multiply(idx, table.shape[1], out=rowbase)
-        if T == B:
-            blk[:] = rowbase
-        else:
-            blk[:] = np.repeat(rowbase, n)
-        if bs & (bs - 1) == 0:  # power of two: shifts and masks
-            shift = bs.bit_length() - 1
-            np.right_shift(pos, shift, out=off)
-            blk += off
-            np.take(table.reshape(-1), blk, out=ids, mode="clip")
-            np.bitwise_and(pos, bs - 1, out=off)
-            np.left_shift(ids, shift, out=out)
-            out |= off
-        else:
-            np.floor_divide(pos, bs, out=off)
-            blk += off
-            np.take(table.reshape(-1), blk, out=ids, mode="clip")
-            np.remainder(pos, bs, out=off)
-            np.multiply(ids, bs, out=out)
-            out += off
+    """Every group's `slot_mapping` (cp = 1): the row entry at `pos // block_size`, read from the persistent
+    row-indexed table through `idx_mapping` (as MRV2's kernel does), then `GroupLayout.slots`."""
+    pos, ids, tmp = buf.positions[:T], buf.tmp_blk[:T], buf.tmp_tok2[:T]
+    for g, lay in enumerate(buf.layouts):
+        if lay.has_slots:
+            _gather_block_ids(state.block_tables[g], buf, lay, B, T, pos, tmp, ids)
+        lay.slots(ids, pos, out=buf.slot_mapping[g, :T], tmp=tmp)
+
+
+def _gather_block_ids(table: np.ndarray, buf: InputBuffers, lay, B: int, T: int, pos: np.ndarray, tmp: np.ndarray,
+                      out: np.ndarray) -> None:
+    """out [T]: the row entry at `pos // virtual_block_size` of each token's request row (through `idx_mapping`);
+    tmp [T] int64 scratch."""
+    flat, rowbase = buf.tmp_tok[:T], buf.tmp_req[:B]
+    np.multiply(buf.idx_mapping[:B], table.shape[1], out=rowbase)
+    flat[:] = rowbase if T == B else np.repeat(rowbase, buf.num_scheduled_tokens[:B])
+    flat += lay.block_indices(pos, out=tmp)
+    np.take(table.reshape(-1), flat, out=out, mode="clip")
 
 
 def compute_rank_slot_mappings(state: WorkerState, buf: InputBuffers, layouts, B: int, T: int) -> None:
     """Every computed DCP rank's `slot_mapping` (layouts: [num_ranks][G] `GroupLayout`): the row entry at
-    `pos // (block_size * cp)` read through `idx_mapping`, then the layout's per-rank rule (PAD_SLOT_ID where
-    another rank holds the token)."""
-    idx = buf.idx_mapping[:B].astype(np.int64)
-    n = buf.num_scheduled_tokens[:B]
-    pos = buf.positions[:T]
-    rows = idx if T == B else np.repeat(idx, n)
+    `pos // virtual_block_size` read through `idx_mapping`, then `GroupLayout.slots` (PAD_SLOT_ID where another
+    rank holds the token)."""
+    pos, ids, tmp = buf.positions[:T], buf.tmp_blk[:T], buf.tmp_tok2[:T]
     for g, table in enumerate(state.block_tables):
-        flat = rows * table.shape[1] + pos // state.block_spans[g]
-        ids = np.take(table.reshape(-1), flat, mode="clip")
+        if layouts[0][g].has_slots:
+            _gather_block_ids(table, buf, layouts[0][g], B, T, pos, tmp, ids)
         for i, lays in enumerate(layouts):
             lays[g].slots(ids, pos, out=buf.rank_slot_mapping[i, g, :T])
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from kvmap.kv.kernels import slot_of
+
 _jit = nb.njit(cache=True, nogil=True, boundscheck=False)
 
 
@@ -131,17 +133,16 @@ def gather_block_table(idx_mapping, num_blocks, table, out, out_num_blocks):
 
 @_jit
 def slot_mapping(idx_mapping, num_scheduled_tokens, num_computed_tokens, table, block_size, out):
-    """slot = table[row, pos // block_size] * block_size + pos % block_size, block by block: one table read
-    and one division per block touched, then a run of consecutive slots (a vector loop)."""
+    """cp = 1: `slot_of` block by block: the slot of a block's first scheduled position, then a run of
+    consecutive slots to the block's end (a vector loop; one table read and one division per block)."""
     t = 0
     for b in range(idx_mapping.shape[0]):
         trow = table[idx_mapping[b]]
         p = np.int64(num_computed_tokens[b])
         end = p + num_scheduled_tokens[b]
         while p < end:
-            k = p // block_size
-            first = np.int64(trow[k]) * block_size + (p - k * block_size)  # slot of position p
-            stop = min(end, (k + 1) * block_size)
+            first = slot_of(trow, p, block_size, 1, 0, 1)
+            stop = min(end, (p // block_size + 1) * block_size)
             run = out[t : t + (stop - p)]
             for q in range(stop - p):
                 run[q] = first + q
@@ -152,23 +153,14 @@ def slot_mapping(idx_mapping, num_scheduled_tokens, num_computed_tokens, table, 
 @_jit
 def slot_mapping_dcp(idx_mapping, num_scheduled_tokens, num_computed_tokens, table, block_size, cp_size, cp_rank,
                      interleave, has_slots, out):
-    """One DCP rank's slots (layout.GroupLayout.slot): virtual block pos // (block_size * cp), offset
-    off = pos % that; local iff (off // I) % cp == rank, slot = row[vb] * block_size + off // (I * cp) * I
-    + off % I, else -1. A group without a slot mapping gets -1 everywhere."""
-    vbs = np.int64(block_size) * cp_size
+    """One DCP rank's slots, token by token through `slot_of` (-1 where another rank holds the token); a group
+    without a slot mapping gets -1 everywhere."""
     t = 0
     for b in range(idx_mapping.shape[0]):
         trow = table[idx_mapping[b]]
         p0 = np.int64(num_computed_tokens[b])
         for q in range(num_scheduled_tokens[b]):
-            p = p0 + q
-            vb = p // vbs
-            off = p - vb * vbs
-            if has_slots and (off // interleave) % cp_size == cp_rank:
-                out[t] = np.int64(trow[vb]) * block_size + off // (interleave * cp_size) * interleave \
-                    + off % interleave
-            else:
-                out[t] = -1
+            out[t] = slot_of(trow, p0 + q, block_size, cp_size, cp_rank, interleave) if has_slots else -1
             t += 1
 
 
@@ -236,4 +228,4 @@ AOT_EXPORTS = {
     "positions_fit": ("positions_fit", "b1(i4[::1], i4[::1], i4[::1], i4[::1], i4[::1], i4[::1])"),
     "append_tokens": ("append_tokens", "i8(i4[:, ::1], i4[::1], i4[::1], i4[::1], i4[::1], i8)"),
 }
-AOT_SOURCES = ("workers/kernels_cpu.py",)
+AOT_SOURCES = ("workers/kernels_cpu.py", "kv/kernels.py")  # slot_of lives in kv/kernels.py

@@ -2,7 +2,10 @@
 
 Rules: obviously correct before fast. It keeps its own state in dicts and lists (no numpy, nothing shared
 with the vectorized workers except the parsed trace records), applies each step literally, and builds every
-mapping by walking request -> row -> position -> logical block -> physical block -> slot. Outputs are the
+mapping by walking request -> row -> position -> logical block -> physical block -> slot. It owns every rule it
+judges: it refuses what the host workers refuse (workers/state.py), in the same order, with the same located
+`TraceError` (kind, step, request, group, field, message); a scheduled position without a block is `no_block`,
+never a silent PAD_SLOT_ID. Outputs are the
 plain-list `--dump-mappings` record, so they compare bit for bit with any other worker's `to_dict()`.
 """
 
@@ -13,7 +16,7 @@ import numpy as np
 from kvmap.defaults import STANDIN_TOKEN_ID
 from kvmap.errors import TraceError
 from kvmap.kv.cache import KVCheckResult, PagedKVCache, RankedKVCache
-from kvmap.layout import PAD_SLOT_ID, rank_layouts, seq_layouts
+from kvmap.layout import rank_layouts, seq_layouts
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers.contract import Worker
 from kvmap.workers.mappings import DUMP_KEYS, BatchMappings, mappings_from_dict
@@ -54,6 +57,12 @@ class ReferenceWorker(Worker):
         self.cp_size = h.decode_context_parallel_size
         self.kernel_split = h.has_kernel_split
         self.seq_layouts = seq_layouts(h, self.ranks)
+        # [G] block ids a row holds: cdiv(max_model_len + k, block span), and 1 + k for a state group's
+        # (uses_slot_mapping false) state indices
+        k, width = h.num_speculative_tokens, h.max_model_len + h.num_speculative_tokens
+        self.row_width = [-(-width // lay.virtual_block_size) if grp.uses_slot_mapping
+                          else max(-(-width // lay.virtual_block_size), 1 + k)
+                          for grp, lay in zip(h.kv_cache_groups, self.layouts)]
 
     @property
     def current_step(self) -> int:
@@ -67,8 +76,13 @@ class ReferenceWorker(Worker):
     # The phases the replay loop times; the reference does all its work in update_states and
     # compute_mappings, the others exist so that every worker has the same phases.
     def update_states(self, step: Step) -> None:
+        """Apply the step in the host workers' order (workers/state.py), refusing what they refuse."""
         self._step = step
         so = step.scheduler_output
+        budget = max(self.header.max_num_batched_tokens, self.header.max_num_scheduled_tokens or 0)
+        if so.total_num_scheduled_tokens > budget:
+            raise TraceError(f"{so.total_num_scheduled_tokens} tokens exceed the header's token budget {budget}",
+                             line=step.line, step=step.step, field="total_num_scheduled_tokens")
         for r in so.finished_req_ids:
             self._free(r)
         for r in so.preempted_req_ids:
@@ -77,35 +91,115 @@ class ReferenceWorker(Worker):
             elif r in self.requests:
                 self.requests[r].preempted = True
         for nr in so.scheduled_new_reqs:
-            if nr.req_id in self.requests:
-                raise TraceError("scheduled as a new request while it is still live", step=step.step,
-                                 line=step.line, req_id=nr.req_id, field="scheduled_new_reqs")
-            if not self.free_rows:
-                raise TraceError("more than max_num_seqs live requests", step=step.step, line=step.line,
-                                 req_id=nr.req_id, field="scheduled_new_reqs")
-            row = self.free_rows.pop()
-            self.requests[nr.req_id] = ReferenceRequest(row, nr.token_ids, nr.num_computed_tokens, nr.block_ids)
-        c = so.scheduled_cached_reqs
-        for i, r in enumerate(c.req_ids):
-            if r not in self.requests:
-                raise TraceError("unknown request", step=step.step, line=step.line, req_id=r,
-                                 field="scheduled_cached_reqs.req_ids")
+            self._add(step, nr)
+        self._update_cached(step)
+        self._check_positions(step)
+
+    def _add(self, step: Step, nr) -> None:
+        """A new request: a free row, its tokens and its block rows."""
+        if nr.req_id in self.requests:
+            raise self._error(step, nr.req_id, "scheduled as a new request while it is still live (not finished or "
+                              "preempted)", "scheduled_new_reqs", "new_id_not_new")
+        if not self.free_rows:
+            raise self._error(step, nr.req_id, f"more than max_num_seqs={self.header.max_num_seqs} live requests",
+                              "scheduled_new_reqs", "budget_seqs")
+        row = self.free_rows.pop()
+        self._check_tokens(step, nr.req_id, nr.token_ids,
+                           "prefill_token_ids" if nr.prefill_token_ids is not None else "prompt_token_ids")
+        self._check_width(step, nr.req_id, nr.block_ids, "block_ids")
+        self.requests[nr.req_id] = ReferenceRequest(row, nr.token_ids, nr.num_computed_tokens, nr.block_ids)
+
+    def _update_cached(self, step: Step) -> None:
+        """Cached requests: num_computed_tokens (less an async correction), resumed rows, full token lists,
+        then appended blocks."""
+        c = step.scheduler_output.scheduled_cached_reqs
+        for r in c.req_ids:
+            self._live(step, r, "scheduled_cached_reqs.req_ids")
+        corrections = step.async_spec.num_computed_tokens_correction if step.async_spec is not None else {}
+        for r, nc in zip(c.req_ids, c.num_computed_tokens):
+            k = corrections.get(r, 0)  # async spec decode: the worker-true start
+            if k > nc:
+                raise self._error(step, r, f"correction {k} is larger than num_computed_tokens {nc}",
+                                  "num_computed_tokens_correction", "schema")
+            self.requests[r].num_computed_tokens = nc - k
+        for r in c.resumed_req_ids:
+            req = self._live(step, r, "scheduled_cached_reqs.resumed_req_ids")
+            req.preempted = False
+            new = c.new_block_ids[c.req_ids.index(r)]
+            if new is None:
+                raise self._error(step, r, "resumed without a replacement block row", "new_block_ids",
+                                  "resumed_no_blocks")
+            self._check_width(step, r, new, "new_block_ids")
+            req.block_ids = [list(b) for b in new]
+        for r, toks in c.all_token_ids.items():
+            req = self._live(step, r, "all_token_ids")
+            self._check_tokens(step, r, toks, "all_token_ids")
+            req.tokens = list(toks)
+        for r in c.req_ids:
+            if self.requests[r].preempted:
+                raise self._error(step, r, "scheduled after preemption without being resumed",
+                                  "scheduled_cached_reqs.resumed_req_ids", "preempted_scheduled")
+        for r, new in zip(c.req_ids, c.new_block_ids):
+            if new is None or r in c.resumed_req_ids:
+                continue
             req = self.requests[r]
-            req.num_computed_tokens = c.num_computed_tokens[i]
-            if step.async_spec is not None:  # async spec decode: the worker-true start
-                req.num_computed_tokens -= step.async_spec.num_computed_tokens_correction.get(r, 0)
-            if r in c.all_token_ids:
-                req.tokens = list(c.all_token_ids[r])
-            new = c.new_block_ids[i]
-            if r in c.resumed_req_ids:
-                req.preempted = False
-                req.block_ids = [list(b) for b in new]
-            elif new is not None:
-                for g, ids in enumerate(new):
-                    req.block_ids[g].extend(ids)
-            if req.preempted:
-                raise TraceError("scheduled after preemption without being resumed", step=step.step,
-                                 line=step.line, req_id=r, field="scheduled_cached_reqs.resumed_req_ids")
+            for g, ids in enumerate(new):
+                if ids and len(req.block_ids[g]) + len(ids) > self.row_width[g]:
+                    raise self._error(step, r, f"appending {len(ids)} blocks overflows the row width "
+                                      f"{self.row_width[g]}", "new_block_ids", "row_width", group=g)
+                req.block_ids[g].extend(ids)
+
+    def _check_positions(self, step: Step) -> None:
+        """Every scheduled position is within max_model_len, has a block in every group that addresses KV by
+        position, and (before the drafts) holds a known token; in scheduler order, the same rule first."""
+        so = step.scheduler_output
+        ends = [(r, self._live(step, r, "num_scheduled_tokens").num_computed_tokens + n)
+                for r, n in so.num_scheduled_tokens.items()]
+        mml = self.header.max_model_len
+        for r, end in ends:
+            if end > mml:
+                raise self._error(step, r, f"positions up to {end - 1} exceed max_model_len {mml}",
+                                  "num_scheduled_tokens", "max_model_len")
+        for g, (grp, layout) in enumerate(zip(self.header.kv_cache_groups, self.layouts)):
+            span = layout.virtual_block_size
+            for r, end in ends:
+                have = len(self.requests[r].block_ids[g])
+                if grp.uses_slot_mapping and have * span < end:
+                    raise self._error(step, r, f"position {end - 1} has no block: the row holds {have} blocks of "
+                                      f"{span} tokens", "block_ids/new_block_ids", "no_block", group=g)
+        for r, end in ends:
+            req = self.requests[r]
+            real_end = end - len(so.scheduled_spec_decode_tokens.get(r, []))
+            known = len(req.tokens)
+            if real_end > known and not self.missing_samples:
+                raise self._error(step, r, f"positions {known}..{real_end - 1} are past the request's {known} "
+                                  "known tokens", "num_scheduled_tokens", "tokens_unknown")
+            while len(req.tokens) < real_end:  # tokens the trace never recorded
+                req.tokens.append(STANDIN_TOKEN_ID)
+                self._standins += 1
+
+    def _live(self, step: Step, req_id: str, field: str) -> ReferenceRequest:
+        req = self.requests.get(req_id)
+        if req is None:
+            raise self._error(step, req_id, "unknown request: it was never added, or it already finished", field,
+                              "unknown_request")
+        return req
+
+    def _check_tokens(self, step: Step, req_id: str, tokens: list[int], field: str) -> None:
+        if len(tokens) > self.header.max_model_len:
+            raise self._error(step, req_id, f"{len(tokens)} tokens exceed max_model_len {self.header.max_model_len}",
+                              field, "max_model_len")
+
+    def _check_width(self, step: Step, req_id: str, block_ids: list[list[int]], field: str) -> None:
+        for g, ids in enumerate(block_ids):
+            if len(ids) > self.row_width[g]:
+                raise self._error(step, req_id, f"{len(ids)} blocks exceed the row width {self.row_width[g]}",
+                                  field, "row_width", group=g)
+
+    @staticmethod
+    def _error(step: Step, req_id: str, message: str, field: str, kind: str, group: int | None = None) -> TraceError:
+        return TraceError(message, line=step.line, step=step.step, req_id=req_id, group=group, field=field,
+                          kind=kind)
 
     def prepare_batch(self) -> None:
         pass
@@ -147,12 +241,6 @@ class ReferenceWorker(Worker):
                 out["kernel_block_tables"][g].append(kernel_rows[g])
             real = n - len(drafts)
             first_input = len(out["input_ids"])
-            while len(req.tokens) < start + real:  # tokens the trace never recorded
-                if not self.missing_samples:
-                    raise TraceError("positions past the request's known tokens", step=step.step,
-                                     line=step.line, req_id=req_id, field="num_scheduled_tokens")
-                req.tokens.append(STANDIN_TOKEN_ID)
-                self._standins += 1
             for i in range(n):
                 position = start + i
                 out["positions"].append(position)
@@ -165,12 +253,9 @@ class ReferenceWorker(Worker):
                     if d < 0:
                         self._standins += 1
                     out["input_ids"].append(d if d >= 0 else STANDIN_TOKEN_ID)
-                for i, layouts in enumerate(self.rank_layouts):
+                for i, layouts in enumerate(self.rank_layouts):  # every position has a block (_check_positions)
                     for g, layout in enumerate(layouts):
-                        logical_block, _ = layout.block_of(position)
-                        if logical_block >= len(req.block_ids[g]):
-                            slots[i][g].append(PAD_SLOT_ID)  # the vectorized worker rejects this first
-                        elif self.kernel_split:  # through the kernel row, as the attention kernel sees it
+                        if self.kernel_split:  # through the kernel row, as the attention kernel sees it
                             slots[i][g].append(layout.kernel_slot(kernel_rows[g], position))
                         else:
                             slots[i][g].append(layout.slot(req.block_ids[g], position))
@@ -220,7 +305,12 @@ class ReferenceWorker(Worker):
         if step.sampled_token_ids is None:
             self.missing_samples = True
             return
-        for r, toks in step.sampled_token_ids.items():
+        sampled = step.sampled_token_ids
+        for r, toks in sampled.items():  # every row first: nothing is appended if one overflows
+            if len(self._live(step, r, "sampled_token_ids").tokens) + len(toks) > self.header.max_model_len:
+                raise self._error(step, r, "sampled tokens overflow max_model_len", "sampled_token_ids",
+                                  "max_model_len")
+        for r, toks in sampled.items():
             self.requests[r].tokens.extend(toks)
 
     def readable_context(self, group: int, rank_index: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray,

@@ -21,7 +21,7 @@ import numpy as np
 from kvmap._torch import torch
 from kvmap.errors import KvmapError
 from kvmap.kv.cache import KVCheckResult, KVGeometry, KVMismatch, PagedKVCache, RankedKVCache
-from kvmap.layout import PAD_SLOT_ID
+from kvmap.layout import PAD_SLOT_ID, GroupLayout
 from kvmap.trace import TraceHeader
 from kvmap.workers.contract import make_rank_caches
 from kvmap.workers.host import NumpyWorker
@@ -40,6 +40,37 @@ def resolve_device(name: str):
     elif name != "cpu":
         raise KvmapError(f"unknown device {name!r}; use cpu or cuda[:N]", field="--device")
     return t.device(name)
+
+
+def slots(table, rows, pos, lay: GroupLayout, out=None):
+    """`layout.GroupLayout.slot` for tensors, the torch worker's one form of the rule (cp = 1, DCP and the
+    read-back): [n] request-state rows and [n] positions -> [n] int64 slots through the row-indexed `table`
+    [R, W]: the row entry at `pos // virtual_block_size`, then `* block_size` plus the local offset;
+    PAD_SLOT_ID where another rank holds the token, and everywhere in a group without a slot mapping."""
+    t = torch()
+    if out is None:
+        out = t.empty_like(pos)
+    if not lay.has_slots:
+        return out.fill_(PAD_SLOT_ID)
+    vbs, bs = lay.virtual_block_size, lay.block_size
+    t.mul(rows, table.shape[1], out=out)
+    out += t.div(pos, vbs, rounding_mode="floor")
+    ids = table.view(-1).index_select(0, out).to(t.int64)
+    if lay.cp_size == 1:
+        return t.add(ids * bs, t.remainder(pos, bs), out=out)
+    I, cp = lay.interleave, lay.cp_size
+    off = pos % vbs
+    local = t.div(off, I, rounding_mode="floor") % cp == lay.cp_rank
+    slot = ids * bs + t.div(off, I * cp, rounding_mode="floor") * I + off % I
+    return out.copy_(t.where(local, slot, t.full_like(slot, PAD_SLOT_ID)))
+
+
+def local_seq_lens(seq, lay: GroupLayout, out):
+    """`layout.GroupLayout.dcp_local_seq_len` for tensors: (s // (cp * I)) * I + clamp(s % (cp * I) - rank * I,
+    0, I)."""
+    I, cp = lay.interleave, lay.cp_size
+    rem = (seq % (cp * I) - lay.cp_rank * I).clamp(0, I)
+    return out.copy_(torch().div(seq, cp * I, rounding_mode="floor") * I + rem)
 
 
 class Staging:
@@ -223,47 +254,22 @@ class TorchWorker(NumpyWorker):
             self.o_kernel_block_tables[g][:B].copy_((rows[:, :, None] * k + ar).reshape(B, rows.shape[1] * k))
 
     def device_rank_slot_mappings(self) -> None:
-        """Every computed DCP rank's slots with tensor ops (layout.GroupLayout.slot), and the local lengths."""
-        t = torch()
+        """Every computed DCP rank's slots (`slots`), and the local lengths."""
         B, T = self.batch.num_reqs, self.batch.num_tokens
         pos, row = self.o_positions[:T], self.t_row[:T]
         for g, table in enumerate(self.d_block_tables):
-            span = self.state.block_spans[g]
-            ids = table.view(-1).index_select(0, row * table.shape[1] + t.div(pos, span, rounding_mode="floor"))
-            ids = ids.to(t.int64)
             for i, lays in enumerate(self.rank_layouts):
-                lay = lays[g]
-                out = self.o_rank_slot_mapping[i, g, :T]
-                if not lay.has_slots:
-                    out.fill_(PAD_SLOT_ID)
-                    continue
-                off = pos % lay.virtual_block_size
-                I, cp = lay.interleave, lay.cp_size
-                local = t.div(off, I, rounding_mode="floor") % cp == lay.cp_rank
-                slot = ids * lay.block_size + t.div(off, I * cp, rounding_mode="floor") * I + off % I
-                out.copy_(t.where(local, slot, t.full_like(slot, PAD_SLOT_ID)))
-        seq = self.o_seq_lens[:B]
+                slots(table, row, pos, lays[g], out=self.o_rank_slot_mapping[i, g, :T])
         for i, lay in enumerate(self.seq_layouts):
-            I, cp = lay.interleave, lay.cp_size
-            rem = (seq % (cp * I) - lay.cp_rank * I).clamp(0, I)
-            self.o_dcp_local_seq_lens[i, :B].copy_(t.div(seq, cp * I, rounding_mode="floor") * I + rem)
+            local_seq_lens(self.o_seq_lens[:B], lay, out=self.o_dcp_local_seq_lens[i, :B])
 
     def compute_slot_mappings(self) -> None:
-        t = torch()
         T = self.batch.num_tokens
         if self.multirank:
             return self.device_rank_slot_mappings()
         pos, row = self.o_positions[:T], self.t_row[:T]
         for g, table in enumerate(self.d_block_tables):
-            bs = self.state.block_sizes[g]
-            out = self.o_slot_mapping[g, :T]
-            if g not in self.state.kv_groups:  # a state group: no slot mapping
-                out.fill_(PAD_SLOT_ID)
-                continue
-            t.mul(row, table.shape[1], out=out)
-            out += t.div(pos, bs, rounding_mode="floor")
-            ids = table.view(-1).index_select(0, out)
-            t.add(ids.to(t.int64) * bs, t.remainder(pos, bs), out=out)
+            slots(table, row, pos, self.layouts[g], out=self.o_slot_mapping[g, :T])
         if self._prev_T > T:  # padding restarts at the actual count (vLLM #36580)
             self.o_slot_mapping[:, T : self._prev_T] = PAD_SLOT_ID
         self._prev_T = T
@@ -305,16 +311,15 @@ class TorchWorker(NumpyWorker):
             start = t.cumsum(cnt, 0) - cnt
             pos = t.arange(total, device=idx.device) - (start - lo)[breq]
             rows = idx[breq]
-            bs = lay.block_size
-            slots = self.d_block_tables[g][rows, t.div(pos, bs, rounding_mode="floor")].to(t.int64) * bs + pos % bs
+            slot = slots(self.d_block_tables[g], rows, pos, lay)
             toks = self.d_token_ids[rows, pos]
-            bad = (kv.bits[g][:, slots] != kv.values_torch(toks, pos)).any(dim=2).any(dim=0)
+            bad = (kv.bits[g][:, slot] != kv.values_torch(toks, pos)).any(dim=2).any(dim=0)
             into.checked += total
             nbad = int(bad.sum())
             into.mismatches += nbad
             for i in (t.nonzero(bad)[: into.room(), 0].tolist() if nbad else ()):
                 into.examples.append(KVMismatch(self.current_step, req_ids[int(breq[i])], g, int(pos[i]),
-                                                int(slots[i]), int(toks[i]), kv.describe(g, int(slots[i]))))
+                                                int(slot[i]), int(toks[i]), kv.describe(g, int(slot[i]))))
 
     # ------------------------------------------------------------------ results
 

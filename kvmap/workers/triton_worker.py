@@ -19,7 +19,7 @@ from kvmap._torch import torch
 from kvmap.kv import canary as C
 from kvmap.kv.cache import KVCheckResult, KVMismatch, PagedKVCache, RankedKVCache
 from kvmap.layout import PAD_SLOT_ID
-from kvmap.workers.torch_worker import TorchWorker
+from kvmap.workers.torch_worker import TorchWorker, local_seq_lens
 
 BLOCK = 128  # tokens per loop iteration of a program
 
@@ -66,8 +66,29 @@ def _store_pad_slots(out_ptr, num_tokens, pad_end, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _slot_mapping_kernel(idx_ptr, n_ptr, qsl_ptr, nc_ptr, table_ptr, table_stride, block_size, out_ptr,
-                         num_reqs, num_tokens, pad_end, BLOCK: tl.constexpr):
+def _slots(table_ptr, row, table_stride, pos, mask, block_size, cp_size, cp_rank, interleave, CP: tl.constexpr):
+    """`layout.GroupLayout.slot` of a block of int64 positions of request-state row `row`: the Triton kernels'
+    one form of the rule. CP false (cp = 1): row[pos // bs] * bs + pos % bs. CP true, as vLLM's
+    `_compute_slot_mappings_kernel`: the row entry at pos // (bs * cp), the rank-local offset, and
+    PAD_SLOT_ID where another rank holds the token."""
+    if CP:
+        vbs = block_size * cp_size
+        blk = tl.load(table_ptr + row * table_stride + pos // vbs, mask=mask, other=0)
+        off = pos % vbs
+        local = (off // interleave) % cp_size == cp_rank
+        slot = blk.to(tl.int64) * block_size + (off // (interleave * cp_size)) * interleave + off % interleave
+        slot = tl.where(local, slot, -1)
+    else:
+        blk = tl.load(table_ptr + row * table_stride + pos // block_size, mask=mask, other=0)
+        slot = blk.to(tl.int64) * block_size + pos % block_size
+    return slot
+
+
+@triton.jit
+def _slot_mapping_kernel(idx_ptr, n_ptr, qsl_ptr, nc_ptr, table_ptr, table_stride, block_size, cp_size, cp_rank,
+                         interleave, out_ptr, num_reqs, num_tokens, pad_end, CP: tl.constexpr, BLOCK: tl.constexpr):
+    """Program b: request b's slots (`_slots`, CP a compile-time branch); the extra program b == num_reqs pads
+    from the actual token count."""
     b = tl.program_id(0)
     if b == num_reqs:  # the extra program: PAD_SLOT_ID from the actual token count (vLLM #36580)
         _store_pad_slots(out_ptr, num_tokens, pad_end, BLOCK)
@@ -80,8 +101,8 @@ def _slot_mapping_kernel(idx_ptr, n_ptr, qsl_ptr, nc_ptr, table_ptr, table_strid
             offs = i + tl.arange(0, BLOCK)
             mask = offs < n
             pos = (nc + offs).to(tl.int64)
-            blk = tl.load(table_ptr + row * table_stride + pos // block_size, mask=mask, other=0)
-            tl.store(out_ptr + start + offs, blk.to(tl.int64) * block_size + pos % block_size, mask=mask)
+            slot = _slots(table_ptr, row, table_stride, pos, mask, block_size, cp_size, cp_rank, interleave, CP)
+            tl.store(out_ptr + start + offs, slot, mask=mask)
 
 
 # kv/canary.py's constants, as compile-time constants of the kernels
@@ -91,31 +112,6 @@ _MUL_LANE = tl.constexpr(C.MUL_LANE)
 _MIX_1 = tl.constexpr(C.MIX_1)
 _MIX_2 = tl.constexpr(C.MIX_2)
 _MASK_32 = tl.constexpr(C.MASK_32)
-
-
-@triton.jit
-def _slot_mapping_dcp_kernel(idx_ptr, n_ptr, qsl_ptr, nc_ptr, table_ptr, table_stride, block_size, cp_size,
-                             cp_rank, interleave, out_ptr, num_reqs, num_tokens, pad_end, BLOCK: tl.constexpr):
-    """One DCP rank's slots, as vLLM's kernel: block_indices = pos // (block_size * CP_SIZE); tokens another
-    rank holds get PAD_SLOT_ID."""
-    b = tl.program_id(0)
-    if b == num_reqs:  # the extra program: PAD_SLOT_ID from the actual token count (vLLM #36580)
-        _store_pad_slots(out_ptr, num_tokens, pad_end, BLOCK)
-    else:
-        row = tl.load(idx_ptr + b)
-        n = tl.load(n_ptr + b)
-        start = tl.load(qsl_ptr + b)
-        nc = tl.load(nc_ptr + b)
-        vbs = block_size * cp_size
-        for i in range(0, n, BLOCK):
-            offs = i + tl.arange(0, BLOCK)
-            mask = offs < n
-            pos = (nc + offs).to(tl.int64)
-            blk = tl.load(table_ptr + row * table_stride + pos // vbs, mask=mask, other=0)
-            off = pos % vbs
-            local = (off // interleave) % cp_size == cp_rank
-            slot = blk.to(tl.int64) * block_size + (off // (interleave * cp_size)) * interleave + off % interleave
-            tl.store(out_ptr + start + offs, tl.where(local, slot, -1), mask=mask)
 
 
 @triton.jit
@@ -179,8 +175,7 @@ def _kv_verify_kernel(idx_ptr, lo_ptr, seq_lens_ptr, token_ids_ptr, token_stride
     for p0 in range(lo, hi, BLOCK):
         pos = (p0 + tl.arange(0, BLOCK)).to(tl.int64)
         pmask = pos < hi
-        blk = tl.load(table_ptr + row * table_stride + pos // block_size, mask=pmask, other=0)
-        slot = blk.to(tl.int64) * block_size + pos % block_size
+        slot = _slots(table_ptr, row, table_stride, pos, pmask, block_size, 1, 0, 1, False)
         tok = tl.load(token_ids_ptr + row * token_stride + pos, mask=pmask, other=0)
         m2 = pmask[:, None] & lmask[None, :]
         addr = slot[:, None] * HALF + lanes[None, :]
@@ -229,8 +224,8 @@ class TritonWorker(TorchWorker):
             return self._rank_slot_mappings(B, T, pad_end)
         for g, table in enumerate(self.d_block_tables):
             _slot_mapping_kernel[(B + 1,)](self.o_idx_mapping, self.o_num_scheduled, self.o_query_start_loc,
-                                           self.o_num_computed, table, table.stride(0), self.state.block_sizes[g],
-                                           self.o_slot_mapping[g], B, T, pad_end, BLOCK=BLOCK)
+                                           self.o_num_computed, table, table.stride(0), self.layouts[g].block_size,
+                                           1, 0, 1, self.o_slot_mapping[g], B, T, pad_end, CP=False, BLOCK=BLOCK)
         self._prev_T = T
 
     def _rank_slot_mappings(self, B: int, T: int, pad_end: int) -> None:
@@ -242,17 +237,12 @@ class TritonWorker(TorchWorker):
                 if not lay.has_slots:
                     out[i, g, :pad_end].fill_(PAD_SLOT_ID)
                     continue
-                _slot_mapping_dcp_kernel[(B + 1,)](self.o_idx_mapping, self.o_num_scheduled, self.o_query_start_loc,
-                                                   self.o_num_computed, table, table.stride(0), lay.block_size,
-                                                   lay.cp_size, lay.cp_rank, lay.interleave, out[i, g], B, T,
-                                                   pad_end, BLOCK=BLOCK)
-        if self.multirank:
-            t = torch()
-            seq = self.o_seq_lens[:B]
-            for i, lay in enumerate(self.seq_layouts):
-                I, cp = lay.interleave, lay.cp_size
-                rem = (seq % (cp * I) - lay.cp_rank * I).clamp(0, I)
-                self.o_dcp_local_seq_lens[i, :B].copy_(t.div(seq, cp * I, rounding_mode="floor") * I + rem)
+                _slot_mapping_kernel[(B + 1,)](self.o_idx_mapping, self.o_num_scheduled, self.o_query_start_loc,
+                                               self.o_num_computed, table, table.stride(0), lay.block_size,
+                                               lay.cp_size, lay.cp_rank, lay.interleave, out[i, g], B, T, pad_end,
+                                               CP=lay.cp_size > 1, BLOCK=BLOCK)
+        for i, lay in enumerate(self.seq_layouts if self.multirank else ()):
+            local_seq_lens(self.o_seq_lens[:B], lay, out=self.o_dcp_local_seq_lens[i, :B])
         self._prev_T = T
 
     # ------------------------------------------------------------------ KV canary
