@@ -29,6 +29,7 @@ import numpy as np
 
 from kvmap.defaults import STANDIN_TOKEN_ID
 from kvmap.errors import TraceError
+from kvmap.layout import group_layouts
 from kvmap.trace import SchedulerOutput, Step, TraceHeader, check_fits
 from kvmap.workers.state_ops import CompiledOps, VectorOps
 from kvmap.workers.writes import TOKENS, StagedWrites
@@ -58,10 +59,9 @@ class WorkerState:
         self.total_len = np.zeros(R, dtype=np.int32)  # [R] known tokens (prompt + sampled) per row
         self.num_computed_tokens = np.zeros(R, dtype=np.int32)  # [R] scheduler's value, before this step
         self.block_sizes = [g.block_size for g in header.kv_cache_groups]
-        # [G] global positions one block id spans: block_size * cp (trace-format.md, "Which block size is
-        # which"); a replicated group (dcp_sharded false) spans block_size
-        cp = header.decode_context_parallel_size
-        self.block_spans = [g.block_size * (cp if g.dcp_sharded else 1) for g in header.kv_cache_groups]
+        # [G] global positions one block id spans: the layout's virtual_block_size (block_size * cp; block_size
+        # for a replicated group)
+        self.block_spans = [lay.virtual_block_size for lay in group_layouts(header)]
         # groups whose rows address KV by position (state groups' rows hold state indices: no capacity)
         self.kv_groups = [g for g, grp in enumerate(header.kv_cache_groups) if grp.uses_slot_mapping]
         self.max_num_blocks = [cdiv(self.token_width, span) if grp.uses_slot_mapping
@@ -258,19 +258,20 @@ class WorkerState:
                 self.capacity[row] = cap
             return
         rows = crows[sel]
-        for g in range(self.header.num_groups):
-            lists = [nb[i][g] for i in sel]
-            counts = np.fromiter(map(len, lists), np.int32, len(lists))
-            starts = self.num_blocks[g, rows]
-            ends = starts + counts
-            if int(ends.max()) > self.max_num_blocks[g]:
-                j = int(np.argmax(ends > self.max_num_blocks[g]))
-                raise TraceError(f"appending {int(counts[j])} blocks overflows the row width "
-                                 f"{self.max_num_blocks[g]}", line=step.line, step=step.step,
-                                 req_id=c.req_ids[sel[j]], group=g, field="new_block_ids", kind="row_width")
-            flat = np.fromiter(chain.from_iterable(lists), dtype=np.int32, count=int(counts.sum()))
-            self.writes.write(g, rows, starts, counts, flat)
-            self.num_blocks[g, rows] = ends
+        G = self.header.num_groups
+        counts = [np.fromiter((len(nb[i][g]) for i in sel), np.int32, len(sel)) for g in range(G)]  # [G][n]
+        ends = [self.num_blocks[g, rows] + counts[g] for g in range(G)]
+        over = [ends[g] > self.max_num_blocks[g] for g in range(G)]
+        if any(bool(o.any()) for o in over):  # name the first row that overflows, then its first group
+            j = min(int(np.argmax(o)) for o in over if o.any())
+            g = next(g for g in range(G) if over[g][j])
+            raise TraceError(f"appending {int(counts[g][j])} blocks overflows the row width "
+                             f"{self.max_num_blocks[g]}", line=step.line, step=step.step,
+                             req_id=c.req_ids[sel[j]], group=g, field="new_block_ids", kind="row_width")
+        for g in range(G):
+            flat = np.fromiter(chain.from_iterable(nb[i][g] for i in sel), dtype=np.int32, count=int(counts[g].sum()))
+            self.writes.write(g, rows, self.num_blocks[g, rows], counts[g], flat)
+            self.num_blocks[g, rows] = ends[g]
         self._refresh_capacity(rows)
 
     def _check_and_stage_tokens(self, step: Step, req_ids, rows: np.ndarray, counts: np.ndarray,
