@@ -14,8 +14,10 @@ its seed and a one-line command that replays it. Zero divergences are asserted.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
+import io
 import os
 import random
 import tempfile
@@ -25,6 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import orjson
+import pytest
 
 from kvmap.errors import TraceError
 from kvmap.trace import Trace, Where, parse_step
@@ -35,7 +38,7 @@ from .fuzz_multi import mutate
 
 BASE_SEED = 240_000
 DECODER_LINES = 40_000  # mutated lines per run of the decoder differential
-BACKEND_CASES = 1_000  # mutated traces per run of the backend differential
+BACKEND_CASES = 800  # mutated traces per run of the backend differential
 BACKENDS = ("reference", "numpy", "numba", "torch")
 TRITON_EVERY = 10  # the Triton backend (interpreted on CPU) joins every 10th backend case
 BACKEND_MAX_STEP = 16  # the mutated step of a backend case is one of the trace's first 16
@@ -291,3 +294,46 @@ if __name__ == "__main__":  # python -m tests.test_fuzz_multi: both reports, wit
             if r is not None:
                 found[r[0]].append(r[1])
         print(_report(kind, n, found, time.perf_counter() - t0))
+
+
+# ------------------------------------------------------------------------- the review's line (d.3)
+
+
+def _review_line(tmp: Path, steps: int = 4) -> Path:
+    """traces/worked_example.jsonl with step 1's cached req_ids ["B", "B"] (A still in num_scheduled_tokens),
+    the line of review-architecture.md section d.3, the first `steps` steps."""
+    lines = (TRACES / "worked_example.jsonl").read_bytes().splitlines()
+    step = orjson.loads(lines[2])
+    step["scheduler_output"]["scheduled_cached_reqs"].update(
+        req_ids=["B", "B"], num_computed_tokens=[31, 31], new_block_ids=[None, None], num_output_tokens=[1, 1])
+    lines[2] = orjson.dumps(step)
+    path = tmp / "review_d3.jsonl"
+    path.write_bytes(b"\n".join(lines[:steps + 1]) + b"\n")
+    return path
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ("triton",))
+def test_the_review_line_is_refused_by_every_backend(tmp_path, backend):
+    records, err = run_backend(_review_line(tmp_path), backend, "mrv2")
+    assert isinstance(err, TraceError), f"{backend}: {len(records)} records, then {err!r}"
+    assert (err.kind, err.step, err.req_id) == ("duplicate_request", 1, "B"), str(err)
+    assert len(records) == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_review_line_exits_2_in_the_cli_with_verify_kv(tmp_path, backend):
+    """`kvmap replay --steps 0:2 --warmup 0 --verify-kv --dump-mappings`: exit 2, the one located line, no dump."""
+    from kvmap.cli.app import app
+
+    path, dump = _review_line(tmp_path), tmp_path / "m.jsonl"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            app(args=["replay", str(path), "--backend", backend, "--steps", "0:2", "--warmup", "0", "--verify-kv",
+                      "--dump-mappings", str(dump), "--quiet", "--no-progress"], prog_name="kvmap")
+            rc = 0
+        except SystemExit as e:
+            rc = e.code
+    assert rc == 2, f"{backend}: exit {rc}, stderr {err.getvalue()!r}"
+    assert "step 1, request 'B'" in err.getvalue() and "scheduled twice" in err.getvalue(), err.getvalue()
+    assert not dump.exists()
