@@ -179,9 +179,7 @@ def run_backend(path: Path, backend: str, batch_order: str) -> tuple[list[dict],
     try:
         trace = Trace(path)
         worker = make_worker(backend, trace.header, "cpu", batch_order)
-        scanner = worker.line_scanner() if hasattr(worker, "line_scanner") else None
-        steps = trace.steps(scanner=scanner) if scanner is not None else trace.steps()
-        for step in steps:
+        for step in trace.steps():
             worker.run_step(step)
             worker.append_sampled()
             records.append(worker.mappings_dict())
