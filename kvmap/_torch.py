@@ -1,6 +1,6 @@
-"""Lazy torch import. Rules: nothing imports torch at module import time (it costs ~2 s and ~200 MiB);
-code that needs it calls `torch()`. On CPU, torch gets one intra-op thread: with two on a 2-core machine,
-ops stall 16-24 ms a step whenever the other core is busy (perf-facts.md)."""
+"""Lazy torch import. Rules: nothing imports torch at module import time (its cost: docs/performance.md,
+"Start-up"); code that needs it calls `torch()`. On CPU, torch gets one intra-op thread: with two on a 2-core
+machine, ops stall whenever the other core is busy."""
 
 from __future__ import annotations
 

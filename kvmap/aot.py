@@ -1,11 +1,11 @@
-"""Ahead-of-time compiled kernels: numba's kernels built into an extension module at install, loaded in 1 ms.
+"""Ahead-of-time compiled kernels: numba's kernels built into an extension module at install, loaded at once.
 
 A kernel module (`kvmap/workers/kernels_cpu.py`, `kvmap/kv/kernels.py`) stays the one source of its kernels,
 written for numba's JIT. It declares `AOT_EXPORTS` (exported name -> (kernel, signature)) and `AOT_SOURCES`
 (the files its machine code depends on). `build` compiles those exports with `numba.pycc` into a twin
 extension module next to it (`_<name>_aot`): setup.py does it at install, `python -m kvmap.aot` by hand.
-`load` then hands out the twin without importing numba (about 0.2 s of import and 0.2 s of type-system
-set-up saved on every run), or the JIT module when the twin is missing or was built from other sources.
+`load` then hands out the twin without importing numba or setting up its type system (docs/performance.md,
+"Start-up"), or the JIT module when the twin is missing or was built from other sources.
 
 Rules:
 - The twin is used only if its `source_hash()` equals the hash of the sources on disk now: an edited kernel
