@@ -7,7 +7,7 @@ Rules:
   `workers/torch_worker.py slots`, Triton `workers/triton_worker.py _slots`. The reference worker calls the
   spec directly. Nothing else in kvmap writes `block * block_size + offset` on its own, and every block span
   (`block_size * cp`) is read from `virtual_block_size`.
-- Block sizes (trace-format.md, "Which block size is which"): `block_size` is the tokens one rank stores per
+- Block sizes (docs/trace-format.md, "Which block size is which"): `block_size` is the tokens one rank stores per
   block id (vLLM's `KVCacheSpec.block_size`); with decode context parallelism a block id spans
   `block_size * cp_size` global positions (`virtual_block_size`); `kernel_block_size` divides `block_size`
   and is what the attention kernel sees.

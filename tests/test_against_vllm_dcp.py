@@ -5,7 +5,7 @@ positions) is derived from the trace by a minimal tracker written here (not kvma
 
 - every DCP rank's `slot_mapping` is computed by vLLM's V1 `BlockTable` (its Triton slot-mapping kernel, run on
   CPU under TRITON_INTERPRET=1) with the DCP world size and rank set, and compared with `slot_for`, a plain-Python
-  scalar transcription of trace-format.md's per-rank rule;
+  scalar transcription of docs/trace-format.md's per-rank rule;
 - `dcp_local_seq_lens` from vLLM's V1 helper (`get_dcp_local_seq_lens`) and Model Runner V2's Triton kernel
   (`prepare_dcp_local_seq_lens`) are compared with `dcp_local_seq_len`;
 - the same for Model Runner V2's fused slot kernel (`vllm/v1/worker/gpu/block_table.py`,
@@ -40,7 +40,7 @@ KERNEL_TRACES = ["kernel_block_split.jsonl", "vllm51031.jsonl"]
 ALL_TRACES = sorted(set(DCP_TRACES) | set(KERNEL_TRACES))
 
 
-# ------------------------------------------------------------------ the oracle: trace-format.md, one token at a time
+# ----------------------------------------------------------- the oracle: docs/trace-format.md, one token at a time
 
 
 def cdiv(a: int, b: int) -> int:
@@ -58,7 +58,7 @@ def local_position(pos: int, block_size: int, cp: int, rank: int, interleave: in
 
 
 def slot_for(row_blocks: list[int], pos: int, block_size: int, cp: int, rank: int, interleave: int) -> int:
-    """trace-format.md's per-rank slot rule: row[vb] * block_size + (off // (I*cp)) * I + off % I if the token is
+    """docs/trace-format.md's per-rank slot rule: row[vb] * block_size + (off // (I*cp)) * I + off % I if the token is
     local on `rank`, else PAD_SLOT_ID; vb, off = divmod(pos, block_size * cp). cp = 1 gives the classic
     row[pos // block_size] * block_size + pos % block_size."""
     vbs = block_size * cp
@@ -139,7 +139,7 @@ def slot_mismatches(rows: list[list[int]], query_start_loc: list[int], positions
 
 
 def dump_mismatches(header: dict, d: dict) -> list[str]:
-    """Check one line of a mapping dump (trace-format.md, "Mapping dump": `block_tables[g][b]`,
+    """Check one line of a mapping dump (docs/trace-format.md, "Mapping dump": `block_tables[g][b]`,
     `query_start_loc`, `positions`, `seq_lens`, `slot_mapping` as `[g][t]`, or `[cp][g][t]` when cp > 1,
     `dcp_local_seq_lens[cp][b]`, `kernel_block_tables[g][b]`) against the rule. kvmap's `--dump-mappings` output
     can be fed here line by line once the worker implements issue 14."""
@@ -587,7 +587,7 @@ def test_every_rank_slot_mapping_equals_model_runner_v2_kernel(name, vllm_env, i
     """Model Runner V2's fused slot kernel (`_compute_slot_mappings_kernel`, all groups in one launch, rows read
     through idx_mapping) on every DCP rank. Sharded attention groups follow the rule. vLLM 0.33's MambaSpec says
     uses_slot_mapping True and dcp_sharded False, so MRV2 writes a Mamba group cp = 1 slots
-    (row[p // block_size] * block_size + p % block_size) on every rank; trace-format.md's rule writes -1 there.
+    (row[p // block_size] * block_size + p % block_size) on every rank; docs/trace-format.md's rule writes -1 there.
     Neither is read by a Mamba kernel; the test pins what vLLM does."""
     torch = vllm_env.torch
     from vllm.v1.worker.gpu.block_table import _compute_slot_mappings_kernel

@@ -35,7 +35,7 @@ def test_async_traces_validate_and_replay_with_verified_kv():
 
 
 def test_the_correction_is_the_in_flight_step_s_rejections():
-    """trace-format.md: this step's num_computed_tokens assumed every in-flight draft was accepted."""
+    """docs/trace-format.md: this step's num_computed_tokens assumed every in-flight draft was accepted."""
     lines = read_lines(ASYNC_SPEC)
     prev: dict[str, int] = {}
     checked = 0

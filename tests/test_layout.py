@@ -21,7 +21,7 @@ def test_the_spec_on_the_worked_example():
 
 
 def test_the_spec_per_rank_with_context_parallelism():
-    """trace-format.md's per-rank rule: cp 2, interleave 4, block 16: a block id spans 32 positions."""
+    """docs/trace-format.md's per-rank rule: cp 2, interleave 4, block 16: a block id spans 32 positions."""
     lays = [GroupLayout(BS, cp_size=2, cp_rank=r, interleave=4) for r in range(2)]
     row = [7, 9]
     # position 37: virtual block 37 // 32 = 1, offset 5; (5 // 4) % 2 = 1 -> rank 1, local 5 // 8 * 4 + 5 % 4 = 1

@@ -95,7 +95,7 @@ def test_every_rank_reads_back_clean(name, backend):
 
 
 def test_dump_layout_for_ranks():
-    """trace-format.md: slot_mapping [cp][groups][tokens], dcp_local_seq_lens [cp][reqs], kernel rows."""
+    """docs/trace-format.md: slot_mapping [cp][groups][tokens], dcp_local_seq_lens [cp][reqs], kernel rows."""
     recs = [json.loads(x) for x in _ref(TRACES / "vllm51031.jsonl")]
     for d in recs:
         T, B = len(d["positions"]), len(d["req_ids"])

@@ -3,7 +3,7 @@
 - Without vLLM: `RecordingScheduler` over a stand-in scheduler, driven in the engine's batch-queue order
   (schedule N+1 before update N): every output lands on its own step, lines come out in step order, nothing is
   lost at close; synchronous spec decoding still attaches drafts to their step. The bundled async traces obey
-  the async rules of trace-format.md (checked here in plain Python, independent of kvmap's replay).
+  the async rules of docs/trace-format.md (checked here in plain Python, independent of kvmap's replay).
 - With vLLM 0.33 (CI's record environment): re-recording the async workloads is byte-identical, and the live
   plugin under async scheduling writes what offline recording writes.
 - kvmap's replay/validate on the async traces: async spec decoding (-1 placeholders, optimistic
@@ -166,7 +166,7 @@ def test_async_spec_keys_from_what_the_scheduler_sees(tmp_path):
 
 
 def _check_async_rules(path: Path) -> dict:
-    """trace-format.md's async rules, in plain Python: every executed step has its own output; placeholders
+    """docs/trace-format.md's async rules, in plain Python: every executed step has its own output; placeholders
     are -1 with real drafts of the same length; the worker-true start (num_computed_tokens - correction)
     follows from the previous step's start, query length and rejections. Returns counts."""
     lines = _lines(path)

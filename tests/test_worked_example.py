@@ -45,7 +45,7 @@ def test_verify_kv_reads_back_every_position(worked_example):
 
 
 def test_a_trace_without_sampled_tokens_uses_stand_ins_and_says_so(tmp_path):
-    """trace-format.md: without sampled_token_ids decode input ids are unknown; the replay must say so and use
+    """docs/trace-format.md: without sampled_token_ids decode input ids are unknown; the replay must say so and use
     stand-in ids (here 0), never pretend they are real. Positions and slots do not depend on them."""
     import json
 

@@ -43,7 +43,7 @@ def replay(
     head_size: Annotated[int, typer.Option(help="Head size of the KV cache.", min=1)] = defaults.KV_HEAD_SIZE,
     kv_dtype: Annotated[str, typer.Option(help="KV cache dtype: bfloat16, float16, float32, fp8.")] = defaults.KV_DTYPE,
     dump_mappings: Annotated[Optional[Path], typer.Option(help="Write every step's mappings as JSON "
-                                                          "Lines (trace-format.md).")] = None,
+                                                          "Lines (docs/trace-format.md).")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the run (summary, per-phase "
                                                      "statistics, per-step timings) as JSON.")] = None,
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write one CSV row per step and phase.")] = None,

@@ -12,7 +12,7 @@ Rules:
   spec-decoding line waits for its drafts, which come after the output, or for the next `schedule()`).
   `flush()`/`close()` write whatever is still pending (a line whose output never came has
   `sampled_token_ids: null`), so nothing is lost when the queue drains or the engine stops.
-- Async speculative decoding (trace-format.md): `num_rejected_tokens` (drafts rejected this step) and
+- Async speculative decoding (docs/trace-format.md): `num_rejected_tokens` (drafts rejected this step) and
   `num_computed_tokens_correction` (the rejections of the steps still in flight when this step was scheduled,
   by which its optimistic `num_computed_tokens` is too high) are derived from what the scheduler sees;
   `spec_draft_token_ids` (the real drafts behind the `-1` placeholders) only when a driver that can see them
@@ -65,7 +65,7 @@ def to_plain(value: Any, key: str | None = None) -> Any:
 
 def header_from_config(vllm_config: Any, kv_cache_config: Any,
                        kernel_block_sizes: list[int | None] | None = None, **extra: Any) -> dict:
-    """The trace header (trace-format.md) from a running vLLM's configs. `kernel_block_sizes` (one per group, as
+    """The trace header (docs/trace-format.md) from a running vLLM's configs. `kernel_block_sizes` (one per group, as
     vLLM's worker chose them: `prepare_kernel_block_sizes`; None: no split) is known only on the worker side; the
     scheduler never sees it; attention groups only. Multi-rank keys are written only where they differ from their
     defaults, so older traces keep their bytes."""
@@ -129,7 +129,7 @@ def header_from_config(vllm_config: Any, kv_cache_config: Any,
 
 
 def _deployed_keys(vllm_config: Any) -> dict:
-    """`max_concurrent_batches` (the engine's batch-queue depth, trace-format.md "as deployed today"), written
+    """`max_concurrent_batches` (the engine's batch-queue depth, docs/trace-format.md "as deployed today"), written
     only where it differs from its default 1, so synchronous traces keep their bytes. `eos_token_id` and
     `stop_token_ids` are the caller's to pass (`extra`): offline from the workload, live from the model."""
     try:

@@ -1,4 +1,4 @@
-"""The trace boundary (docs: trace-format.md): records, the two step decoders and their rules, the streaming reader.
+"""The trace boundary (docs/trace-format.md): records, two step decoders and their rules, the streaming reader.
 
 Rules: nothing outside this package parses trace JSON; every malformed input becomes a located `TraceError`;
 a step line is decoded only through `Trace.decode` (or `parse_step`, the checked parser, by tools that read

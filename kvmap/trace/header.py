@@ -125,7 +125,7 @@ def parse_header(obj: object, where: Where) -> TraceHeader:
 
 
 def _engine_keys(obj: dict, where: Where) -> dict:
-    """The engine-loop keys of vLLM as deployed (trace-format.md): batch-queue depth, stop tokens."""
+    """The engine-loop keys of vLLM as deployed (docs/trace-format.md): batch-queue depth, stop tokens."""
     out: dict = {"max_concurrent_batches": int_field(obj.get("max_concurrent_batches", 1), where,
                                                      "max_concurrent_batches", minimum=1)}
     if obj.get("eos_token_id") is not None:
@@ -217,7 +217,7 @@ MULTIRANK_KEYS = ("decode_context_parallel_size", "cp_kv_cache_interleave_size",
 
 
 def _multirank_fields(obj: dict, where: Where, groups: list[KVCacheGroup]) -> tuple[list[KVCacheGroup], dict]:
-    """trace-format.md, "Extensions for vLLM as deployed today": DCP, interleave, TP and per-group kernel
+    """docs/trace-format.md, "Extensions for vLLM as deployed today": DCP, interleave, TP and per-group kernel
     block sizes, `dcp_sharded`, `uses_slot_mapping`. Every key defaults to today's behaviour."""
     fields = {k: int_field(obj.get(k, 1), where, k, minimum=1) for k in MULTIRANK_KEYS}
     interleave = fields["cp_kv_cache_interleave_size"]

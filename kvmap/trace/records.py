@@ -145,7 +145,7 @@ class Step:
 
 @dataclass(slots=True)
 class AsyncSpecDecode:
-    """What a recorder saw of async speculative decoding in one step (trace-format.md): the scheduler sends -1
+    """What a recorder saw of async speculative decoding in one step (docs/trace-format.md): the scheduler sends -1
     draft placeholders and an optimistic num_computed_tokens."""
 
     spec_draft_token_ids: dict[str, list[int]]  # req_id -> the real drafts verified this step (placeholders' ids)

@@ -73,7 +73,7 @@ def _line_types(header: TraceHeader) -> tuple[type, type]:
         sampled_token_ids: Optional[dict[str, list[Tok]]] = None
         draft_token_ids: Optional[dict[str, list[Tok]]] = None
         kind: Union[str, None, UnsetType] = UNSET  # a non-string: the checked path
-        # async speculative decoding (trace-format.md): the real drafts, rejections, corrections
+        # async speculative decoding (docs/trace-format.md): the real drafts, rejections, corrections
         spec_draft_token_ids: Union[dict[str, list[Tok]], UnsetType] = UNSET
         num_rejected_tokens: Union[dict[str, Annotated[int, M(ge=0)]], UnsetType] = UNSET
         num_computed_tokens_correction: Union[dict[str, Annotated[int, M(ge=0)]], UnsetType] = UNSET

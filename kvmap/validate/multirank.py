@@ -1,4 +1,4 @@
-"""Multi-rank rules for `kvmap validate` (trace-format.md, "Extensions for vLLM as deployed today").
+"""Multi-rank rules for `kvmap validate` (docs/trace-format.md, "Extensions for vLLM as deployed today").
 
 Rules:
 - Block sizes: a group's row addresses `block_size * cp` positions per id (`block_spans`, the layout's

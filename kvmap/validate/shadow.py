@@ -5,7 +5,7 @@ Rules:
   mentions become "uncertain" until they finish, so one bad line does not cascade into false alarms.
 - A shadow model in plain Python (independent of the replay workers) follows every live request: its tokens,
   the `num_computed_tokens` the scheduler must send next, its block rows per group, and who holds each block.
-- Zero false alarms on real traces: every rule is vLLM 0.33 behaviour (trace-format.md). Prefix caching shares
+- Zero false alarms on real traces: every rule is vLLM 0.33 behaviour (docs/trace-format.md). Prefix caching shares
   full-attention blocks between live requests that hold the same tokens at the same positions (one may still
   be computing them); sliding-window rows keep stale ids outside the window; rejected drafts and preemption
   are the only reasons `num_computed_tokens` goes back.

@@ -63,7 +63,7 @@ class Worker(ABC):
         self.device = device
         self.batch: StepBatch | None = None
         self.v1_batch: V1PersistentBatch | None = None  # None: Model Runner V2's batch order
-        # DCP ranks this worker computes (trace-format.md, per-rank slot rule): all of them by default (the
+        # DCP ranks this worker computes (docs/trace-format.md, per-rank slot rule): all of them by default (the
         # one-process emulation), one with `--rank R` or one process per rank
         self.ranks: tuple[int, ...] = tuple(range(header.decode_context_parallel_size))
 

@@ -1,7 +1,7 @@
 """A step's mappings as arrays in batch order, and the plain-list dump record every backend must match.
 
 Rules: `BatchMappings` holds views (copy to keep); `to_dict` is the one serializer of the `--dump-mappings`
-record (trace-format.md), with its keys in one fixed order (`DUMP_KEYS`), so dumps of any two backends are
+record (docs/trace-format.md), with its keys in one fixed order (`DUMP_KEYS`), so dumps of any two backends are
 byte-identical when their content is equal.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 
 DUMP_KEYS = ("step", "req_ids", "idx_mapping", "query_start_loc", "seq_lens", "positions", "input_ids",
              "block_tables", "kernel_block_tables", "slot_mapping", "dcp_ranks", "dcp_local_seq_lens")
-# multi-rank keys (trace-format.md, mapping dump): only present when cp > 1 or a kernel split exists, so dumps of
+# multi-rank keys (docs/trace-format.md, mapping dump): only present when cp > 1 or a kernel split exists, so dumps of
 # every other trace are unchanged; `dcp_ranks` only when a replay computes some of the ranks (--rank R)
 
 
@@ -86,7 +86,7 @@ class BatchMappings:
         return len(self.positions)
 
     def to_dict(self, step: int) -> dict:
-        """The `--dump-mappings` record (trace-format.md): plain lists, block rows without padding."""
+        """The `--dump-mappings` record (docs/trace-format.md): plain lists, block rows without padding."""
         d = self._to_dict(step)
         if self.kernel_block_tables is not None:
             d["kernel_block_tables"] = [[t[b, : nb[b] * k].tolist() for b in range(len(nb))] for t, nb, k in

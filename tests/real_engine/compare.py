@@ -1,4 +1,4 @@
-"""Compare kvmap's replay (its `--dump-mappings` file, trace-format.md) with a real worker's capture
+"""Compare kvmap's replay (its `--dump-mappings` file, docs/trace-format.md) with a real worker's capture
 (run_engine.py's capture.jsonl), PER REQUEST on every step: the two runners' batch orders differ.
 
 Per step and request: query length, seq_len, positions, input_ids, and for every KV cache group the block-table
