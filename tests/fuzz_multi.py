@@ -164,28 +164,27 @@ def move_cached_to_new(step, rng, ctx):
     return f"move_cached_to_new{'_kept' if keep else ''}={r}"
 
 
-def add_finished(step, rng, ctx):
-    """A scheduled (or already finished) id added to finished_req_ids."""
-    so = _so(step)
-    fin = so.setdefault("finished_req_ids", [])
-    pool = _scheduled(step) + [x for x in fin if isinstance(x, str)]
+def _add_to_list(step, rng, key: str) -> str | None:
+    """A scheduled (or already listed) id added to the scheduler output's list `key`."""
+    lst = _so(step).setdefault(key, [])
+    pool = _scheduled(step) + [x for x in lst if isinstance(x, str)]
     if not pool:
         return None
     r = rng.choice(pool)
-    fin.append(r)
-    return f"add_finished={r}"
+    lst.append(r)
+    return r
+
+
+def add_finished(step, rng, ctx):
+    """A scheduled (or already finished) id added to finished_req_ids."""
+    r = _add_to_list(step, rng, "finished_req_ids")
+    return None if r is None else f"add_finished={r}"
 
 
 def add_preempted(step, rng, ctx):
     """A scheduled (or already preempted) id added to preempted_req_ids."""
-    so = _so(step)
-    pre = so.setdefault("preempted_req_ids", [])
-    pool = _scheduled(step) + [x for x in pre if isinstance(x, str)]
-    if not pool:
-        return None
-    r = rng.choice(pool)
-    pre.append(r)
-    return f"add_preempted={r}"
+    r = _add_to_list(step, rng, "preempted_req_ids")
+    return None if r is None else f"add_preempted={r}"
 
 
 def add_resumed(step, rng, ctx):
