@@ -75,20 +75,38 @@ class InputBuffers:
         self.order = np.zeros(N, dtype=np.int32)  # [N] batch_idx -> scheduler entry (compiled workers)
         self.sort_keys = np.zeros(N, dtype=np.int64)  # [N] sort key per scheduler entry
         self.sort_tmp = np.zeros(N, dtype=np.int32)  # [N] merge scratch
-        # this step's slices, made once per size: (B, T) -> Inputs; B -> BatchTables; T -> [G, T] slots
-        self._inputs: dict[tuple[int, int], Inputs] = {}
+        # this step's slices: one `Inputs` (`views`) re-pointed when the step's B or T changes, from slices made
+        # once per size (B -> the 5 per-request ones, T -> the 2 per-token ones); B -> BatchTables; T -> [G, T] slots
+        self._req_views: dict[int, tuple] = {}
+        self._tok_views: dict[int, tuple] = {}
         self._tables: dict[int, BatchTables] = {}
         self._slots: dict[int, np.ndarray] = {}
+        self.views_B = self.views_T = 0  # the sizes `views` holds slices of
+        self.views = Inputs(*self._req(0), self.positions[:0], self.input_ids[:0])  # this step's input slices
+
+    def _req(self, B: int) -> tuple:
+        v = self._req_views.get(B)
+        if v is None:
+            v = self._req_views[B] = (self.idx_mapping[:B], self.num_scheduled_tokens[:B],
+                                      self.num_computed_tokens[:B], self.query_start_loc[: B + 1], self.seq_lens[:B])
+        return v
 
     def inputs(self, B: int, T: int) -> Inputs:
-        """The input slices of a step of B requests and T tokens."""
-        v = self._inputs.get((B, T))
-        if v is None:
-            if len(self._inputs) > VIEW_CACHE_MAX:
-                self._inputs.clear()
-            v = self._inputs[B, T] = Inputs(self.idx_mapping[:B], self.num_scheduled_tokens[:B],
-                                            self.num_computed_tokens[:B], self.query_start_loc[: B + 1],
-                                            self.seq_lens[:B], self.positions[:T], self.input_ids[:T])
+        """The input slices of a step of B requests and T tokens (one object, valid until the next step)."""
+        if T == self.views_T and B == self.views_B:  # most steps: the last step's sizes
+            return self.views
+        v = self.views
+        if T != self.views_T:
+            self.views_T = T
+            tok = self._tok_views.get(T)
+            if tok is None:
+                if len(self._tok_views) > VIEW_CACHE_MAX:
+                    self._tok_views.clear()
+                tok = self._tok_views[T] = (self.positions[:T], self.input_ids[:T])
+            v.positions, v.input_ids = tok
+        if B != self.views_B:
+            self.views_B = B
+            v.idx_mapping, v.num_scheduled_tokens, v.num_computed_tokens, v.query_start_loc, v.seq_lens = self._req(B)
         return v
 
     def tables(self, B: int) -> BatchTables:

@@ -113,8 +113,9 @@ class HostWorker(Worker):
         self.mirror.copy_to_device(self.batch)
 
     def prepare_inputs(self) -> None:
-        self.inputs = i = self.ops.prepare_inputs(self.batch)
-        self.batch.num_tokens = len(i.positions)
+        b = self.batch
+        self.inputs = i = self.ops.prepare_inputs(b)
+        b.num_tokens = len(i.positions)
 
     def gather_block_tables(self) -> None:
         self.tables = t = self.ops.gather_block_tables(self.inputs)

@@ -31,11 +31,7 @@ class NumbaOps(MappingOps):
         self.detail = ("kernels compiled ahead of time" if self.k.kind == "ahead-of-time"
                        else "kernels under numba's JIT, cached")
         state.ops = CompiledOps(state.writes)  # the hot state updates compiled too
-        buf = buffers
-        # the prepare_inputs kernel's outputs, in its argument order
-        self._input_outs = (buf.idx_mapping, buf.num_scheduled_tokens, buf.num_computed_tokens, buf.query_start_loc,
-                            buf.seq_lens, buf.positions, buf.input_ids)
-        self._block_sizes = [lay.block_size for lay in buf.layouts]  # [G] cp = 1
+        self._block_sizes = [lay.block_size for lay in buffers.layouts]  # [G] cp = 1
 
     def batch_order(self, num_scheduled_tokens: np.ndarray, num_draft_tokens: np.ndarray,
                     num_speculative_tokens: int) -> np.ndarray:
@@ -45,10 +41,14 @@ class NumbaOps(MappingOps):
         return buf.order[:n]
 
     def prepare_inputs(self, batch: StepBatch) -> Inputs:
-        st = self.state
+        st, buf = self.state, self.buffers
         T = self.k.prepare_inputs(batch.rows, batch.num_scheduled_tokens, batch.order, st.num_computed_tokens,
-                                  st.token_ids, *self._input_outs)
-        return self.buffers.inputs(len(batch.order), T)
+                                  st.token_ids, buf.idx_mapping, buf.num_scheduled_tokens, buf.num_computed_tokens,
+                                  buf.query_start_loc, buf.seq_lens, buf.positions, buf.input_ids)
+        B = len(batch.order)
+        if T == buf.views_T and B == buf.views_B:  # the usual step: the last step's sizes (no call, no slicing)
+            return buf.views
+        return buf.inputs(B, T)
 
     def gather_block_tables(self, inputs: Inputs) -> BatchTables:
         buf, st = self.buffers, self.state
