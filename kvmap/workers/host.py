@@ -110,7 +110,8 @@ class HostWorker(Worker):
         b.order = np.fromiter(map(entry.__getitem__, order), np.int32, len(order))
 
     def copy_to_device(self) -> None:
-        self.mirror.copy_to_device(self.batch)
+        if self.mirror is not None:  # host backends have nothing to send
+            self.mirror.copy_to_device(self.batch)
 
     def prepare_inputs(self) -> None:
         b = self.batch
