@@ -31,36 +31,22 @@ import platform
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvmap.trace import KVCacheGroup, Trace, TraceHeader  # noqa: E402
-from kvmap.workers.numba_worker import NumbaWorker  # noqa: E402
+from kvmap.workers.host import HostWorker  # noqa: E402
+from kvmap.workers.numba_worker import NumbaOps  # noqa: E402
 from kvmap.workers.registry import make_worker  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_process import longer_trace  # noqa: E402
-from example_backend import V1Baseline, V1StyleWorker  # noqa: E402
+from example_backend import V1Baseline, V1StyleOps, own_buffers  # noqa: E402
 
 ROWS, MAX_MODEL_LEN, BS = 1024, 8192, 16
 MAX_BLOCKS = MAX_MODEL_LEN // BS  # 512
-
-
-# ------------------------------------------------------------------------------------------- baseline
-
-
-def own_buffers(block_tables: list[np.ndarray], max_tokens: int) -> SimpleNamespace:
-    """The baseline's own buffers, named and typed as kvmap's `InputBuffers`."""
-    R = block_tables[0].shape[0]
-    return SimpleNamespace(
-        arange=np.arange(max(max_tokens, R + 1), dtype=np.int64), idx_mapping=np.zeros(R, dtype=np.int32),
-        query_start_loc=np.zeros(R + 1, dtype=np.int32), seq_lens=np.zeros(R, dtype=np.int32),
-        positions=np.zeros(max_tokens, dtype=np.int64), input_ids=np.zeros(max_tokens, dtype=np.int32),
-        block_tables=[np.zeros_like(t) for t in block_tables],
-        slot_mapping=np.full((len(block_tables), max_tokens), -1, dtype=np.int64))
 
 
 # ------------------------------------------------------------------------------------------- kvmap
@@ -192,12 +178,31 @@ def bench_synthetic(reps: int, sizes: list[int], backends: list[str]) -> list[di
 # ------------------------------------------------------------------------------------------- whole replay
 
 
-class BaselineWorker(V1StyleWorker, NumbaWorker):
-    """kvmap's default worker (the same state update, KV write and post-update) with the batch order and mapping
-    phases replaced by the V1-style example backend, which writes straight into kvmap's input buffers: the two
-    differ in the mapping code only."""
+class BaselineOps(V1StyleOps):
+    """The V1-style example backend's batch order (MRV2's, numpy) and mapping phases, with the default (numba)
+    backend's compiled state updates and KV write: the two workers differ in the mapping code only."""
+
+    def __init__(self, state, buffers, device: str = "cpu") -> None:
+        super().__init__(state, buffers, device)
+        self.numba = NumbaOps(state, buffers, device)  # installs the compiled state updates
+        self.detail = self.numba.detail
+
+    def new_kv_cache(self, geometry):
+        return self.numba.new_kv_cache(geometry)
+
+    def write_kv(self, worker, kv) -> None:
+        self.numba.write_kv(worker, kv)
+
+    def verify_kv(self, worker, kv, into) -> None:
+        self.numba.verify_kv(worker, kv, into)
+
+
+class BaselineWorker(HostWorker):
+    """kvmap's default worker (the same state update, KV write and post-update) with the mapping phases of the
+    V1-style example backend."""
 
     name = "v1_baseline"
+    ops_class = BaselineOps
 
 
 def bench_replay(trace_path: Path, runs: int, backends: list[str], args_device: str = "cpu") -> dict:

@@ -92,3 +92,34 @@ def test_bad_backends_are_one_clear_line():
         res = runner.invoke(app, ["replay", "--backend", spec, "--no-progress"])
         assert res.exit_code == 2 and "Traceback" not in res.output, res.output
         assert says in res.stderr and "option --backend" in res.stderr, res.stderr
+
+
+def test_backends_compose_owners_two_levels_below_the_worker_at_most():
+    """Issue 24: backends compose owners (state, buffers, a language's array functions, a device mirror) instead of
+    inheriting a chain; the old triton worker was 4 levels below `Worker` (Triton -> Torch -> Numpy -> Host)."""
+    from kvmap.workers.contract import Worker
+    from kvmap.workers.registry import BUILTIN, _load_class
+
+    def depth(cls: type) -> int:
+        return 0 if cls is Worker else 1 + max(depth(b) for b in cls.__bases__ if issubclass(b, Worker))
+
+    targets = [b.target for b in BUILTIN.values() if b.name != "triton"] + [EXAMPLE]
+    if os.environ.get("TRITON_INTERPRET"):
+        targets.append(BUILTIN["triton"].target)
+    assert {t: depth(_load_class(t)) for t in targets} == {t: 1 if "reference" in t else 2 for t in targets}
+
+
+def test_example_backend_is_array_functions_that_return_their_results():
+    """The user backend fills none of kvmap's buffers: what its phases return is what the worker dumps."""
+    from kvmap.workers.registry import make_worker
+
+    trace = Trace(TRACES / "worked_example.jsonl")
+    w, ref = make_worker(EXAMPLE, trace.header), make_worker("numpy", trace.header)
+    for step in trace.steps():
+        w.run_step(step)
+        ref.run_step(step)
+        assert w.mappings_dict() == ref.mappings_dict()
+        w.append_sampled()
+        ref.append_sampled()
+    buf = w.buffers  # kvmap's own input buffers: never written by the user backend
+    assert not buf.num_blocks.any() and not buf.positions.any() and (buf.slot_mapping == -1).all()

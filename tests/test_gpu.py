@@ -39,12 +39,12 @@ def test_buffers_keep_their_addresses(backend):
     w = make_worker(backend, t.header, "cuda")
     names = ["o_idx_mapping", "o_query_start_loc", "o_seq_lens", "o_positions", "o_input_ids", "o_slot_mapping",
              "d_token_ids"]
-    before = {n: getattr(w, n).data_ptr() for n in names}
+    before = {n: getattr(w.mirror, n).data_ptr() for n in names}
     for s in t.steps():
         w.run_step(s)
         w.append_sampled()
     torch.cuda.synchronize()
-    assert {n: getattr(w, n).data_ptr() for n in names} == before
+    assert {n: getattr(w.mirror, n).data_ptr() for n in names} == before
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL across ranks needs one GPU per rank (2)")

@@ -12,6 +12,9 @@ Rules:
   span is the layout's `virtual_block_size`.
 - Batch order is Model Runner V2's: a stable ascending sort by scheduled tokens; with speculative decoding,
   requests with drafts, then requests of exactly `1 + num_speculative_tokens` tokens, come first (#47381).
+  `batch_order` is its one numpy form (the numba form is `kernels_cpu.batch_order`).
+- Each function returns what it computed: this step's slices of the buffers (the hot ones through
+  `InputBuffers.inputs`, `.tables`, `.slots`, which make each size's views once and keep them).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from __future__ import annotations
 import numpy as np
 
 from kvmap.layout import PAD_SLOT_ID, group_layouts
-from kvmap.workers.mappings import BatchMappings, BatchReqIds
+from kvmap.workers.mappings import BatchTables, Inputs, RankSlots
 from kvmap.workers.state import WorkerState
 
+VIEW_CACHE_MAX = 4096  # sizes of kept views per kind; past it the cache restarts (memory stays flat)
 
 
 def batch_order(counts: np.ndarray, num_drafts: np.ndarray, num_speculative_tokens: int) -> np.ndarray:
@@ -71,11 +75,64 @@ class InputBuffers:
         self.order = np.zeros(N, dtype=np.int32)  # [N] batch_idx -> scheduler entry (compiled workers)
         self.sort_keys = np.zeros(N, dtype=np.int64)  # [N] sort key per scheduler entry
         self.sort_tmp = np.zeros(N, dtype=np.int32)  # [N] merge scratch
+        # this step's slices: one `Inputs` (`views`) re-pointed when the step's B or T changes, from slices made
+        # once per size (B -> the 5 per-request ones, T -> the 2 per-token ones); B -> BatchTables; T -> [G, T] slots
+        self._req_views: dict[int, tuple] = {}
+        self._tok_views: dict[int, tuple] = {}
+        self._tables: dict[int, BatchTables] = {}
+        self._slots: dict[int, np.ndarray] = {}
+        self.views_B = self.views_T = 0  # the sizes `views` holds slices of
+        self.views = Inputs(*self._req(0), self.positions[:0], self.input_ids[:0])  # this step's input slices
+
+    def _req(self, B: int) -> tuple:
+        v = self._req_views.get(B)
+        if v is None:
+            v = self._req_views[B] = (self.idx_mapping[:B], self.num_scheduled_tokens[:B],
+                                      self.num_computed_tokens[:B], self.query_start_loc[: B + 1], self.seq_lens[:B])
+        return v
+
+    def inputs(self, B: int, T: int) -> Inputs:
+        """The input slices of a step of B requests and T tokens (one object, valid until the next step)."""
+        if T == self.views_T and B == self.views_B:  # most steps: the last step's sizes
+            return self.views
+        v = self.views
+        if T != self.views_T:
+            self.views_T = T
+            tok = self._tok_views.get(T)
+            if tok is None:
+                if len(self._tok_views) > VIEW_CACHE_MAX:
+                    self._tok_views.clear()
+                tok = self._tok_views[T] = (self.positions[:T], self.input_ids[:T])
+            v.positions, v.input_ids = tok
+        if B != self.views_B:
+            self.views_B = B
+            v.idx_mapping, v.num_scheduled_tokens, v.num_computed_tokens, v.query_start_loc, v.seq_lens = self._req(B)
+        return v
+
+    def tables(self, B: int) -> BatchTables:
+        """The gathered block-table slices of B requests."""
+        v = self._tables.get(B)
+        if v is None:
+            v = self._tables[B] = BatchTables([t[:B] for t in self.block_tables], self.num_blocks[:, :B])
+        return v
+
+    def slots(self, T: int) -> np.ndarray:
+        """[G, T] the cp = 1 slot mapping of T tokens."""
+        v = self._slots.get(T)
+        if v is None:
+            if len(self._slots) > VIEW_CACHE_MAX:
+                self._slots.clear()
+            v = self._slots[T] = self.slot_mapping[:, :T]
+        return v
+
+    def rank_slots(self, num_ranks: int, B: int, T: int) -> RankSlots:
+        """The first `num_ranks` computed DCP ranks' slots [num_ranks, G, T] and local lengths [num_ranks, B]."""
+        return RankSlots(self.rank_slot_mapping[:num_ranks, :, :T], self.dcp_local_seq_lens[:num_ranks, :B])
 
 
 def build_inputs(state: WorkerState, buf: InputBuffers, rows: np.ndarray, counts: np.ndarray,
-                 order: np.ndarray) -> tuple[int, int]:
-    """`idx_mapping`, `query_start_loc`, `seq_lens`, `positions`, `input_ids` into `buf`. Returns (B, T).
+                 order: np.ndarray) -> Inputs:
+    """`idx_mapping`, `query_start_loc`, `seq_lens`, `positions`, `input_ids` into `buf`; returns their slices.
 
     Per-token values are one `np.repeat` of a per-request base plus `arange`: request b's tokens are
     `positions = (num_computed_tokens[b] - query_start_loc[b]) + t`, and their flat index into the token rows
@@ -106,26 +163,29 @@ def build_inputs(state: WorkerState, buf: InputBuffers, rows: np.ndarray, counts
         base += buf.tmp_req2[:B]
         np.add(np.repeat(base, n), buf.arange[:T], out=flat)
     np.take(state.token_ids.reshape(-1), flat, out=buf.input_ids[:T], mode="clip")
-    return B, T
+    return buf.inputs(B, T)
 
 
-def gather_block_tables(state: WorkerState, buf: InputBuffers, B: int) -> None:
-    """Copy each batch request's block-table row. Whole rows from the contiguous state table: a row memcpy is
-    cheaper than gathering a narrower strided view (numpy copies a non-contiguous source first)."""
+def gather_block_tables(state: WorkerState, buf: InputBuffers, B: int) -> BatchTables:
+    """Copy each batch request's block-table row; returns the slices. Whole rows from the contiguous state
+    table: a row memcpy is cheaper than gathering a narrower strided view (numpy copies a non-contiguous source
+    first)."""
     idx = buf.idx_mapping[:B]
     for g, table in enumerate(state.block_tables):
         np.take(state.num_blocks[g], idx, out=buf.num_blocks[g, :B])
         np.take(table, idx, axis=0, out=buf.block_tables[g][:B], mode="clip")
+    return buf.tables(B)
 
 
-def compute_slot_mappings(state: WorkerState, buf: InputBuffers, B: int, T: int) -> None:
-    """Every group's `slot_mapping` (cp = 1): the row entry at `pos // block_size`, read from the persistent
+def compute_slot_mappings(state: WorkerState, buf: InputBuffers, B: int, T: int) -> np.ndarray:
+    """Every group's `slot_mapping` [G, T] (cp = 1): the row entry at `pos // block_size`, read from the persistent
     row-indexed table through `idx_mapping` (as MRV2's kernel does), then `GroupLayout.slots`."""
     pos, ids, tmp = buf.positions[:T], buf.tmp_blk[:T], buf.tmp_tok2[:T]
     for g, lay in enumerate(buf.layouts):
         if lay.has_slots:
             _gather_block_ids(state.block_tables[g], buf, lay, B, T, pos, tmp, ids)
         lay.slots(ids, pos, out=buf.slot_mapping[g, :T], tmp=tmp)
+    return buf.slot_mapping[:, :T]
 
 
 def _gather_block_ids(table: np.ndarray, buf: InputBuffers, lay, B: int, T: int, pos: np.ndarray, tmp: np.ndarray,
@@ -139,56 +199,31 @@ def _gather_block_ids(table: np.ndarray, buf: InputBuffers, lay, B: int, T: int,
     np.take(table.reshape(-1), flat, out=out, mode="clip")
 
 
-def compute_rank_slot_mappings(state: WorkerState, buf: InputBuffers, layouts, B: int, T: int) -> None:
-    """Every computed DCP rank's `slot_mapping` (layouts: [num_ranks][G] `GroupLayout`): the row entry at
-    `pos // virtual_block_size` read through `idx_mapping`, then `GroupLayout.slots` (PAD_SLOT_ID where another
-    rank holds the token)."""
+def compute_rank_slot_mappings(state: WorkerState, buf: InputBuffers, layouts, B: int, T: int) -> np.ndarray:
+    """Every computed DCP rank's `slot_mapping` [num_ranks, G, T] (layouts: [num_ranks][G] `GroupLayout`): the
+    row entry at `pos // virtual_block_size` read through `idx_mapping`, then `GroupLayout.slots` (PAD_SLOT_ID
+    where another rank holds the token)."""
     pos, ids, tmp = buf.positions[:T], buf.tmp_blk[:T], buf.tmp_tok2[:T]
     for g, table in enumerate(state.block_tables):
         if layouts[0][g].has_slots:
             _gather_block_ids(table, buf, layouts[0][g], B, T, pos, tmp, ids)
         for i, lays in enumerate(layouts):
             lays[g].slots(ids, pos, out=buf.rank_slot_mapping[i, g, :T])
+    return buf.rank_slot_mapping[: len(layouts), :, :T]
 
 
-def dcp_local_seq_lens(buf: InputBuffers, seq_layouts, B: int) -> None:
+def dcp_local_seq_lens(buf: InputBuffers, seq_layouts, B: int) -> np.ndarray:
     """[num_ranks, B] local lengths of every computed rank (seq_layouts: one sharded layout per rank)."""
     for i, lay in enumerate(seq_layouts):
         lay.dcp_local_seq_lens(buf.seq_lens[:B], out=buf.dcp_local_seq_lens[i, :B])
+    return buf.dcp_local_seq_lens[: len(seq_layouts), :B]
 
 
-def kernel_block_tables(buf: InputBuffers, layouts, B: int) -> None:
-    """The gathered rows expanded to kernel block ids (manager id b -> b*k .. b*k+k-1), every group."""
+def kernel_block_tables(buf: InputBuffers, layouts, B: int) -> list[np.ndarray]:
+    """The gathered rows expanded to kernel block ids (manager id b -> b*k .. b*k+k-1), every group; returns
+    the [G] x [B, W_g * k_g] slices."""
+    out = []
     for g, lay in enumerate(layouts):
-        buf.kernel_block_tables[g][:B] = lay.kernel_rows(buf.block_tables[g][:B])
-
-
-def view(buf: InputBuffers, req_ids: BatchReqIds | list[str], B: int, T: int) -> BatchMappings:
-    """This step's slices of the buffers as a `BatchMappings` (views, no copies)."""
-    return BatchMappings(
-        req_ids=req_ids,
-        idx_mapping=buf.idx_mapping[:B],
-        num_scheduled_tokens=buf.num_scheduled_tokens[:B],
-        num_computed_tokens=buf.num_computed_tokens[:B],
-        query_start_loc=buf.query_start_loc[: B + 1],
-        seq_lens=buf.seq_lens[:B],
-        positions=buf.positions[:T],
-        input_ids=buf.input_ids[:T],
-        block_tables=[t[:B] for t in buf.block_tables],
-        num_blocks=buf.num_blocks[:, :B],
-        slot_mapping=buf.slot_mapping[:, :T],
-    )
-
-
-def view_ranks(m: BatchMappings, buf: InputBuffers, ranks: tuple[int, ...], B: int, T: int) -> BatchMappings:
-    """Add the multi-rank slices of the buffers to a `BatchMappings` (cp > 1 or a kernel split)."""
-    if buf.rank_slot_mapping is not None:
-        m.cp_size = buf.rank_slot_mapping.shape[0]
-        m.ranks = ranks
-        m.rank_slot_mapping = buf.rank_slot_mapping[: len(ranks), :, :T]
-        m.slot_mapping = m.rank_slot_mapping[0]
-        m.dcp_local_seq_lens = buf.dcp_local_seq_lens[: len(ranks), :B]
-    if buf.kernel_block_tables is not None:
-        m.kernel_block_tables = [t[:B] for t in buf.kernel_block_tables]
-        m.kernel_blocks_per_block = buf.kernel_blocks_per_block
-    return m
+        out.append(buf.kernel_block_tables[g][:B])
+        out[-1][:] = lay.kernel_rows(buf.block_tables[g][:B])
+    return out

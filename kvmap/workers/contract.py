@@ -52,7 +52,8 @@ class StepBatch:
 
 
 class Worker(ABC):
-    """One implementation of vLLM's input preparation. Subclass it (or `HostWorker`) for a new backend."""
+    """One implementation of vLLM's input preparation. A new backend is usually a `MappingOps` (workers/ops.py)
+    composed into `HostWorker` (workers/host.py); subclass this directly only for a worker with its own state."""
 
     name: ClassVar[str] = "worker"
     has_h2d: ClassVar[bool] = False  # has a timed host-to-device phase (`copy_to_device`)

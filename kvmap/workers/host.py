@@ -1,31 +1,42 @@
-"""The host workers' common base and the vectorized `numpy` backend.
+"""The worker every built-in backend but the reference is: request state, input buffers and the phase order,
+composed with one language's array functions; and the vectorized `numpy` backend.
 
 Rules:
-- `HostWorker` keeps the long-lived `WorkerState` (request, token and block-table rows) apart from the
-  per-step `InputBuffers`, both preallocated at maximum size; each phase fills slices of the buffers.
-- The numpy phases are whole-array operations (workers/buffers.py): no per-token Python. The compiled worker
-  (numba_worker.py) replaces the mapping phases and the KV paths with kernels and keeps the rest.
-- `readable_context` is the KV read-back's input: every (batch request, position, slot, token) this step
+- `HostWorker` owns the long-lived `WorkerState` (request, token and block-table rows, kept on the host as the
+  scheduler's record) apart from the per-step `InputBuffers`, both preallocated at maximum size, and runs the
+  phases in the contract's order. A backend is a `HostWorker` configured with an ops class (workers/ops.py):
+  `NumpyWorker` here, `NumbaWorker`, `TorchWorker`, `TritonWorker`, or a user's file. Nothing deeper.
+- Host vs device is a copy step: device ops bring a `DeviceMirror` (workers/device.py), whose staged copy is
+  the `h2d` phase and whose `to_host` brings the results back for `mappings()`.
+- Each mapping phase keeps what its ops function returns (`inputs`, `tables`, `kernel_tables`, `slots` or
+  `rank_slots`); `mappings()` assembles them, copied to the host when the ops live on a device.
+- The numpy phases are whole-array operations (workers/buffers.py): no per-token Python.
+- `readable_context` is the host KV read-back's input: every (batch request, position, slot, token) this step
   may read, by the layout's window rule.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 
 from kvmap.errors import TraceError
-from kvmap.kv.cache import KVCheckResult, PagedKVCache, RankedKVCache
+from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
 from kvmap.layout import rank_layouts, seq_layouts
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers import buffers as B
-from kvmap.workers.contract import StepBatch, Worker
-from kvmap.workers.mappings import BatchMappings
+from kvmap.workers.contract import StepBatch, Worker, make_rank_caches
+from kvmap.workers.mappings import BatchMappings, BatchTables, Inputs, RankSlots
+from kvmap.workers.ops import MappingOps
 from kvmap.workers.state import WorkerState
 from kvmap.workers.writes import ragged_columns
 
 
 class HostWorker(Worker):
-    """State and buffers in host memory; the mapping phases are left to subclasses."""
+    """State and buffers in host memory, the phase order, and an `ops_class` for the array work."""
+
+    ops_class: ClassVar[type[MappingOps]]  # the backend's array functions, built once per worker
 
     def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
         super().__init__(header, device)
@@ -35,6 +46,15 @@ class HostWorker(Worker):
         self.multirank = header.decode_context_parallel_size > 1
         self.kernel_split = header.has_kernel_split
         self._set_layouts()
+        self.ops = self.ops_class(self.state, self.buffers, device)
+        self.mirror = self.ops.mirror  # device backends: the device state and the step's copy (None on the host)
+        self.backend_detail = self.ops.detail
+        # this step's results, as the phases return them (valid until the next step)
+        self.inputs: Inputs | None = None
+        self.tables: BatchTables | None = None
+        self.kernel_tables: list | None = None  # [G] x [num_reqs, W_g * k_g] (a kernel split only)
+        self.slots = None  # [G, num_tokens] int64 (cp = 1)
+        self.rank_slots: RankSlots | None = None  # (cp > 1)
         self._mappings: BatchMappings | None = None
         self._no_drafts = np.zeros(header.max_num_seqs, dtype=np.int32)
 
@@ -49,20 +69,11 @@ class HostWorker(Worker):
         # dcp_local_seq_lens: one sharded layout per computed rank
         self.seq_layouts = seq_layouts(h, self.ranks)
 
-    def multirank_block_tables(self) -> None:
-        """After the gather: the kernel block rows (a kernel split only)."""
-        if self.kernel_split:
-            B.kernel_block_tables(self.buffers, self.layouts, self.batch.num_reqs)
-
-    def multirank_slot_mappings(self) -> None:
-        """Every computed DCP rank's slots and local lengths (cp > 1 only)."""
-        b = self.batch
-        B.compute_rank_slot_mappings(self.state, self.buffers, self.rank_layouts, b.num_reqs, b.num_tokens)
-        B.dcp_local_seq_lens(self.buffers, self.seq_layouts, b.num_reqs)
-
     @property
     def num_standin_tokens(self) -> int:
         return self.state.num_standin_tokens
+
+    # ------------------------------------------------------------------------------------------ phases
 
     def update_states(self, step: Step) -> None:
         T = step.scheduler_output.total_num_scheduled_tokens
@@ -88,45 +99,66 @@ class HostWorker(Worker):
         return batch
 
     def prepare_batch(self) -> None:
-        """The batch order: V1's persistent batch when asked for, else this backend's MRV2 sort."""
-        if self.v1_batch is None:
-            return self.sort_batch()
+        """The batch order: V1's persistent batch when asked for, else Model Runner V2's (the ops' form)."""
         b = self.batch
+        if self.v1_batch is None:
+            b.order = self.ops.batch_order(b.num_scheduled_tokens, b.num_draft_tokens,
+                                           self.header.num_speculative_tokens)
+            return
         entry = {r: i for i, r in enumerate(b.req_ids)}
         order = self.v1_order(b.step)
         b.order = np.fromiter(map(entry.__getitem__, order), np.int32, len(order))
 
-    def sort_batch(self) -> None:
-        """Model Runner V2's order into `self.batch.order` (numpy; compiled backends override)."""
+    def copy_to_device(self) -> None:
+        if self.mirror is not None:  # host backends have nothing to send
+            self.mirror.copy_to_device(self.batch)
+
+    def prepare_inputs(self) -> None:
         b = self.batch
-        b.order = B.batch_order(b.num_scheduled_tokens, b.num_draft_tokens, self.header.num_speculative_tokens)
+        self.inputs = i = self.ops.prepare_inputs(b)
+        b.num_tokens = len(i.positions)
+
+    def gather_block_tables(self) -> None:
+        self.tables = t = self.ops.gather_block_tables(self.inputs)
+        if self.kernel_split:
+            self.kernel_tables = self.ops.kernel_block_tables(t, self.layouts)
+
+    def compute_slot_mappings(self) -> None:
+        if self.multirank:
+            self.rank_slots = self.ops.compute_rank_slot_mappings(self.inputs, self.rank_layouts, self.seq_layouts)
+        else:
+            self.slots = self.ops.compute_slot_mappings(self.inputs)
 
     def append_sampled(self) -> None:
         b = self.batch
         assert b is not None and b.step is not None
         self.state.append_sampled(b.step, b.req_ids, b.rows)
 
+    # ------------------------------------------------------------------------------------------ device
+
+    def upload_state(self) -> None:
+        """Send the whole host state at once (device backends; benchmarks that wrote the host arrays)."""
+        if self.mirror is not None:
+            self.mirror.upload()
+
+    @property
+    def h2d_bytes(self) -> int:
+        return 0 if self.mirror is None else self.mirror.staging.bytes_sent
+
+    def synchronize(self) -> None:
+        if self.mirror is not None:
+            self.mirror.synchronize()
+
     # ---------------------------------------------------------------------------------------- KV cache
 
+    def make_kv_cache(self, geometry: KVGeometry) -> PagedKVCache:
+        return make_rank_caches(self, geometry, self.ops.new_kv_cache)
+
     def write_kv(self, kv: PagedKVCache | RankedKVCache) -> None:
-        buf, T = self.buffers, self.batch.num_tokens
-        if isinstance(kv, RankedKVCache):  # each rank's shard through its own slots
-            for i, shard in enumerate(kv.shards):
-                shard.write(buf.input_ids[:T], buf.positions[:T], buf.rank_slot_mapping[i, :, :T])
-            return
-        kv.write(buf.input_ids[:T], buf.positions[:T], buf.slot_mapping[:, :T])
+        self.ops.write_kv(self, kv)
 
     def verify_kv(self, kv: PagedKVCache | RankedKVCache, into: KVCheckResult) -> None:
-        req_ids = self.mappings().req_ids
-
-        def check(i: int, shard: PagedKVCache) -> None:
-            for g in self.state.kv_groups:  # state groups hold no per-token KV
-                shard.verify_context(g, self.current_step, req_ids, *self.readable_context(g, i), into=into)
-
-        if isinstance(kv, RankedKVCache):
-            kv.verify(into, check)
-        else:
-            check(0, kv)
+        self.ops.verify_kv(self, kv, into)
 
     def readable_context(self, group: int, rank_index: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                                            np.ndarray]:
@@ -152,29 +184,65 @@ class HostWorker(Worker):
     # ----------------------------------------------------------------------------------------- results
 
     def mappings(self) -> BatchMappings:
+        """This step's kept results as one `BatchMappings` (host copies when the ops run on a device: for dumps
+        and checks only, it synchronizes)."""
         if self._mappings is None:
-            b = self.batch
-            self._mappings = B.view(self.buffers, b.batch_req_ids(), b.num_reqs, b.num_tokens)
-            if self.multirank or self.kernel_split:
-                B.view_ranks(self._mappings, self.buffers, self.ranks, b.num_reqs, b.num_tokens)
+            self._mappings = self._collect(_same if self.mirror is None else self.mirror.to_host)
         return self._mappings
+
+    def _collect(self, host) -> BatchMappings:
+        i, t = self.inputs, self.tables
+        m = BatchMappings(
+            req_ids=self.batch.batch_req_ids(),
+            idx_mapping=host(i.idx_mapping).astype(np.int32, copy=False),
+            num_scheduled_tokens=host(i.num_scheduled_tokens),
+            num_computed_tokens=host(i.num_computed_tokens),
+            query_start_loc=host(i.query_start_loc),
+            seq_lens=host(i.seq_lens),
+            positions=host(i.positions),
+            input_ids=host(i.input_ids),
+            block_tables=[host(x) for x in t.block_tables],
+            num_blocks=host(t.num_blocks),
+            slot_mapping=None if self.multirank else host(self.slots),
+        )
+        if self.multirank:
+            m.cp_size, m.ranks = self.header.decode_context_parallel_size, self.ranks
+            m.rank_slot_mapping = host(self.rank_slots.rank_slot_mapping)
+            m.slot_mapping = m.rank_slot_mapping[0]
+            m.dcp_local_seq_lens = host(self.rank_slots.dcp_local_seq_lens)
+        if self.kernel_split:
+            m.kernel_block_tables = [host(x) for x in self.kernel_tables]
+            m.kernel_blocks_per_block = self.buffers.kernel_blocks_per_block
+        return m
+
+
+def _same(x):
+    return x
+
+
+class NumpyOps(MappingOps):
+    """The vectorized CPU mapping phases: numpy on the preallocated buffers (workers/buffers.py)."""
+
+    def prepare_inputs(self, batch: StepBatch) -> Inputs:
+        return B.build_inputs(self.state, self.buffers, batch.rows, batch.num_scheduled_tokens, batch.order)
+
+    def gather_block_tables(self, inputs: Inputs) -> BatchTables:
+        return B.gather_block_tables(self.state, self.buffers, len(inputs.idx_mapping))
+
+    def kernel_block_tables(self, tables: BatchTables, layouts) -> list:
+        return B.kernel_block_tables(self.buffers, layouts, len(tables.num_blocks[0]))
+
+    def compute_slot_mappings(self, inputs: Inputs) -> np.ndarray:
+        return B.compute_slot_mappings(self.state, self.buffers, len(inputs.idx_mapping), len(inputs.positions))
+
+    def compute_rank_slot_mappings(self, inputs: Inputs, rank_layouts, seq_layouts) -> RankSlots:
+        n, T = len(inputs.idx_mapping), len(inputs.positions)
+        return RankSlots(B.compute_rank_slot_mappings(self.state, self.buffers, rank_layouts, n, T),
+                         B.dcp_local_seq_lens(self.buffers, seq_layouts, n))
 
 
 class NumpyWorker(HostWorker):
     """The vectorized CPU worker: numpy on preallocated buffers, no per-token Python."""
 
     name = "numpy"
-
-    def prepare_inputs(self) -> None:
-        b = self.batch
-        _, b.num_tokens = B.build_inputs(self.state, self.buffers, b.rows, b.num_scheduled_tokens, b.order)
-
-    def gather_block_tables(self) -> None:
-        B.gather_block_tables(self.state, self.buffers, self.batch.num_reqs)
-        if self.kernel_split:
-            self.multirank_block_tables()
-
-    def compute_slot_mappings(self) -> None:
-        if self.multirank:
-            return self.multirank_slot_mappings()
-        B.compute_slot_mappings(self.state, self.buffers, self.batch.num_reqs, self.batch.num_tokens)
+    ops_class = NumpyOps

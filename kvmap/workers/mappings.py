@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import json
 
@@ -46,6 +47,37 @@ class BatchReqIds(Sequence):
 
     def __repr__(self) -> str:
         return repr(list(self))
+
+
+@dataclass(slots=True)
+class Inputs:
+    """What `prepare_inputs` returns: this step's slices of the input buffers, in batch order (host arrays or
+    device tensors). Valid until the next step."""
+
+    idx_mapping: Any  # [num_reqs] batch_idx -> req_state_idx
+    num_scheduled_tokens: Any  # [num_reqs] int32, batch_idx -> tokens this step (drafts included)
+    num_computed_tokens: Any  # [num_reqs] int32, batch_idx -> position of its first token
+    query_start_loc: Any  # [num_reqs + 1] int32, batch_idx -> first flat token index
+    seq_lens: Any  # [num_reqs] int32, num_computed_tokens + num_scheduled_tokens
+    positions: Any  # [num_tokens] int64, flat token -> position in its request
+    input_ids: Any  # [num_tokens] int32, flat token -> token id
+
+
+@dataclass(slots=True)
+class BatchTables:
+    """What `gather_block_tables` returns: each batch request's block-table rows (host arrays or device
+    tensors)."""
+
+    block_tables: list  # [num_groups] x [num_reqs, width_g] int32, batch_idx -> block ids
+    num_blocks: Any  # [num_groups, num_reqs] int32, valid entries of each row
+
+
+@dataclass(slots=True)
+class RankSlots:
+    """What the multi-rank `compute_slot_mappings` returns (cp > 1): every computed DCP rank's slots."""
+
+    rank_slot_mapping: Any  # [num_ranks, num_groups, num_tokens] int64, PAD_SLOT_ID where another rank holds it
+    dcp_local_seq_lens: Any  # [num_ranks, num_reqs] int32, each rank's local sequence lengths
 
 
 def dump_line(record: dict) -> str:

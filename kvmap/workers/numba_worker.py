@@ -1,92 +1,113 @@
-"""The compiled host worker (`numba`, the default): the numpy worker's state and buffers, with the batch
-order, the mapping phases, the hot state updates and the KV canary paths as numba kernels.
+"""The compiled host backend (`numba`, the default): the batch order, the mapping phases, the hot state updates
+and the KV canary paths as numba kernels, over the host worker's state and buffers.
 
-Rules: one kernel call per phase and group (workers/kernels_cpu.py, kv/kernels.py); the KV cache it makes
-writes and reads back through the compiled kernels, so `--backend numpy` times no compiled code. The kernels
-come from `kvmap.aot.load`: the ahead-of-time twin built at install (no numba import), or numba's JIT.
+Rules: one kernel call per phase and group (workers/kernels_cpu.py, kv/kernels.py), each returning its slices of
+the buffers; the KV cache it makes writes and reads back through the compiled kernels, so `--backend numpy`
+times no compiled code. The kernels come from `kvmap.aot.load`: the ahead-of-time twin built at install (no
+numba import), or numba's JIT.
 """
 
 from __future__ import annotations
 
-from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
+import numpy as np
+
 from kvmap.aot import load
-from kvmap.trace import TraceHeader
-from kvmap.workers.contract import make_rank_caches
+from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
+from kvmap.workers.buffers import InputBuffers, kernel_block_tables
+from kvmap.workers.contract import StepBatch
 from kvmap.workers.host import HostWorker
+from kvmap.workers.mappings import BatchTables, Inputs, RankSlots
+from kvmap.workers.ops import MappingOps, host_verify_kv
+from kvmap.workers.state import WorkerState
 from kvmap.workers.state_ops import CompiledOps
 
 
-class NumbaWorker(HostWorker):
-    name = "numba"
+class NumbaOps(MappingOps):
+    """The mapping phases as numba kernels writing the preallocated host buffers."""
 
-    def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
-        super().__init__(header, device)
+    def __init__(self, state: WorkerState, buffers: InputBuffers, device: str = "cpu") -> None:
+        super().__init__(state, buffers, device)
         self.k = load("kvmap.workers.kernels_cpu")
-        self.backend_detail = ("kernels compiled ahead of time" if self.k.kind == "ahead-of-time"
-                               else "kernels under numba's JIT, cached")
-        self.state.ops = CompiledOps(self.state.writes)
+        self.detail = ("kernels compiled ahead of time" if self.k.kind == "ahead-of-time"
+                       else "kernels under numba's JIT, cached")
+        state.ops = CompiledOps(state.writes)  # the hot state updates compiled too
+        self._block_sizes = [lay.block_size for lay in buffers.layouts]  # [G] cp = 1
 
-    def sort_batch(self) -> None:
-        b, buf = self.batch, self.buffers
-        n = self.k.batch_order(b.num_scheduled_tokens, b.num_draft_tokens, self.header.num_speculative_tokens,
-                               buf.order, buf.sort_keys, buf.sort_tmp)
-        b.order = buf.order[:n]
+    def batch_order(self, num_scheduled_tokens: np.ndarray, num_draft_tokens: np.ndarray,
+                    num_speculative_tokens: int) -> np.ndarray:
+        buf = self.buffers
+        n = self.k.batch_order(num_scheduled_tokens, num_draft_tokens, num_speculative_tokens, buf.order,
+                               buf.sort_keys, buf.sort_tmp)
+        return buf.order[:n]
 
-    def prepare_inputs(self) -> None:
-        b, buf, st = self.batch, self.buffers, self.state
-        b.num_tokens = self.k.prepare_inputs(b.rows, b.num_scheduled_tokens, b.order, st.num_computed_tokens,
-                                             st.token_ids, buf.idx_mapping, buf.num_scheduled_tokens,
-                                             buf.num_computed_tokens, buf.query_start_loc, buf.seq_lens,
-                                             buf.positions, buf.input_ids)
+    def prepare_inputs(self, batch: StepBatch) -> Inputs:
+        st, buf = self.state, self.buffers
+        T = self.k.prepare_inputs(batch.rows, batch.num_scheduled_tokens, batch.order, st.num_computed_tokens,
+                                  st.token_ids, buf.idx_mapping, buf.num_scheduled_tokens, buf.num_computed_tokens,
+                                  buf.query_start_loc, buf.seq_lens, buf.positions, buf.input_ids)
+        B = len(batch.order)
+        if T == buf.views_T and B == buf.views_B:  # the usual step: the last step's sizes (no call, no slicing)
+            return buf.views
+        return buf.inputs(B, T)
 
-    def gather_block_tables(self) -> None:
+    def gather_block_tables(self, inputs: Inputs) -> BatchTables:
         buf, st = self.buffers, self.state
-        idx = buf.idx_mapping[: self.batch.num_reqs]
+        idx = inputs.idx_mapping
         for g, table in enumerate(st.block_tables):
             self.k.gather_block_table(idx, st.num_blocks[g], table, buf.block_tables[g], buf.num_blocks[g])
-        if self.kernel_split:
-            self.multirank_block_tables()
+        return buf.tables(len(idx))
 
-    def compute_slot_mappings(self) -> None:
+    def kernel_block_tables(self, tables: BatchTables, layouts) -> list:
+        return kernel_block_tables(self.buffers, layouts, len(tables.num_blocks[0]))
+
+    def compute_slot_mappings(self, inputs: Inputs) -> np.ndarray:
         buf, st = self.buffers, self.state
-        n = self.batch.num_reqs
-        idx, ns, nc = buf.idx_mapping[:n], buf.num_scheduled_tokens[:n], buf.num_computed_tokens[:n]
-        if self.multirank:
-            return self._rank_slot_mappings(idx, ns, nc, n)
+        i = inputs
         for g, table in enumerate(st.block_tables):
             if g in st.kv_groups:
-                self.k.slot_mapping(idx, ns, nc, table, self.layouts[g].block_size, buf.slot_mapping[g])
+                self.k.slot_mapping(i.idx_mapping, i.num_scheduled_tokens, i.num_computed_tokens, table,
+                                    self._block_sizes[g], buf.slot_mapping[g])
             else:  # a state group: no slot mapping
-                buf.slot_mapping[g, : self.batch.num_tokens] = -1
+                buf.slot_mapping[g, : len(i.positions)] = -1
+        return buf.slots(len(i.positions))
 
-    def _rank_slot_mappings(self, idx, ns, nc, n) -> None:
-        buf, st = self.buffers, self.state
-        for i, lays in enumerate(self.rank_layouts):
+    def compute_rank_slot_mappings(self, inputs: Inputs, rank_layouts, seq_layouts) -> RankSlots:
+        buf, st, i = self.buffers, self.state, inputs
+        for r, lays in enumerate(rank_layouts):
             for g, table in enumerate(st.block_tables):
                 lay = lays[g]
-                self.k.slot_mapping_dcp(idx, ns, nc, table, lay.block_size, lay.cp_size, lay.cp_rank,
-                                        lay.interleave, lay.has_slots, buf.rank_slot_mapping[i, g])
-            self.k.dcp_local_seq_lens(buf.seq_lens[:n], self.seq_layouts[i].cp_size, self.seq_layouts[i].cp_rank,
-                                      self.seq_layouts[i].interleave, buf.dcp_local_seq_lens[i])
+                self.k.slot_mapping_dcp(i.idx_mapping, i.num_scheduled_tokens, i.num_computed_tokens, table,
+                                        lay.block_size, lay.cp_size, lay.cp_rank, lay.interleave, lay.has_slots,
+                                        buf.rank_slot_mapping[r, g])
+            sl = seq_layouts[r]
+            self.k.dcp_local_seq_lens(i.seq_lens, sl.cp_size, sl.cp_rank, sl.interleave, buf.dcp_local_seq_lens[r])
+        return buf.rank_slots(len(rank_layouts), len(i.idx_mapping), len(i.positions))
 
-    def make_kv_cache(self, geometry: KVGeometry) -> PagedKVCache:
-        return make_rank_caches(self, geometry, lambda g: PagedKVCache(self.header, g, use_kernels=True))
+    def new_kv_cache(self, geometry: KVGeometry) -> PagedKVCache:
+        return PagedKVCache(self.state.header, geometry, use_kernels=True)
 
-    def verify_kv(self, kv: PagedKVCache | RankedKVCache, into: KVCheckResult) -> None:
+    def verify_kv(self, worker: HostWorker, kv: PagedKVCache | RankedKVCache, into: KVCheckResult) -> None:
         shards = kv.shards if isinstance(kv, RankedKVCache) else [kv]
         if any(s.kernels is None for s in shards):  # a cache made elsewhere without kernels
-            return super().verify_kv(kv, into)
-        m, st = self.mappings(), self.state
+            return host_verify_kv(worker, kv, into)
+        m, st = worker.mappings(), self.state
         nc = m.num_computed_tokens.astype("int64")
 
         def check(i: int, shard: PagedKVCache) -> None:
-            for g, lay in enumerate(self.rank_layouts[i]):
+            for g, lay in enumerate(worker.rank_layouts[i]):
                 if g not in st.kv_groups:  # state groups hold no per-token KV
                     continue
-                shard.verify_rows(g, self.current_step, m.req_ids, m.idx_mapping, lay.readable_lo(nc), m.seq_lens,
+                shard.verify_rows(g, worker.current_step, m.req_ids, m.idx_mapping, lay.readable_lo(nc), m.seq_lens,
                                   st.token_ids, st.block_tables[g], into, (lay.cp_size, lay.cp_rank, lay.interleave))
 
         if isinstance(kv, RankedKVCache):
             kv.verify(into, check)
         else:
             check(0, kv)
+
+
+class NumbaWorker(HostWorker):
+    """The default worker: the host worker with numba's array functions."""
+
+    name = "numba"
+    ops_class = NumbaOps

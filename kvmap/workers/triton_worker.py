@@ -1,6 +1,7 @@
 """Triton kernels for the per-step work, one program per request as in Model Runner V2: inputs (positions,
 `seq_lens`, `input_ids`), block-table gather, slot mappings (padding with -1 from the actual token count), and
-the KV canary write and read-back. `TritonWorker` runs them over `TorchWorker`'s device state.
+the KV canary write and read-back. `TritonOps` runs them over a `DeviceMirror` (workers/device.py), each
+phase returning its slices of the mirror's buffers.
 
 Rules: kernels read the persistent row-indexed state through `idx_mapping` and write preallocated buffers;
 `query_start_loc` comes from one `torch.cumsum` on the device; nothing syncs the host except the KV check,
@@ -17,9 +18,16 @@ import numpy as np
 
 from kvmap._torch import torch
 from kvmap.kv import canary as C
-from kvmap.kv.cache import KVCheckResult, KVMismatch, PagedKVCache, RankedKVCache
+from kvmap.kv.cache import KVCheckResult, KVGeometry, KVMismatch, PagedKVCache, RankedKVCache
 from kvmap.layout import PAD_SLOT_ID
-from kvmap.workers.torch_worker import TorchWorker, local_seq_lens
+from kvmap.workers.buffers import InputBuffers
+from kvmap.workers.contract import StepBatch
+from kvmap.workers.device import DeviceMirror
+from kvmap.workers.host import HostWorker
+from kvmap.workers.mappings import BatchTables, Inputs, RankSlots
+from kvmap.workers.ops import MappingOps
+from kvmap.workers.state import WorkerState
+from kvmap.workers.torch_worker import device_kernel_block_tables, host_batch, local_seq_lens, torch_verify_kv
 
 BLOCK = 128  # tokens per loop iteration of a program
 
@@ -191,108 +199,134 @@ def _kv_verify_kernel(idx_ptr, lo_ptr, seq_lens_ptr, token_ids_ptr, token_stride
     tl.store(first_bad_ptr + b, first)
 
 
-class TritonWorker(TorchWorker):
-    """TorchWorker with the mapping phases and the KV canary as Triton kernels."""
+class TritonOps(MappingOps):
+    """The mapping phases and the KV canary as Triton kernels over the mirror's device tensors."""
 
-    name = "triton"
+    def __init__(self, state: WorkerState, buffers: InputBuffers, device: str = "cpu") -> None:
+        super().__init__(state, buffers, device)
+        self.mirror = DeviceMirror(state, buffers, device)
+        self._prev_T = 0  # the last step's token count: slots past the actual count are padded from it
 
-    def prepare_inputs(self) -> None:
-        t = torch()
-        B = self.batch.num_reqs
-        qsl = self.o_query_start_loc
-        t.cumsum(self.o_num_scheduled[:B], 0, out=qsl[1 : B + 1])
+    def prepare_inputs(self, batch: StepBatch) -> Inputs:
+        t, d = torch(), self.mirror
+        B = batch.num_reqs
+        i = d.inputs(B, batch.num_tokens)
+        t.cumsum(i.num_scheduled_tokens, 0, out=d.o_query_start_loc[1 : B + 1])
         if B:
-            _prepare_inputs_kernel[(B,)](self.o_idx_mapping, self.o_num_scheduled, qsl, self.d_num_computed,
-                                         self.d_token_ids, self.d_token_ids.stride(0), self.o_num_computed,
-                                         self.o_seq_lens, self.o_positions, self.o_input_ids, BLOCK=BLOCK)
+            _prepare_inputs_kernel[(B,)](d.o_idx_mapping, d.o_num_scheduled, d.o_query_start_loc, d.d_num_computed,
+                                         d.d_token_ids, d.d_token_ids.stride(0), d.o_num_computed, d.o_seq_lens,
+                                         d.o_positions, d.o_input_ids, BLOCK=BLOCK)
+        return i
 
-    def gather_block_tables(self) -> None:
-        B = self.batch.num_reqs
-        if not B:
-            return
-        for g, table in enumerate(self.d_block_tables):
-            out = self.o_block_tables[g]
-            _gather_block_table_kernel[(B,)](self.o_idx_mapping, self.d_num_blocks[g], table, table.stride(0), out,
-                                             out.stride(0), self.o_num_blocks[g], BLOCK=BLOCK)
-        if self.kernel_split:
-            self.device_kernel_block_tables()
+    def gather_block_tables(self, inputs: Inputs) -> BatchTables:
+        d = self.mirror
+        B = len(inputs.idx_mapping)
+        for g, table in enumerate(d.d_block_tables) if B else ():
+            out = d.o_block_tables[g]
+            _gather_block_table_kernel[(B,)](d.o_idx_mapping, d.d_num_blocks[g], table, table.stride(0), out,
+                                             out.stride(0), d.o_num_blocks[g], BLOCK=BLOCK)
+        return d.tables(B)
 
-    def compute_slot_mappings(self) -> None:
-        B, T = self.batch.num_reqs, self.batch.num_tokens
+    def kernel_block_tables(self, tables: BatchTables, layouts) -> list:
+        return device_kernel_block_tables(self.mirror, tables, layouts)
+
+    def compute_slot_mappings(self, inputs: Inputs) -> object:
+        d = self.mirror
+        B, T = len(inputs.idx_mapping), len(inputs.positions)
+        if len(self.state.kv_groups) < self.state.header.num_groups:  # a state group needs -1: per group
+            self._slot_mappings(d.o_slot_mapping[None], [self.buffers.layouts], B, T)
+            return d.o_slot_mapping[:, :T]
         pad_end = max(self._prev_T, T)
-        if self.multirank or len(self.state.kv_groups) < self.header.num_groups:
-            return self._rank_slot_mappings(B, T, pad_end)
-        for g, table in enumerate(self.d_block_tables):
-            _slot_mapping_kernel[(B + 1,)](self.o_idx_mapping, self.o_num_scheduled, self.o_query_start_loc,
-                                           self.o_num_computed, table, table.stride(0), self.layouts[g].block_size,
-                                           1, 0, 1, self.o_slot_mapping[g], B, T, pad_end, CP=False, BLOCK=BLOCK)
+        for g, table in enumerate(d.d_block_tables):
+            _slot_mapping_kernel[(B + 1,)](d.o_idx_mapping, d.o_num_scheduled, d.o_query_start_loc, d.o_num_computed,
+                                           table, table.stride(0), self.buffers.layouts[g].block_size, 1, 0, 1,
+                                           d.o_slot_mapping[g], B, T, pad_end, CP=False, BLOCK=BLOCK)
         self._prev_T = T
+        return d.o_slot_mapping[:, :T]
 
-    def _rank_slot_mappings(self, B: int, T: int, pad_end: int) -> None:
-        """Every computed DCP rank's slots (cp = 1 too when a state group needs -1), then the local lengths."""
-        out = self.o_rank_slot_mapping if self.multirank else self.o_slot_mapping[None]
-        for i, lays in enumerate(self.rank_layouts):
-            for g, table in enumerate(self.d_block_tables):
+    def compute_rank_slot_mappings(self, inputs: Inputs, rank_layouts, seq_layouts) -> RankSlots:
+        d = self.mirror
+        B, T = len(inputs.idx_mapping), len(inputs.positions)
+        self._slot_mappings(d.o_rank_slot_mapping, rank_layouts, B, T)
+        for i, lay in enumerate(seq_layouts):
+            local_seq_lens(inputs.seq_lens, lay, out=d.o_dcp_local_seq_lens[i, :B])
+        return d.rank_slots(len(rank_layouts), B, T)
+
+    def _slot_mappings(self, out, rank_layouts, B: int, T: int) -> None:
+        """Every computed rank's slots into out [num_ranks, G, T_max] (CP a compile-time branch), group by group;
+        a group without a slot mapping is PAD_SLOT_ID up to the padded end."""
+        d = self.mirror
+        pad_end = max(self._prev_T, T)
+        for i, lays in enumerate(rank_layouts):
+            for g, table in enumerate(d.d_block_tables):
                 lay = lays[g]
                 if not lay.has_slots:
                     out[i, g, :pad_end].fill_(PAD_SLOT_ID)
                     continue
-                _slot_mapping_kernel[(B + 1,)](self.o_idx_mapping, self.o_num_scheduled, self.o_query_start_loc,
-                                               self.o_num_computed, table, table.stride(0), lay.block_size,
+                _slot_mapping_kernel[(B + 1,)](d.o_idx_mapping, d.o_num_scheduled, d.o_query_start_loc,
+                                               d.o_num_computed, table, table.stride(0), lay.block_size,
                                                lay.cp_size, lay.cp_rank, lay.interleave, out[i, g], B, T, pad_end,
                                                CP=lay.cp_size > 1, BLOCK=BLOCK)
-        for i, lay in enumerate(self.seq_layouts if self.multirank else ()):
-            local_seq_lens(self.o_seq_lens[:B], lay, out=self.o_dcp_local_seq_lens[i, :B])
         self._prev_T = T
 
-    # ------------------------------------------------------------------ KV canary
+    def new_kv_cache(self, geometry: KVGeometry) -> PagedKVCache:
+        return self.mirror.new_kv_cache(geometry)
 
-    def write_kv(self, kv: PagedKVCache | RankedKVCache) -> None:
-        B = self.batch.num_reqs
+    def write_kv(self, worker: HostWorker, kv: PagedKVCache | RankedKVCache) -> None:
+        d = self.mirror
+        B = worker.batch.num_reqs
         if not B:
             return
         shards = kv.shards if isinstance(kv, RankedKVCache) else [kv]
         for i, shard in enumerate(shards):
             half = shard.geometry.lanes // 2
-            slots = self.o_rank_slot_mapping[i] if isinstance(kv, RankedKVCache) else self.o_slot_mapping
+            slots = d.o_rank_slot_mapping[i] if isinstance(kv, RankedKVCache) else d.o_slot_mapping
             for g, bits in enumerate(shard.bits):
                 if bits.shape[1] == 0:  # a state group holds no per-token KV
                     continue
-                _kv_write_kernel[(B,)](self.o_input_ids, self.o_positions, slots[g], self.o_query_start_loc,
+                _kv_write_kernel[(B,)](d.o_input_ids, d.o_positions, slots[g], d.o_query_start_loc,
                                        bits, bits.stride(0), HALF=half, LANES=triton.next_power_of_2(half),
                                        WIDTH=8 * bits.element_size(), BLOCK=32)
 
-    def verify_kv(self, kv: PagedKVCache | RankedKVCache, into: KVCheckResult) -> None:
-        if isinstance(kv, RankedKVCache) or len(self.state.kv_groups) < self.header.num_groups:
-            return TorchWorker.verify_kv(self, kv, into)
+    def verify_kv(self, worker: HostWorker, kv: PagedKVCache | RankedKVCache, into: KVCheckResult) -> None:
+        st, d = self.state, self.mirror
+        if isinstance(kv, RankedKVCache) or len(st.kv_groups) < st.header.num_groups:
+            return torch_verify_kv(worker, d, kv, into)
         t = torch()
-        B = self.batch.num_reqs
+        B = worker.batch.num_reqs
         if not B:
             return
-        step, req_ids, res = self.current_step, self.batch.batch_req_ids(), into
+        step, req_ids, res = worker.current_step, worker.batch.batch_req_ids(), into
         half = kv.geometry.lanes // 2
-        nc_h, seq_h = self.host_batch()
-        bad = t.zeros(B, dtype=t.int32, device=self.torch_device)
-        first = t.zeros(B, dtype=t.int64, device=self.torch_device)
-        for g, lay in enumerate(self.layouts):
+        nc_h, seq_h = host_batch(worker)
+        bad = t.zeros(B, dtype=t.int32, device=d.device)
+        first = t.zeros(B, dtype=t.int64, device=d.device)
+        for g, lay in enumerate(worker.layouts):
             lo_h = lay.readable_lo(nc_h)
-            lo = t.from_numpy(lo_h).to(self.torch_device)
-            table, bits = self.d_block_tables[g], kv.bits[g]
-            _kv_verify_kernel[(B,)](self.o_idx_mapping, lo, self.o_seq_lens, self.d_token_ids,
-                                    self.d_token_ids.stride(0), table, table.stride(0), lay.block_size, bits,
-                                    bits.stride(0), bad, first, HALF=half, LANES=triton.next_power_of_2(half),
-                                    WIDTH=8 * bits.element_size(), BLOCK=32)
+            lo = t.from_numpy(lo_h).to(d.device)
+            table, bits = d.d_block_tables[g], kv.bits[g]
+            _kv_verify_kernel[(B,)](d.o_idx_mapping, lo, d.o_seq_lens, d.d_token_ids, d.d_token_ids.stride(0), table,
+                                    table.stride(0), lay.block_size, bits, bits.stride(0), bad, first, HALF=half,
+                                    LANES=triton.next_power_of_2(half), WIDTH=8 * bits.element_size(), BLOCK=32)
             res.checked += int((seq_h - lo_h).sum())
             bad_h = bad.cpu().numpy()
             res.mismatches += int(bad_h.sum())
             if bad_h.any():
                 first_h = first.cpu().numpy()
                 for b in np.flatnonzero(bad_h)[: res.room()]:
-                    row = int(self.state.req_id_to_index[req_ids[b]])
+                    row = int(st.req_id_to_index[req_ids[b]])
                     p = int(first_h[b])
-                    slot = lay.slot(self.state.block_tables[g][row], p)
-                    res.examples.append(KVMismatch(step, req_ids[b], g, p, slot, int(self.state.token_ids[row, p]),
+                    slot = lay.slot(st.block_tables[g][row], p)
+                    res.examples.append(KVMismatch(step, req_ids[b], g, p, slot, int(st.token_ids[row, p]),
                                                    kv.describe(g, slot)))
+
+
+class TritonWorker(HostWorker):
+    """State mirrored on a torch device, the mapping phases and the KV canary as Triton kernels."""
+
+    name = "triton"
+    has_h2d = True
+    ops_class = TritonOps
 
 
 __all__ = ["TritonWorker", "PAD_SLOT_ID"]
