@@ -1,18 +1,17 @@
 """Install-time build of the compiled CPU kernels (everything else is in pyproject.toml).
 
 `pip install` compiles the numba kernels of the default backend ahead of time (kvmap/aot.py, numba.pycc) into
-extension modules beside their sources (aot.KERNEL_MODULES: the CPU worker's, the KV cache's, the line
-scanner's), so no run imports numba or loads its JIT: a replay starts about 0.4 s sooner, and the line scanner
-(trace/scan.py) is only used compiled. The build takes about 50 s. It is optional: if it fails (no C
-compiler, numba too old or too new for this Python), the install goes on without it and numba's JIT compiles
-the kernels on first use, as before.
+extension modules beside their sources (aot.KERNEL_MODULES: the CPU worker's and the KV cache's), so no run
+imports numba or loads its JIT (docs/performance.md, "Start-up"). It is optional: if it fails (no C compiler,
+numba too old or too new for this Python), the install goes on without it and numba's JIT compiles the kernels
+on first use, as before.
 `KVMAP_NO_AOT=1` skips it; `python -m kvmap.aot` rebuilds the modules in place after a kernel is edited (until
 then a stale module is detected and not used).
 
 An editable install (`pip install -e .`) also compiles kvmap's Python files to bytecode, as pip does for a
 regular install: where PYTHONDONTWRITEBYTECODE is set (as on this project's machines) Python would otherwise
-compile every kvmap module from source on every run, 0.1-0.15 s of each replay (measured). Python still
-checks each .pyc against its source, so an edited file is never run stale.
+compile every kvmap module from source on every run. Python still checks each .pyc against its source, so an
+edited file is never run stale.
 """
 
 from __future__ import annotations
