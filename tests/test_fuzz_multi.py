@@ -19,6 +19,7 @@ import functools
 import gzip
 import io
 import os
+import re
 import random
 import tempfile
 import time
@@ -31,6 +32,7 @@ import pytest
 
 from kvmap.errors import TraceError
 from kvmap.trace import Trace, Where, parse_step
+from kvmap.trace.reader import json_error
 from kvmap.workers.registry import make_worker
 
 from .conftest import ROOT, TRACES, bundled_traces
@@ -38,6 +40,7 @@ from .fuzz_multi import mutate
 
 BASE_SEED = 240_000
 DECODER_LINES = 40_000  # mutated lines per run of the decoder differential
+BAD_BYTE_SHARE = 0.05  # of those, lines that also get an unknown member whose string is not UTF-8
 BACKEND_CASES = 800  # mutated traces per run of the backend differential
 BACKENDS = ("reference", "numpy", "numba", "torch")
 TRITON_EVERY = 10  # the Triton backend (interpreted on CPU) joins every 10th backend case
@@ -70,7 +73,13 @@ def _mutated(rng: random.Random, name: str, i: int) -> tuple[bytes, list[str]]:
     _, ctx, lines = _trace(name)
     step = orjson.loads(lines[i])
     labels = mutate(step, rng, ctx)
-    return orjson.dumps(step), labels
+    raw = orjson.dumps(step)
+    if rng.random() < BAD_BYTE_SHARE:  # a member the decoders skip, its string holding a byte that is not UTF-8
+        starts = [m.start() + 1 for m in re.finditer(rb'\{"', raw)]
+        at = rng.choice(starts)
+        raw = raw[:at] + b'"x_note":"' + bytes([rng.randrange(0x80, 0x100)]) + b'",' + raw[at:]
+        labels = [*labels, f"bad_byte@{at}"]
+    return raw, labels
 
 
 def _signature(e: BaseException) -> tuple:
@@ -116,8 +125,10 @@ def decoder_case(seed: int) -> tuple[str, str] | None:
         got = trace.decode(raw, line, i)
     except Exception as e:  # noqa: BLE001
         got = e
-    try:
+    try:  # the checked path: orjson (a line that is not JSON or not UTF-8 is a located `json` error), parse_step
         want = parse_step(orjson.loads(raw), trace.header, Where(trace.name, line, i))
+    except orjson.JSONDecodeError as e:
+        want = json_error(raw, e, trace.name, line, i)
     except Exception as e:  # noqa: BLE001
         want = e
     g_err, w_err = isinstance(got, BaseException), isinstance(want, BaseException)
@@ -194,6 +205,8 @@ def _oracle(path: Path) -> TraceError | None:
     for line, raw in trace.raw_lines():
         try:
             parse_step(orjson.loads(raw), trace.header, Where(trace.name, line, line - 2))
+        except orjson.JSONDecodeError as e:
+            return json_error(raw, e, trace.name, line, line - 2)
         except TraceError as e:
             return e
     return None

@@ -120,3 +120,20 @@ def test_typed_decoder_steps_aside_on_what_only_the_checked_path_reads(mutation)
     assert typed(step, header, 1) is not None  # the unmutated line is taken
     mutation(step)
     assert typed(step, header, 1) is None
+
+
+def test_invalid_utf8_in_a_skipped_member_is_refused_by_every_decoder(tmp_path):
+    """msgspec skips an unknown member without checking its UTF-8; the checked parser refuses the line, so the
+    typed decoder must step aside and `Trace.decode` name the byte (a replay used to accept the line)."""
+    path = TRACES / "worked_example.jsonl"
+    lines = path.read_bytes().splitlines()
+    lines[2] = lines[2].replace(b'"step": 1', b'"step": 1, "junk": "x\xff"', 1)
+    bad = tmp_path / "bad_utf8.jsonl"
+    bad.write_bytes(b"\n".join(lines) + b"\n")
+    trace = Trace(bad)
+    dec = typed_decoder(trace.header)
+    if dec is not None:
+        assert dec(lines[2], 3, 1) is None
+    with pytest.raises(TraceError) as e:
+        trace.decode(lines[2], 3, 1)
+    assert e.value.kind == "json" and e.value.line == 3 and "not UTF-8" in e.value.message

@@ -5,6 +5,8 @@ Rules:
   that `parse_step` would return, or None whenever anything is off, and the caller then runs `parse_step`,
   which names the problem or converts a legacy form. tests/test_fuzz_multi.py holds the two to the same
   results on lines with several fields edited at once.
+- A line is UTF-8 throughout, the members it skips included (msgspec does not check what it skips): a line
+  that is not goes to the checked path, which names the byte.
 - The types carry the header's bounds (token ids in [0, 2**31), block ids in the pool, counts within
   max_model_len, one list per KV cache group), so the decoder checks every int as it builds it, and unknown
   keys (most of a vLLM SchedulerOutput) are skipped without building them.
@@ -93,6 +95,11 @@ def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step
     DecodeError = msgspec.DecodeError  # ValidationError is a subclass
 
     def decode(raw: str | bytes, line: int, step: int) -> Step | None:
+        if type(raw) is bytes and not raw.isascii():
+            try:  # msgspec skips unknown members without checking their UTF-8; the checked path names the byte
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return None
         try:
             d = decode_raw(raw)
         except DecodeError:
