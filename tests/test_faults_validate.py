@@ -144,3 +144,25 @@ def test_true_is_not_block_1(tmp_path):
     assert report.problems and report.problems[0].step == 0 and "bool" in report.problems[0].message
     with pytest.raises(TraceError):
         list(Trace(p).steps())
+
+
+def test_more_drafts_than_num_speculative_tokens_is_refused_by_both(tmp_path):
+    """5 drafts under num_speculative_tokens 3 (spec_decode.jsonl) used to pass validate and replay."""
+    src = (F.TRACES / "spec_decode.jsonl").read_text().splitlines()
+    header = json.loads(src[0])
+    k = header["num_speculative_tokens"]
+    i = next(j for j, text in enumerate(src) if j and json.loads(text)["scheduler_output"]["scheduled_spec_decode_tokens"])
+    step = json.loads(src[i])
+    spec = step["scheduler_output"]["scheduled_spec_decode_tokens"]
+    r, drafts = next(iter(spec.items()))
+    spec[r] = drafts + [7] * (k + 2 - len(drafts))  # k + 2 drafts, each a real token id
+    nst = step["scheduler_output"]["num_scheduled_tokens"]
+    step["scheduler_output"]["total_num_scheduled_tokens"] += (k + 2 + 1) - nst[r]
+    nst[r] = k + 2 + 1  # room for the drafts and one real token: only the draft count is wrong
+    src[i] = json.dumps(step)
+    path = tmp_path / "too_many_drafts.jsonl"
+    path.write_text("\n".join(src) + "\n")
+    outcome, e = replay_outcome(path)
+    assert outcome == "refused" and (e.kind, e.step, e.req_id) == ("too_many_drafts", i - 1, r)
+    kinds = {(p.kind, p.step, p.req_id) for p in validate(Trace(path)).problems}
+    assert ("too_many_drafts", i - 1, r) in kinds

@@ -6,7 +6,8 @@ Rules:
   msgspec has checked the same types and ranges. A third decoder, if one is ever written, calls it too.
 - The rules: resumed ids are cached ids; the cached columns are as long as `req_ids`; the total is the sum of
   `num_scheduled_tokens`; no request is scheduled twice; `num_scheduled_tokens` lists exactly the scheduled
-  requests; drafts belong to scheduled requests and leave room for one real token; sampled tokens belong to
+  requests; drafts belong to scheduled requests, number at most the header's `num_speculative_tokens` and
+  leave room for one real token; sampled tokens belong to
   scheduled requests; the async spec-decode keys fit the drafts they describe.
 - It raises the located `TraceError` of the first rule broken, in the order above, with the problem kind
   `kvmap validate` gives the same condition; a step that keeps every rule is returned unchanged.
@@ -20,8 +21,9 @@ from kvmap.errors import TraceError
 from kvmap.trace.records import Step
 
 
-def check_step(step: Step, path: str | None = None) -> Step:
-    """`step` if it keeps every cross-field rule, else the located `TraceError` of the first one it breaks."""
+def check_step(step: Step, num_speculative_tokens: int, path: str | None = None) -> Step:
+    """`step` if it keeps every cross-field rule, else the located `TraceError` of the first one it breaks.
+    `num_speculative_tokens`: the header's, the most drafts a request may have scheduled."""
     so = step.scheduler_output
     c = so.scheduled_cached_reqs
     req_ids = c.req_ids
@@ -46,7 +48,7 @@ def check_step(step: Step, path: str | None = None) -> Step:
     if so.scheduled_new_reqs or len(nst) != n or list(nst) != req_ids:
         _check_scheduled(step, path)
     if so.scheduled_spec_decode_tokens or step.async_spec is not None:
-        _check_drafts(step, path)
+        _check_drafts(step, num_speculative_tokens, path)
     sampled = step.sampled_token_ids
     if sampled and not sampled.keys() <= nst.keys():
         r = next(r for r in sampled if r not in nst)
@@ -87,14 +89,18 @@ def _check_scheduled(step: Step, path: str | None) -> None:
                              "num_scheduled_tokens")
 
 
-def _check_drafts(step: Step, path: str | None) -> None:
-    """Drafts belong to scheduled requests and leave room for a real token; the async spec-decode keys fit them."""
+def _check_drafts(step: Step, k: int, path: str | None) -> None:
+    """Drafts belong to scheduled requests, number at most k and leave room for a real token; the async
+    spec-decode keys fit them."""
     so = step.scheduler_output
     nst = so.num_scheduled_tokens
     spec = so.scheduled_spec_decode_tokens
     for r, drafts in spec.items():
         if r not in nst:
             raise _error(step, path, "has drafts but is not scheduled", r, "scheduled_spec_decode_tokens")
+        if len(drafts) > k:
+            raise _error(step, path, f"{len(drafts)} drafts, more than the header's num_speculative_tokens {k}", r,
+                         "scheduled_spec_decode_tokens", kind="too_many_drafts")
         if len(drafts) >= nst[r]:
             raise _error(step, path, f"{len(drafts)} drafts do not fit in {nst[r]} scheduled tokens", r,
                          "scheduled_spec_decode_tokens")

@@ -74,7 +74,7 @@ def parse_step(obj: object, header: TraceHeader, where: Where) -> Step:
     int_lists(block_lists, where, maximum=header.num_gpu_blocks, what="block id")
     step = Step(step_idx, where.line, SchedulerOutput(new_reqs, cached, nst, total, spec, finished, preempted),
                 sampled, drafts_out, async_spec)
-    return check_step(step, where.path)
+    return check_step(step, header.num_speculative_tokens, where.path)
 
 
 def _new_reqs(so: dict, header: TraceHeader, where: Where, id_lists: list, block_lists: list) -> list[NewRequestData]:

@@ -90,6 +90,7 @@ def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step
         return None
     Line, Cached = _line_types(header)
     UNSET = msgspec.UNSET
+    k = header.num_speculative_tokens
     decode_raw = msgspec.json.Decoder(Line).decode
     empty = Cached()
     DecodeError = msgspec.DecodeError  # ValidationError is a subclass
@@ -130,7 +131,7 @@ def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step
             so.finished_req_ids or [], so.preempted_req_ids or [],
         ), d.sampled_token_ids, d.draft_token_ids, _async_spec(d))
         try:
-            return check_step(step)
+            return check_step(step, k)
         except TraceError:
             return None  # the checked path names it, with every earlier problem of the line first
 

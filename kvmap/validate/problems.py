@@ -39,6 +39,7 @@ KINDS = {
     "too_many_sampled": "more sampled tokens than 1 + drafts",
     "rejected_mismatch": "num_rejected_tokens disagrees with the drafts and the sampled tokens",
     "drafts_mismatch": "scheduled drafts are not (a prefix of) the drafts proposed the step before",
+    "too_many_drafts": "more scheduled drafts than the header's num_speculative_tokens",
     "header": "header values contradict each other",
     "conformance": "a backend's mappings differ from the reference (validate --deep)",
     "kv_mismatch": "a backend's KV read-back found another token's bits (validate --deep)",
