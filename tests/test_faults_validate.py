@@ -151,7 +151,8 @@ def test_more_drafts_than_num_speculative_tokens_is_refused_by_both(tmp_path):
     src = (F.TRACES / "spec_decode.jsonl").read_text().splitlines()
     header = json.loads(src[0])
     k = header["num_speculative_tokens"]
-    i = next(j for j, text in enumerate(src) if j and json.loads(text)["scheduler_output"]["scheduled_spec_decode_tokens"])
+    i = next(j for j, text in enumerate(src[1:], start=1)
+             if json.loads(text)["scheduler_output"]["scheduled_spec_decode_tokens"])
     step = json.loads(src[i])
     spec = step["scheduler_output"]["scheduled_spec_decode_tokens"]
     r, drafts = next(iter(spec.items()))
