@@ -96,17 +96,13 @@ def _where_crashed(e: BaseException) -> str:
 
 
 def _typed_takes(trace: Trace, raw: bytes, line: int, i: int) -> str:
-    """Which fast decoder takes the line (diagnostics only; the decoders may be renamed)."""
+    """Which decoder takes the line: the typed one, or the checked parser (diagnostics only)."""
     try:
         from kvmap.trace.typed import typed_decoder
 
         dec = typed_decoder(trace.header)
         if dec is not None and dec(raw, line, i) is not None:
             return "typed"
-        from kvmap.trace import fast_step
-
-        if fast_step(orjson.loads(raw), trace.header, Where(trace.name, line, i)) is not None:
-            return "fast"
     except Exception:  # noqa: BLE001 - a diagnostic must not hide the divergence itself
         return "?"
     return "checked"
