@@ -36,7 +36,7 @@ from kvmap.record.workload import Workload, prompt_tokens
 
 INSTALL_HINT = ("vLLM is not installed. kvmap record needs vLLM's scheduler (no GPU needed): "
                 "pip install torch==2.13.0 && pip install --no-deps vllm==0.33.0 && pip install -r "
-                "requirements-record.txt (see README, 'Recording traces')")
+                "requirements-record.txt (see docs/recording.md, 'Installing vLLM for the recorder')")
 
 
 @dataclass
