@@ -27,9 +27,10 @@ Examples:
   kvmap explain worked_example --step 1 --req B --token 0
   kvmap explain long_mixed --step 152 --json""",
     "record": """
-Examples (the workload keys: docs/recording.md):
+Examples:
   kvmap record traces/workloads/spec_decode.yaml -o spec.jsonl
-  kvmap record my_workload.yaml -o /tmp/run.jsonl.gz --no-progress""",
+  kvmap record my_workload.yaml -o /tmp/run.jsonl.gz --no-progress
+Every workload key, and the live plugin: docs/recording.md""",
     "traces": """
 Examples:
   kvmap traces
@@ -116,7 +117,8 @@ def explain(
 
 @user_errors
 def record(
-    workload: Annotated[Path, typer.Argument(help="Workload file (YAML): scheduler settings and requests.")],
+    workload: Annotated[Path, typer.Argument(metavar="WORKLOAD", help="Workload file (YAML): scheduler settings "
+                                             "and requests (docs/recording.md).")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Trace to write (.jsonl or .jsonl.gz).")],
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
 ) -> None:

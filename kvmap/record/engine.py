@@ -1,6 +1,6 @@
 """Offline recording: drive vLLM's real v1 scheduler (no model, no GPU) through the synchronous engine loop.
 
-Rules (vllm-on-cpu.md):
+Rules:
 - The "model" is a `config.json` for a tiny Llama in a temporary folder; no weights, no hub access.
 - The KV cache config is built by hand, one group per workload group, all drawing from one block pool.
 - The fake model is deterministic: the token at position p of request r is a hash of (seed, r, p). A partial
