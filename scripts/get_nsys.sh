@@ -7,11 +7,13 @@
 # - Unpacks nsight-systems, nsight-systems-target and libssh-4 (the importer needs it) with dpkg-deb -x.
 # - Links host-linux-x64 beside the target folder: this nsys looks for its importer (QdstrmImporter) only
 #   there, and without it writes a .qdstrm instead of a .nsys-rep.
-# - Works with the `nvtx` Python package 0.2.10-0.2.11 only (newer ones record nothing under nsys 2022.4).
+# - Works with the `nvtx` Python package 0.2.10-0.2.11 only (newer ones record nothing under nsys 2022.4): it
+#   says so at the end; the README's profiling block pins it (`pip install nvtx==0.2.11`).
 set -euo pipefail
 DEST=$(realpath -m "${1:-.tools/nsys}")
+NVTX_NOTE="this nsys records NVTX only from the nvtx package 0.2.10-0.2.11: pip install nvtx==0.2.11"
 if [ -x "$DEST/bin/nsys" ] && "$DEST/bin/nsys" --version >/dev/null 2>&1; then
-  echo "nsys already in $DEST/bin/nsys"; exit 0
+  echo "nsys already in $DEST/bin/nsys; $NVTX_NOTE"; exit 0
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -42,3 +44,4 @@ exec "$target/nsys" "\$@"
 WRAP
 chmod +x "$DEST/bin/nsys"
 "$DEST/bin/nsys" --version
+echo "$NVTX_NOTE"

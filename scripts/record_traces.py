@@ -1,6 +1,7 @@
 """Re-record every bundled trace from its workload file: `python scripts/record_traces.py [NAME ...]`.
 
-Needs vLLM (see README, 'Recording traces'). Output is deterministic: the same workload gives the same bytes.
+Needs vLLM (see docs/recording.md, 'Installing vLLM for the recorder'). Output is deterministic: the same workload
+gives the same bytes.
 Traces longer than 1 MiB are written gzip-compressed.
 """
 

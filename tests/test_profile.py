@@ -3,6 +3,12 @@ step. Skips where nsys is absent (CI fetches it with scripts/get_nsys.sh)."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -10,7 +16,7 @@ from kvmap.run import profile as P
 from kvmap.cli.app import app
 from kvmap.run.result import PHASES
 
-from .conftest import TRACES
+from .conftest import ROOT, TRACES
 
 runner = CliRunner()
 NSYS = P.find_nsys()
@@ -70,3 +76,37 @@ def test_builtin_writes_a_perfetto_trace(tmp_path):
     res = runner.invoke(app, ["profile", str(TRACES / "worked_example.jsonl"), "--builtin", "-o", str(tmp_path / "p")])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "p.trace.json").exists()
+
+
+LOCAL_NSYS = ROOT / ".tools" / "nsys" / "bin" / "nsys"
+
+
+def readme_profiling_block() -> str:
+    """The commands of the README's profiling section (its bash block), exactly as a reader copies them."""
+    section = (ROOT / "README.md").read_text().split("\n## Profiling with Nsight Systems\n", 1)[1].split("\n## ")[0]
+    return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.skipif(not LOCAL_NSYS.exists(), reason="no .tools/nsys (CI runs scripts/get_nsys.sh first)")
+def test_the_readmes_profiling_block_works_verbatim(tmp_path):
+    """The README's three lines (fetch nsys, pin the nvtx it records, profile), run as a user runs them in a
+    checkout: in a folder that holds the checkout's scripts/, traces/ and .tools/, with this environment's
+    `pip` and `kvmap` first on PATH. kvmap's NVTX ranges are in the report: one step range per captured step
+    and each phase inside."""
+    block = readme_profiling_block()
+    assert "scripts/get_nsys.sh" in block and "nvtx==0.2.11" in block and "kvmap profile" in block
+    for name in ("scripts", "traces", ".tools"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x),
+           "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    res = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=1200)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ranges = {r.name: r for r in P.nvtx_ranges(str(LOCAL_NSYS), tmp_path / "kvmap-profile.nsys-rep")}
+    captured = 600 - 500  # --steps 500:600
+    assert ranges["execute_model"].instances == captured
+    for phase in PHASES:
+        if phase not in ("kv_verify", "h2d", "broadcast", "cross_rank"):  # off in a one-process host replay
+            assert ranges[phase].instances == captured, phase
+    assert "execute_model" in res.stdout and "read_step" in res.stdout  # the table kvmap prints

@@ -210,6 +210,19 @@ def test_a_broken_pipe_ends_quietly_with_141(tmp_path, cmd):
     assert "Traceback" not in err and "BrokenPipe" not in err
 
 
+@pytest.mark.parametrize("cmd", [["traces"], ["explain"], ["validate", "worked_example"], ["--help"], ["-h"],
+                                 ["replay", "--help"], ["validate", "-h"], []])
+def test_a_reader_gone_before_any_output_is_141_too(cmd):
+    """Short outputs (a table, one line, the help, the help that no command prints): the reader closes before
+    kvmap writes, so the first write meets the closed pipe. Rich's own consoles would exit 1 there."""
+    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.argv[0] = 'kvmap'; from kvmap.cli import main; "
+                          "main()", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, cwd=ROOT)
+    p.stdout.close()  # before kvmap has started: `kvmap ... | true`
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert err == ""
+
+
 # --------------------------------------------------------------------------- 4. command line
 
 
@@ -227,6 +240,26 @@ def test_version_flags_and_one_line_usage_errors():
         assert res.exit_code == 2, (args, res.output)
         assert res.stderr.count("\n") == 1 and says in res.stderr, (args, res.stderr)
         assert "╭" not in res.stderr and "field --" not in res.stderr
+
+
+def test_options_that_exclude_each_other_are_one_usage_error():
+    res = runner.invoke(app, ["replay", "--no-kv", "--verify-kv", "--no-progress"])
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.output
+    assert "--no-kv and --verify-kv exclude each other" in res.stderr and res.stdout == ""
+
+
+def test_a_problem_without_a_line_is_named_without_one():
+    """`validate --deep` problems are found by replaying, not on a line: `file: step 3, ...`, never `file:None:`."""
+    from rich.console import Console
+
+    from kvmap.render.validate import render_validation
+    from kvmap.validate.problems import Problem, ValidationReport
+
+    console = Console(file=io.StringIO(), width=200)
+    report = ValidationReport("t.jsonl", steps=4, problems=[Problem("conformance", "numpy differs", None, 3, "a")])
+    render_validation(report, console)
+    first = [x for x in console.file.getvalue().splitlines() if x.startswith("first:")]
+    assert first == ["first: t.jsonl: step 3, request 'a': numpy differs"]
 
 
 def test_option_is_the_word_for_an_option():

@@ -16,10 +16,14 @@ import sys
 def main() -> None:
     if "OPENBLAS_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OPENBLAS_NUM_THREADS"] = "1"
-    if sys.argv[1:] == ["--help"]:
-        from kvmap.cli.root_help import print_root_help
+    if sys.argv[1:] in (["--help"], ["-h"]):
+        from kvmap.cli.root_help import PIPE_CLOSED, print_root_help, silence_stdout
 
-        print_root_help()
+        try:
+            print_root_help()
+        except BrokenPipeError:  # the reader went away (`| head`): quietly, as a shell tool does
+            silence_stdout()
+            sys.exit(PIPE_CLOSED)
         return
     from kvmap.cli.app import main as run
 

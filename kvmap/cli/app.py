@@ -18,17 +18,31 @@ from typing import Annotated
 
 import typer
 from typer import Abort
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from kvmap.cli import check_cmds, run_cmds
 from kvmap.cli.console import err, fit_consoles, out
 from kvmap.cli.guard import on_signal
-from kvmap.cli.root_help import draw, first_paragraph
+from kvmap.cli.root_help import PIPE_CLOSED, draw, first_paragraph, silence_stdout
 
 try:  # typer >= 0.23 carries its own click
     from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 except ImportError:  # pragma: no cover - older typer on click
     from click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+
+
+class PipeClosed(Exception):
+    """The reader went away while help was drawn. Not an OSError: click's main turns a broken pipe into exit 1."""
+
+
+class KvmapCommand(TyperCommand):
+    """A command whose help ends quietly with PIPE_CLOSED when its reader goes away (`kvmap replay -h | head`)."""
+
+    def format_help(self, ctx, formatter) -> None:
+        try:
+            super().format_help(ctx, formatter)
+        except (BrokenPipeError, SystemExit):  # typer's Rich console ends a closed pipe with SystemExit(1)
+            raise PipeClosed from None
 
 
 class KvmapGroup(TyperGroup):
@@ -48,13 +62,19 @@ class KvmapGroup(TyperGroup):
         options = [rec for p in self.get_params(ctx) if (rec := p.get_help_record(ctx)) is not None]
         commands = [(name, first_paragraph(cmd.short_help or cmd.help)) for name in self.list_commands(ctx)
                     if (cmd := self.get_command(ctx, name)) is not None and not cmd.hidden]
-        draw(out, ctx.command_path, first_paragraph(self.help), options, commands)
+        try:
+            draw(out, ctx.command_path, first_paragraph(self.help), options, commands)
+        except BrokenPipeError:
+            raise PipeClosed from None
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
             rc = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except NoArgsIsHelpError as e:  # the help is already printed
             rc = e.exit_code
+        except PipeClosed:  # quietly, as a shell tool does
+            silence_stdout()
+            rc = PIPE_CLOSED
         except ClickException as e:
             from rich.text import Text
 
@@ -71,6 +91,9 @@ class KvmapGroup(TyperGroup):
 
 
 METAVARS = {int: "N", float: "N", str: "TEXT"}  # short value names keep the help's text column wide at 80
+# the same rule by the click type's name (typer's own click, or click's), for a typer without type descriptors
+TYPE_METAVARS = {**dict.fromkeys(("int", "integer", "int range", "integer range", "float", "float range"), "N"),
+                 **dict.fromkeys(("str", "text"), "TEXT"), "path": "FILE"}
 
 
 def _flag_shows_no_type(param) -> None:
@@ -82,6 +105,8 @@ def _flag_shows_no_type(param) -> None:
     desc = getattr(param, "type_descriptor", None)  # typer >= 0.23; older typer keeps click's own names
     if desc is not None:
         param.metavar = "FILE" if getattr(desc, "is_path", False) else METAVARS.get(getattr(desc, "annotation", None))
+    else:
+        param.metavar = TYPE_METAVARS.get(getattr(getattr(param, "type", None), "name", None))
 
 
 def _help_option_without_type(get_help_option):
@@ -109,6 +134,7 @@ def usage_line(e: ClickException) -> str:
     return " ".join(msg.split()) + hint
 
 
+CONTEXT = {"help_option_names": ["-h", "--help"]}  # `-h` is `--help`, on the root and on every command
 app = typer.Typer(
     name="kvmap",
     cls=KvmapGroup,
@@ -116,8 +142,9 @@ app = typer.Typer(
     no_args_is_help=True,
     invoke_without_command=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,
     rich_markup_mode="rich",
+    context_settings=CONTEXT,
 )
 
 
@@ -143,8 +170,9 @@ def _root(
 # every command, in the help's order (root_help.COMMANDS): registered here, not by importing its module
 COMMANDS = (check_cmds.validate, check_cmds.explain, check_cmds.record, check_cmds.traces,
             run_cmds.replay, run_cmds.profile, run_cmds.report, run_cmds.compare)
+EXAMPLES = {**check_cmds.EXAMPLES, **run_cmds.EXAMPLES}
 for _command in COMMANDS:
-    app.command()(_command)
+    app.command(cls=KvmapCommand, context_settings=CONTEXT, epilog=EXAMPLES.get(_command.__name__))(_command)
 
 
 # Commands that hold nothing past their own return (every file they write is closed inside the command), so

@@ -10,23 +10,51 @@ import typer
 
 from kvmap.cli.console import Spinner, out
 from kvmap.cli.guard import user_errors
-from kvmap.cli.options import TraceArg
+from kvmap.cli.options import TraceArg, complete_trace
 from kvmap import defaults
 from kvmap.errors import KvmapError
+
+# each command's help ends with these (one command a line; paragraphs as typer's rich help keeps them)
+EXAMPLES = {
+    "validate": """
+Examples:
+  kvmap validate /tmp/run.jsonl
+  kvmap validate spec_decode --deep
+  kvmap validate run.jsonl.gz --json - | jq '.problems[0]'""",
+    "explain": """
+Examples:
+  kvmap explain --step 1
+  kvmap explain worked_example --step 1 --req B --token 0
+  kvmap explain long_mixed --step 152 --json""",
+    "record": """
+Examples:
+  kvmap record traces/workloads/spec_decode.yaml -o spec.jsonl
+  kvmap record my_workload.yaml -o /tmp/run.jsonl.gz --no-progress
+Every workload key, and the live plugin: docs/recording.md""",
+    "traces": """
+Examples:
+  kvmap traces
+  kvmap replay long_mixed --steps 100:200""",
+}
 
 
 @user_errors
 def validate(
-    trace: Annotated[Path, typer.Argument(help="Trace file (.jsonl or .jsonl.gz).")],
+    trace: Annotated[Path, typer.Argument(metavar="TRACE", help="Trace file (.jsonl or .jsonl.gz), or a bundled "
+                                          "trace's name.", autocompletion=complete_trace)],
     deep: Annotated[bool, typer.Option("--deep", help="Also replay through every worker, compare each step "
-                                       "bit for bit with the reference, and check the KV cache every step.")] = False,
+                                       "bit for bit with the reference, and check the KV cache every step.",
+                                       rich_help_panel="Deep check")] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON ('-' for "
-                                                     "stdout).")] = None,
-    max_problems: Annotated[Optional[int], typer.Option(help="Stop after N problems.", min=1)] = None,
-    backend: Annotated[Optional[list[str]], typer.Option("--backend", "-b", help="With --deep: check only these "
+                                                     "stdout).", rich_help_panel="Outputs")] = None,
+    max_problems: Annotated[Optional[int], typer.Option(help="Stop after N problems.", min=1,
+                                                        rich_help_panel="Outputs")] = None,
+    backend: Annotated[Optional[list[str]], typer.Option("--backend", "-b", metavar="NAME",
+                                                         help="With --deep: check only these "
                                                          "backends (repeatable; a built-in name, module:Class or "
                                                          "file.py:Class): a conformance check against the "
-                                                         "reference.", show_default=False)] = None,
+                                                         "reference.", show_default=False,
+                                                         rich_help_panel="Deep check")] = None,
 ) -> None:
     """Check a trace for every inconsistency; exit 0 if valid, 1 if problems were found, 2 if unusable."""
     from kvmap.files import write_json
@@ -56,16 +84,22 @@ def validate(
 @user_errors
 def explain(
     trace: TraceArg = None,
-    step: Annotated[int, typer.Option("--step", help="The step to explain.")] = 1,
-    req: Annotated[Optional[str], typer.Option("--req", help="A request scheduled in that step.")] = None,
+    step: Annotated[int, typer.Option("--step", help="The step to explain.", rich_help_panel="What to explain")] = 1,
+    req: Annotated[Optional[str], typer.Option("--req", help="A request scheduled in that step.",
+                                               rich_help_panel="What to explain")] = None,
     token: Annotated[Optional[int], typer.Option("--token", help="A token: its index within --req's scheduled "
-                                                 "tokens, or without --req the flat token index.")] = None,
-    group: Annotated[Optional[int], typer.Option("--group", help="Only this KV cache group.")] = None,
-    kv_heads: Annotated[int, typer.Option(help="KV heads, for the bytes a slot occupies.", min=1)] = defaults.KV_HEADS,
+                                                 "tokens, or without --req the flat token index.",
+                                                 rich_help_panel="What to explain")] = None,
+    group: Annotated[Optional[int], typer.Option("--group", help="Only this KV cache group.",
+                                                 rich_help_panel="What to explain")] = None,
+    kv_heads: Annotated[int, typer.Option(help="KV heads, for the bytes a slot occupies.", min=1,
+                                          rich_help_panel="KV cache")] = defaults.KV_HEADS,
     head_size: Annotated[int, typer.Option(help="Head size, for the bytes a slot occupies.",
-                                           min=1)] = defaults.KV_HEAD_SIZE,
-    kv_dtype: Annotated[str, typer.Option(help="KV dtype, for the bytes a slot occupies.")] = defaults.KV_DTYPE,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the explanation as JSON.")] = False,
+                                           min=1, rich_help_panel="KV cache")] = defaults.KV_HEAD_SIZE,
+    kv_dtype: Annotated[str, typer.Option(help="KV dtype, for the bytes a slot occupies.",
+                                          rich_help_panel="KV cache")] = defaults.KV_DTYPE,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the explanation as JSON.",
+                                           rich_help_panel="Outputs")] = False,
 ) -> None:
     """Show how one step's scheduler decisions become rows, flat tokens, positions, blocks and KV slots."""
     from kvmap.explain.build import explain as run_explain
@@ -83,7 +117,8 @@ def explain(
 
 @user_errors
 def record(
-    workload: Annotated[Path, typer.Argument(help="Workload file (YAML): scheduler settings and requests.")],
+    workload: Annotated[Path, typer.Argument(metavar="WORKLOAD", help="Workload file (YAML): scheduler settings "
+                                             "and requests (docs/recording.md).")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Trace to write (.jsonl or .jsonl.gz).")],
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
 ) -> None:

@@ -3,7 +3,8 @@ works: a spinner, and a progress bar over the trace file.
 
 Rules: a console is Rich's, made the first time something is drawn with it (a command that draws nothing
 never imports Rich); asking whether it is a terminal imports Rich only where Rich could say yes. Widths follow
-root_help.fit_width (the terminal's, else `COLUMNS`, else PIPED_WIDTH), set per command. Every name shown goes
+root_help.fit_width (the terminal's, else `COLUMNS`, else PIPED_WIDTH), set per command; a closed reader raises
+BrokenPipeError (root_help.new_console), which the error handler turns into a quiet exit 141. Every name shown goes
 through `safe`. The spinner and the bar show only at a terminal, and update outside timed regions.
 """
 
@@ -13,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvmap.cli.root_help import fit_width
+from kvmap.cli.root_help import fit_width, new_console
 
 __all__ = ["LazyConsole", "ProgressBar", "Spinner", "err", "fit_consoles", "out", "safe"]
 
@@ -35,10 +36,7 @@ class LazyConsole:
     @property
     def rich(self):
         if self._console is None:
-            from rich.console import Console
-
-            self._console = Console(stderr=self._stderr)
-            fit_width(self._console)
+            self._console = new_console(self._stderr)
         return self._console
 
     def fit(self) -> None:

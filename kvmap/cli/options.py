@@ -35,18 +35,38 @@ def parse_steps(spec: str | None) -> tuple[int, int | None]:
     return start, stop
 
 
+def complete_trace(incomplete: str) -> list[str]:
+    """Shell completion of TRACE: the bundled traces' names, then trace files and folders under what is typed."""
+    from kvmap.files import bundled_traces
+
+    found = [n for n in bundled_traces() if n.startswith(incomplete)]
+    prefix = incomplete[: incomplete.rfind("/") + 1]  # the folder typed so far, with its slash
+    folder = Path(prefix or ".")
+    try:
+        entries = sorted(folder.iterdir()) if folder.is_dir() else []
+    except OSError:  # completion never fails: an unreadable folder completes nothing
+        entries = []
+    stem = incomplete[len(prefix):]
+    for p in entries:
+        if p.name.startswith(stem) and not p.name.startswith(".") and (p.is_dir() or ".jsonl" in p.name):
+            found.append(prefix + p.name + ("/" if p.is_dir() else ""))
+    return found
+
+
 BACKEND_HELP = " | ".join(f"{b.name} ({b.summary})" for b in BUILTIN.values())
-TraceArg = Annotated[Optional[Path], typer.Argument(help="Trace file (.jsonl or .jsonl.gz), or a bundled trace's "
-                                                         "name (`kvmap traces`) from any folder. Default: the "
-                                                         "bundled worked example.", show_default=False)]
+TraceArg = Annotated[Optional[Path], typer.Argument(metavar="TRACE", help="Trace file (.jsonl or .jsonl.gz), or a "
+                                                         "bundled trace's name (`kvmap traces`) from any folder. "
+                                                         "Default: the bundled worked example.", show_default=False,
+                                                         autocompletion=complete_trace)]
 StepsOpt = Annotated[Optional[str], typer.Option("--steps", metavar="START:END", help="Measure steps START:END "
                                                   "(END exclusive, either may be left out); earlier steps are still "
-                                                  "replayed.")]
+                                                  "replayed.", rich_help_panel="Window")]
 WarmupOpt = Annotated[int, typer.Option("--warmup", help="Steps replayed first and not counted: the N steps just "
                                          "before the --steps window (timed, excluded), or for a window from 0 its "
-                                         "first N steps, by a throwaway worker (untimed).", min=0)]
+                                         "first N steps, by a throwaway worker (untimed).", min=0,
+                                         rich_help_panel="Window")]
 BackendOpt = Annotated[Optional[str], typer.Option("--backend", "-b", metavar="NAME", help=f"Worker implementation: "
                                                    f"{BACKEND_HELP} (triton on CPU needs TRITON_INTERPRET=1); or "
                                                    "your own as module:Class or file.py:Class (a subclass of "
                                                    "kvmap.workers.contract.Worker), or a kvmap.backends entry point.",
-                                                   show_default=False)]
+                                                   show_default=False, rich_help_panel="Backend")]

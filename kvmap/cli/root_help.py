@@ -1,21 +1,30 @@
-"""`kvmap --help` without typer: the consoles' width rule, the root's help text, options and commands, and the
-one drawing of the root help.
+"""`kvmap --help` without typer: the consoles' width rule and what they do when the reader goes away, the root's
+help text, options and commands, and the one drawing of the root help.
 
 Rules: `draw` is the root help's only renderer. `KvmapGroup.format_help` calls it with the live app's options
 and commands; `kvmap.cli.main` calls it with `OPTIONS` and `COMMANDS` below before anything imports typer
 (typer and the command modules stay unloaded; its cost is in docs/performance.md, "Speed twins").
 tests/test_startup.py holds the two outputs equal byte for byte, so these lists cannot drift from the app. This
 module imports only the standard library (and kvmap/render/text.py's constants) at load, and rich when it draws.
+A console whose reader went away (`| head`) raises BrokenPipeError (Rich's own ends the process with exit 1), so
+that every command, and the help, ends quietly with PIPE_CLOSED.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import sys
 
 from kvmap.render.text import PIPED_WIDTH
 
+PIPE_CLOSED = 128 + 13  # the exit code when the reader of standard output went away: a shell's SIGPIPE code
+
 HELP = "Replay, time, check and explain how vLLM scheduler decisions become paged-KV GPU input tensors."
-OPTIONS = (("--version", "Print the version and exit."), ("--help", "Show this message and exit."))
+OPTIONS = (("--version", "Print the version and exit."),
+           ("--install-completion", "Install completion for the current shell."),
+           ("--show-completion", "Show completion for the current shell, to copy it or customize the installation."),
+           ("-h, --help", "Show this message and exit."))
 # (name, the first paragraph of its docstring), in the app's order: the command modules' registration order
 COMMANDS = (
     ("validate", "Check a trace for every inconsistency; exit 0 if valid, 1 if problems were found, 2 if "
@@ -38,6 +47,28 @@ def fit_width(console) -> None:
     console.width = None  # Rich reads the terminal, then COLUMNS
     if not console.is_terminal and not os.environ.get("COLUMNS", "").isdigit():
         console.width = PIPED_WIDTH
+
+
+def new_console(stderr: bool = False):
+    """A Rich console fitted by `fit_width`, that raises BrokenPipeError when its reader goes away."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr)
+    console.on_broken_pipe = _reader_went_away  # Rich's default: stdout to /dev/null and SystemExit(1)
+    fit_width(console)
+    return console
+
+
+def _reader_went_away() -> None:
+    raise BrokenPipeError(errno.EPIPE, "the reader of the output went away")
+
+
+def silence_stdout() -> None:
+    """Point standard output at /dev/null, so that nothing written after the reader went away fails again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def draw(console, prog: str, help_text: str, options, commands) -> None:
@@ -70,9 +101,6 @@ def first_paragraph(text: str | None) -> str:
 
 def print_root_help() -> None:
     """`kvmap --help`, drawn from the lists above (no typer)."""
-    from rich.console import Console
-
-    console = Console()
-    fit_width(console)
+    console = new_console()
     draw(console, "kvmap", HELP, OPTIONS, COMMANDS)
     console.print()  # the empty line click's help ends with (its formatter's buffer, echoed)

@@ -19,48 +19,82 @@ from kvmap.cli.options import BackendOpt, StepsOpt, TraceArg, WarmupOpt, parse_s
 from kvmap import defaults
 from kvmap.errors import KvmapError
 
+# each command's help ends with these (one command a line; paragraphs as typer's rich help keeps them)
+EXAMPLES = {
+    "replay": """
+Examples:
+  kvmap replay long_mixed --steps 100:200
+  kvmap replay spec_decode --verify-kv -b numpy
+  kvmap replay dcp2 --dump-mappings - -q | head -1""",
+    "profile": """
+Examples:
+  kvmap profile long_mixed --steps 500:600
+  kvmap profile long_mixed --steps 500:600 --builtin
+  kvmap profile spec_decode -o spec --nsys /opt/nsys/bin/nsys""",
+    "report": """
+Examples:
+  kvmap replay long_mixed --json run.json -q && kvmap report run.json
+  kvmap report run.json --csv steps.csv""",
+    "compare": """
+Examples:
+  kvmap replay long_mixed -b numba --json a.json -q
+  kvmap replay long_mixed -b numpy --json b.json -q
+  kvmap compare a.json b.json""",
+}
+
 
 @user_errors
 def replay(
     trace: TraceArg = None,
     backend: BackendOpt = None,
     device: Annotated[str, typer.Option("--device", help="cpu, or cuda[:N] (state, mappings and KV cache on "
-                                        "the GPU; needs --backend torch or triton).")] = "cpu",
+                                        "the GPU; needs --backend torch or triton).",
+                                        rich_help_panel="Backend")] = "cpu",
     steps: StepsOpt = None,
     batch_order: Annotated[str, typer.Option("--batch-order", help="mrv2 (Model Runner V2: sorted by scheduled "
                                              "tokens) or v1 (V1's persistent batch: lowest hole, condense), to "
-                                             "diff dumps against either runner.")] = "mrv2",
+                                             "diff dumps against either runner.", rich_help_panel="Backend")] = "mrv2",
     reorder_threshold: Annotated[Optional[int], typer.Option("--reorder-threshold", help="With --batch-order v1: "
                                                              "the attention backend's reorder_batch_threshold "
                                                              "(decode-first regions; FlashAttention sets none).",
-                                                             min=1)] = None,
+                                                             min=1, rich_help_panel="Backend")] = None,
     warmup: WarmupOpt = defaults.WARMUP,
     verify_kv: Annotated[bool, typer.Option("--verify-kv", help="Read back every scheduled request's "
                                             "readable context from the KV cache each step and check it bit "
-                                            "for bit.")] = False,
-    no_kv: Annotated[bool, typer.Option("--no-kv", help="Do not write the KV cache (mappings only).")] = False,
-    kv_heads: Annotated[int, typer.Option(help="KV heads per token in the KV cache.", min=1)] = defaults.KV_HEADS,
-    head_size: Annotated[int, typer.Option(help="Head size of the KV cache.", min=1)] = defaults.KV_HEAD_SIZE,
-    kv_dtype: Annotated[str, typer.Option(help="KV cache dtype: bfloat16, float16, float32, fp8.")] = defaults.KV_DTYPE,
+                                            "for bit.", rich_help_panel="KV cache")] = False,
+    no_kv: Annotated[bool, typer.Option("--no-kv", help="Do not write the KV cache (mappings only).",
+                                        rich_help_panel="KV cache")] = False,
+    kv_heads: Annotated[int, typer.Option(help="KV heads per token in the KV cache.", min=1,
+                                          rich_help_panel="KV cache")] = defaults.KV_HEADS,
+    head_size: Annotated[int, typer.Option(help="Head size of the KV cache.", min=1,
+                                           rich_help_panel="KV cache")] = defaults.KV_HEAD_SIZE,
+    kv_dtype: Annotated[str, typer.Option(help="KV cache dtype: bfloat16, float16, float32, fp8.",
+                                          rich_help_panel="KV cache")] = defaults.KV_DTYPE,
     dump_mappings: Annotated[Optional[Path], typer.Option(help="Write every step's mappings as JSON "
-                                                          "Lines (docs/trace-format.md).")] = None,
+                                                          "Lines (docs/trace-format.md).",
+                                                          rich_help_panel="Outputs")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the run (summary, per-phase "
-                                                     "statistics, per-step timings) as JSON.")] = None,
-    csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write one CSV row per step and phase.")] = None,
+                                                     "statistics, per-step timings) as JSON.",
+                                                     rich_help_panel="Outputs")] = None,
+    csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write one CSV row per step and phase.",
+                                                    rich_help_panel="Outputs")] = None,
     trace_out: Annotated[Optional[Path], typer.Option("--trace-out", help="Write a Chrome trace-event file "
-                                                      "(Perfetto), one track per phase.")] = None,
-    nvtx: Annotated[bool, typer.Option("--nvtx/--no-nvtx", help="Emit NVTX ranges (domain kvmap).")] = True,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
+                                                      "(Perfetto), one track per phase.",
+                                                      rich_help_panel="Outputs")] = None,
+    nvtx: Annotated[bool, typer.Option("--nvtx/--no-nvtx", help="Emit NVTX ranges (domain kvmap).",
+                                       rich_help_panel="Outputs")] = True,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.",
+                                           rich_help_panel="Outputs")] = True,
     nvtx_capture: Annotated[bool, typer.Option("--nvtx-capture", hidden=True,
                                                help="Wrap the measured steps in the kvmap_capture range.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no summary.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no summary.", rich_help_panel="Outputs")] = False,
     rank: Annotated[Optional[int], typer.Option("--rank", help="DCP traces: compute only this decode context "
                                                 "parallel rank (default: every rank, in this process).",
-                                                min=0)] = None,
+                                                min=0, rich_help_panel="Multi-rank")] = None,
     nproc: Annotated[Optional[int], typer.Option("--nproc", help="Run one process per rank on "
                                                  "torch.distributed (gloo on CPU, NCCL on cuda), launched with "
                                                  "torchrun; the dump equals the one-process replay.",
-                                                 min=1)] = None,
+                                                 min=1, rich_help_panel="Multi-rank")] = None,
 ) -> None:
     """Replay a trace step by step: every index mapping, a real paged KV cache, a timing summary."""
     from kvmap.files import check_outputs, resolve_trace
@@ -69,6 +103,9 @@ def replay(
     from kvmap.trace import Trace
     from kvmap.workers.registry import default_backend
 
+    if no_kv and verify_kv:  # nothing written, nothing to read back
+        raise KvmapError("--no-kv and --verify-kv exclude each other: --verify-kv reads back what the replay writes "
+                         "into the KV cache, and --no-kv writes nothing", field="--verify-kv")
     if device != "cpu" and backend is None:
         backend = "triton"
     backend = backend or default_backend()
@@ -151,14 +188,17 @@ def profile(
     steps: StepsOpt = None,
     warmup: WarmupOpt = defaults.WARMUP,
     backend: BackendOpt = None,
-    output: Annotated[Path, typer.Option("-o", "--output", help="Report name (.nsys-rep is added).")] = Path(
+    output: Annotated[Path, typer.Option("-o", "--output", help="Report name (.nsys-rep is added).",
+                                         rich_help_panel="Outputs")] = Path(
         "kvmap-profile"),
-    nsys: Annotated[Optional[str], typer.Option(help="The nsys to use (default: $KVMAP_NSYS, PATH, "
-                                                ".tools/nsys).")] = None,
+    nsys: Annotated[Optional[str], typer.Option(metavar="FILE", help="The nsys to use (default: $KVMAP_NSYS, PATH, "
+                                                ".tools/nsys).", rich_help_panel="Nsight Systems")] = None,
     builtin: Annotated[bool, typer.Option("--builtin", help="No nsys: replay and write a Chrome trace "
-                                          "(OUTPUT.trace.json, opens in Perfetto) instead.")] = False,
+                                          "(OUTPUT.trace.json, opens in Perfetto) instead.",
+                                          rich_help_panel="Nsight Systems")] = False,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for nsys (the profiled replay, "
-                                           "then nsys stats) before giving up.", min=1)] = defaults.NSYS_TIMEOUT_S,
+                                           "then nsys stats) before giving up.", min=1,
+                                           rich_help_panel="Nsight Systems")] = defaults.NSYS_TIMEOUT_S,
 ) -> None:
     """Replay under Nsight Systems (NVTX + OS runtime, CUDA on a GPU) and show its NVTX ranges per phase beside
     kvmap's own timings."""

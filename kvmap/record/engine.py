@@ -1,6 +1,6 @@
 """Offline recording: drive vLLM's real v1 scheduler (no model, no GPU) through the synchronous engine loop.
 
-Rules (vllm-on-cpu.md):
+Rules:
 - The "model" is a `config.json` for a tiny Llama in a temporary folder; no weights, no hub access.
 - The KV cache config is built by hand, one group per workload group, all drawing from one block pool.
 - The fake model is deterministic: the token at position p of request r is a hash of (seed, r, p). A partial
@@ -36,7 +36,7 @@ from kvmap.record.workload import Workload, prompt_tokens
 
 INSTALL_HINT = ("vLLM is not installed. kvmap record needs vLLM's scheduler (no GPU needed): "
                 "pip install torch==2.13.0 && pip install --no-deps vllm==0.33.0 && pip install -r "
-                "requirements-record.txt (see README, 'Recording traces')")
+                "requirements-record.txt (see docs/recording.md, 'Installing vLLM for the recorder')")
 
 
 @dataclass

@@ -129,9 +129,10 @@ def header_from_config(vllm_config: Any, kv_cache_config: Any,
 
 
 def _deployed_keys(vllm_config: Any) -> dict:
-    """`max_concurrent_batches` (the engine's batch-queue depth, docs/trace-format.md "as deployed today"), written
-    only where it differs from its default 1, so synchronous traces keep their bytes. `eos_token_id` and
-    `stop_token_ids` are the caller's to pass (`extra`): offline from the workload, live from the model."""
+    """`max_concurrent_batches` (the engine's batch-queue depth; docs/trace-format.md, "Extensions for vLLM as
+    deployed today"), written only where it differs from its default 1, so synchronous traces keep their bytes.
+    `eos_token_id` and `stop_token_ids` are the caller's to pass (`extra`): offline from the workload, live from
+    the model."""
     try:
         depth = int(vllm_config.max_concurrent_batches)
     except Exception:  # noqa: BLE001

@@ -30,7 +30,8 @@ def render_validation(report, out: Console) -> None:
         say(out, Text.assemble((f"{len(report.problems)} problem(s)", "red"), f" in {trace} ({report.steps} steps "
                                "read" + (f"; stopped after {len(report.problems)}" if report.truncated else "")
                                + ")"))
-        say(out, f"first: {report.trace}:{first.line}: {first.where()}: {first.message}")
+        at = f"{report.trace}:{first.line}" if first.line is not None else str(report.trace)  # --deep: no line
+        say(out, f"first: {at}: {first.where()}: {first.message}")
         out.print(_problem_table(report.problems[:MAX_ROWS], out))
         if len(report.problems) > MAX_ROWS:
             say(out, f"... and {len(report.problems) - MAX_ROWS} more (use --json for all)")

@@ -11,12 +11,11 @@ NVTX (nsys, Nsight Compute) is found through `NVTX_INJECTION64_PATH`, which it s
 launches and which NVTX reads once, at the process's first NVTX call. Without it nothing can record the
 ranges, and their twenty calls a step cost 3% of a replay (measured on the long trace).
 
-Which nvtx records under which Nsight Systems (measured, perf-facts.md section 3): nvtx 0.2.10-0.2.11 under
-Debian's 2022.4 and 2023.4 alike; nvtx 0.2.12 and later ask the tool for `nvtxDomainIsEnabled`, which those
-builds do not answer, so `get_domain` hands back a `DummyDomain` (no `handle`) and nothing is recorded. A newer
-nvtx is never an error: Markers detects the recording-less domain, runs without ranges, and, when a tool is
-attached (`NVTX_INJECTION64_PATH` set, so ranges were wanted), says so once on stderr.
-"""
+Which nvtx records under which Nsight Systems (measured; README, "Profiling with Nsight Systems"): nvtx
+0.2.10-0.2.11 under Debian's 2022.4 and 2023.4 alike; nvtx 0.2.12 and later ask the tool for `nvtxDomainIsEnabled`,
+which those builds do not answer, so `get_domain` hands back a `DummyDomain` (no `handle`) and nothing is recorded.
+A newer nvtx is never an error: Markers detects the recording-less domain, runs without ranges, and, when a tool is
+attached (`NVTX_INJECTION64_PATH` set, so ranges were wanted), says so once on stderr."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The device mirror: the long-lived device tensors of a device backend, its preallocated device input buffers,
 and the one staged host-to-device copy per step. Host vs device is this copy step, not a subclass.
 
-Rules (Model Runner V2's design, docs: vllm-internals.md 2.2):
+Rules (Model Runner V2's design, vLLM's `vllm/v1/worker/gpu/`):
 - The host keeps `WorkerState` (numpy) as the source of truth for what the scheduler said; its staged writes
   (workers/writes.py, recording) list every write into token rows and block tables. Each step `copy_to_device`
   packs, into one pinned int64 staging buffer, the batch (`idx_mapping`, `num_scheduled_tokens`), the

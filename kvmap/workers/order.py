@@ -4,7 +4,7 @@ Rules:
 - Model Runner V2 (the default, `mrv2`): a stable ascending sort by scheduled tokens; with speculative decoding,
   requests with drafts, then requests of exactly `1 + num_speculative_tokens` tokens, come first (#47381).
   `mrv2_key` is the spec; the numpy and numba sorts are tested against it.
-- V1 (`v1`): the persistent batch (vllm-internals.md 2.3, `gpu_model_runner._update_states`): finished
+- V1 (`v1`): the persistent batch (vLLM's `gpu_model_runner._update_states`): finished
   requests leave their row, then every row not scheduled this step (preempted, resumed, merely unscheduled);
   new requests (scheduler order) and then re-added cached ones take the lowest hole or are appended;
   `condense()` moves the highest occupied rows into the remaining holes, lowest hole first; then, only if the
