@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -144,6 +145,7 @@ def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO]:
     """Open `path` for writing whole-or-nothing (see the module rules); text mode unless `mode` has "b"."""
     kind = output_kind(path)
     if kind == "stdout":
+        sys.stdout.flush()
         yield sys.stdout.buffer if "b" in mode else sys.stdout
         sys.stdout.flush()
         return
@@ -155,6 +157,15 @@ def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO]:
         except OSError as e:
             raise _os_error(e, path) from None
         return
+    with _beside(path) as (fd, _):
+        with os.fdopen(fd, mode) as f:
+            yield f
+
+
+@contextmanager
+def _beside(path: Path) -> Iterator[tuple[int, str]]:
+    """(descriptor, name) of a new temporary file beside regular output `path`, renamed over it when the block
+    ends cleanly and removed when it does not."""
     target = Path(os.path.realpath(path))  # a link stays a link: the file it names is replaced
     if target.is_dir():
         raise KvmapError("is a directory; give a file name", path=str(path))
@@ -166,8 +177,7 @@ def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO]:
         raise _os_error(e, path) from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, mode) as f:
-            yield f
+        yield fd, tmp
         os.replace(tmp, target)
     except OSError as e:
         _unlink(tmp)
@@ -176,6 +186,23 @@ def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO]:
         _unlink(tmp)
         raise
 
+
+@contextmanager
+def staged_output(path: str | Path) -> Iterator[Path]:
+    """A name another process writes output `path` under (`replay --nproc`: rank 0's dump): a temporary name
+    beside a regular file, renamed into place when the block ends cleanly; for standard output or a special
+    file, a private temporary file copied into it then. On an error or a signal nothing reaches `path`."""
+    if output_kind(path) == "file":
+        with _beside(Path(path)) as (fd, tmp):
+            os.close(fd)
+            yield Path(tmp)
+        return
+    with tempfile.TemporaryDirectory(prefix="kvmap-") as folder:
+        tmp = Path(folder) / "output"
+        tmp.touch()
+        yield tmp
+        with atomic_open(path, "wb") as f, open(tmp, "rb") as src:
+            shutil.copyfileobj(src, f)
 
 def _unlink(tmp: str) -> None:
     try:

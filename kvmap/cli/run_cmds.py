@@ -67,8 +67,12 @@ def replay(
     from kvmap.kv.cache import KVGeometry
     from kvmap.run.config import ReplayConfig
     from kvmap.trace import Trace
+    from kvmap.workers.order import BATCH_ORDERS
     from kvmap.workers.registry import default_backend
 
+    if batch_order not in BATCH_ORDERS:  # said here: the worker would blame --reorder-threshold
+        raise KvmapError(f"unknown batch order {batch_order!r}; choose one of {', '.join(BATCH_ORDERS)}",
+                         field="--batch-order")
     if device != "cpu" and backend is None:
         backend = "triton"
     backend = backend or default_backend()
@@ -104,7 +108,8 @@ def _launch(trace: Path, cp: int, nproc: int, rank: int | None, config, dump_map
                          field="--nproc")
     return launch(trace, nproc, backend=config.backend, device=config.device, verify_kv=config.verify_kv,
                   write_kv=config.write_kv, kv_geometry=config.kv_geometry, dump_mappings=dump_mappings,
-                  start=config.start, stop=config.stop, warmup=config.warmup)
+                  start=config.start, stop=config.stop, warmup=config.warmup, batch_order=config.batch_order,
+                  reorder_batch_threshold=config.reorder_batch_threshold)
 
 
 def _replay_here(t, config, dump_mappings: Path | None, progress: bool):
