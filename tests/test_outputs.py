@@ -1,6 +1,7 @@
 """One output policy for every command that writes files (issue 29): no output over an input or another
 output, one standard output, special files written in place (never renamed over), symbolic links kept, every
-path checked before the work starts; and `kvmap report` on damaged runs is one located line.
+path checked before the work starts; `kvmap report` on damaged runs is one located line; an option error
+names the option that was wrong.
 
 Special files are our own: symbolic links and FIFOs in a temporary folder (one link points at the process's
 own /proc/self/fd/1, as /dev/stdout does); the machine's /dev is never written."""
@@ -189,3 +190,16 @@ def test_report_on_a_damaged_run_is_one_located_line(tmp_path, run_json, case):
     if case not in ("directory", "deep array"):
         assert "field " in line
     assert one_error(invoke("compare", run_json, bad)) == line
+
+
+# ---------------------------------------------------------------------------------- option errors
+
+
+@pytest.mark.parametrize("args,option", [
+    (["--batch-order", "v3"], "--batch-order"),
+    (["--batch-order", "v3", "--nproc", "2"], "--batch-order"),
+    (["--reorder-threshold", "4"], "--reorder-threshold"),
+])
+def test_an_option_error_names_the_option_that_was_wrong(args, option):
+    line = one_error(invoke("replay", TRACES / "dcp2.jsonl", "-q", "--no-progress", *args))
+    assert f"option {option}:" in line, line
