@@ -1,13 +1,17 @@
-"""Output files: written whole or not at all, never over an input, and errors as one located line.
+"""Output files: written whole or not at all, never over an input or a special file, errors as one located line.
 
-Rules:
-- A regular file is written to a short temporary name beside the target (`.kvmap-XXXXXXXX.tmp`), with the
+Rules (one output policy for every command that writes files):
+- `check_outputs` runs before any work: an output that is the same file as an input or as another output is
+  refused (by device and inode, so links and other spellings are caught; character devices such as
+  `/dev/null` may be shared); at most one output is standard output (`-`, or a path that is the file standard
+  output already writes, such as `/dev/stdout`); a missing folder, a directory or a folder kvmap cannot
+  create a file in is refused in milliseconds, naming the path.
+- A regular file is written to a short temporary name beside its target (`.kvmap-XXXXXXXX.tmp`), with the
   permissions the umask gives a new file, and renamed into place only when complete: an error part-way (a bad
-  step at line 5000, a full disk, SIGTERM) leaves the target as it was and no temporary file behind.
-- `-` is standard output; an existing device or FIFO (`/dev/null`, `/dev/stdout`, a pipe) is written as a
-  stream, never replaced by a file.
-- `check_outputs` refuses an output that is the same file as an input or as another output (by device and
-  inode, so links and other spellings of the path are caught) before anything runs.
+  step at line 5000, a full disk, SIGTERM) leaves the target as it was and no temporary file behind. A
+  symbolic link stays a link: the file it names is replaced.
+- A special file is written in place, never renamed over: standard output, an existing device, FIFO or
+  socket, and every path whose links pass through /proc (`/dev/stdout`, `/dev/fd/N`, `/proc/self/fd/N`).
 - Every OS error (no space, permission, read-only, name too long, a missing folder) becomes a `KvmapError`
   naming the path: exit 2, no traceback.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -27,6 +32,7 @@ from typing import IO
 from kvmap.errors import KvmapError
 
 STDOUT = "-"
+_MAX_LINKS = 40  # as the kernel's ELOOP limit
 
 
 def _umask() -> int:
@@ -35,35 +41,99 @@ def _umask() -> int:
     return mask
 
 
-def _identity(path: Path) -> tuple[int, int] | None:
+def _stat(path: str | Path) -> os.stat_result | None:
     try:
-        st = os.fstat(sys.stdin.fileno()) if str(path) == STDOUT else path.stat()  # input `-`: standard input
-    except (OSError, ValueError, AttributeError):
+        return os.fstat(0) if str(path) == STDOUT else os.stat(path)  # an input `-`: standard input
+    except (OSError, ValueError):
         return None
-    return st.st_dev, st.st_ino
 
 
-def check_outputs(outputs: dict[str, str | Path | None], inputs: Iterable[str | Path] = ()) -> None:
-    """Refuse outputs (option name -> path) that would overwrite an input or each other."""
-    seen_in = {}
-    for p in inputs:
-        ident = _identity(Path(p))
-        if ident is not None:
-            seen_in[ident] = str(p)
-    seen_out: dict[object, str] = {}
+def _fd_stat(fd: int) -> os.stat_result | None:
+    try:
+        return os.fstat(fd)
+    except OSError:
+        return None
+
+
+def _same(a: os.stat_result | None, b: os.stat_result | None) -> bool:
+    return a is not None and b is not None and (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _through_proc(path: str | Path) -> bool:
+    """True when `path` or a link on its way names a file under /proc (a process's descriptors)."""
+    p = os.path.abspath(path)
+    for _ in range(_MAX_LINKS):
+        p = os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))
+        if p == "/proc" or p.startswith("/proc/"):
+            return True
+        if not os.path.islink(p):
+            return False
+        p = os.path.join(os.path.dirname(p), os.readlink(p))
+    return False
+
+
+def output_kind(path: str | Path) -> str:
+    """"stdout" (`-` or the file standard output writes), "stream" (a special file, written in place) or
+    "file" (a regular file or a new name, written whole or not at all)."""
+    if str(path) == STDOUT:
+        return "stdout"
+    st = _stat(path)
+    if st is not None and not stat.S_ISCHR(st.st_mode) and _same(st, _fd_stat(1)):
+        return "stdout"
+    if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        return "stream"
+    return "stream" if _through_proc(path) else "file"
+
+
+def _check_folder(option: str, path: Path) -> None:
+    """A regular output: not a directory, in a folder where kvmap can create its temporary file."""
+    target = Path(os.path.realpath(path))
+    if target.is_dir():
+        raise KvmapError("is a directory; give a file name", path=str(path), field=option)
+    if not target.parent.is_dir():
+        raise KvmapError(f"cannot write: folder {target.parent} does not exist", path=str(path), field=option)
+    try:  # the probe the write will need: a temporary name in that folder
+        fd, tmp = tempfile.mkstemp(prefix=".kvmap-", suffix=".tmp", dir=target.parent)
+    except OSError as e:
+        raise KvmapError(f"cannot write: {e.strerror or e}", path=str(path), field=option) from None
+    os.close(fd)
+    _unlink(tmp)
+
+
+def check_outputs(outputs: dict[str, str | Path | None], inputs: Iterable[str | Path] = ()) -> str | None:
+    """Refuse outputs (option name -> path) that would overwrite an input or each other, share standard
+    output, or cannot be written; returns the option that writes standard output (None: none does)."""
+    seen_in = [(str(p), st) for p in inputs if (st := _stat(p)) is not None]
+    seen_out: list[tuple[str, os.stat_result | None, str]] = []  # (option, stat, real path)
+    to_stdout: str | None = None
     for option, p in outputs.items():
-        if p is None or str(p) == STDOUT:
+        if p is None:
             continue
-        path = Path(p)
-        ident = _identity(path)
-        if ident is not None and stat.S_ISREG(path.stat().st_mode) and ident in seen_in:  # `< t.jsonl` too
-            raise KvmapError(f"is the input trace {seen_in[ident]!r}: writing it would destroy the input; "
-                             "choose another output name", path=str(p), field=option)
-        key = ident if ident is not None else os.path.abspath(p)
-        if key in seen_out and (ident is None or stat.S_ISREG(path.stat().st_mode)):
-            raise KvmapError(f"is also the {seen_out[key]} output; give each output its own file", path=str(p),
+        kind = output_kind(p)
+        if kind == "stdout":
+            if to_stdout is not None:
+                raise KvmapError(f"only one output can be '-' (standard output): {to_stdout} and {option} both "
+                                 "are", field=option)
+            to_stdout = option
+            continue
+        st = _stat(p)
+        shared = st is not None and stat.S_ISCHR(st.st_mode)  # /dev/null, /dev/full, a terminal
+        for name, ist in seen_in:
+            if not shared and _same(st, ist):
+                raise KvmapError(f"is the input {name!r}: writing it would destroy the input; choose another "
+                                 "output name", path=str(p), field=option)
+        real = os.path.realpath(p)
+        for other, ost, oreal in seen_out:
+            if not shared and (_same(st, ost) or real == oreal):
+                raise KvmapError(f"is also the {other} output; give each output its own file", path=str(p),
+                                 field=option)
+        seen_out.append((option, st, real))
+        if kind == "file":
+            _check_folder(option, Path(p))
+        elif st is None or not os.access(p, os.W_OK):
+            raise KvmapError("cannot write: " + ("permission denied" if st else "no such file"), path=str(p),
                              field=option)
-        seen_out[key] = option
+    return to_stdout
 
 
 def _os_error(e: OSError, path: Path) -> KvmapError:
@@ -73,36 +143,42 @@ def _os_error(e: OSError, path: Path) -> KvmapError:
 @contextmanager
 def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO]:
     """Open `path` for writing whole-or-nothing (see the module rules); text mode unless `mode` has "b"."""
-    if str(path) == STDOUT:
+    kind = output_kind(path)
+    if kind == "stdout":
+        sys.stdout.flush()
         yield sys.stdout.buffer if "b" in mode else sys.stdout
         sys.stdout.flush()
         return
     path = Path(path)
-    try:
-        st = path.stat()
-    except OSError:
-        st = None
-    if st is not None and stat.S_ISDIR(st.st_mode):
-        raise KvmapError("is a directory; give a file name", path=str(path))
-    if st is not None and not stat.S_ISREG(st.st_mode):  # a device or FIFO: a stream, never replaced
+    if kind == "stream":  # a device, FIFO or descriptor: written in place, never replaced
         try:
             with open(path, mode) as f:
                 yield f
         except OSError as e:
             raise _os_error(e, path) from None
         return
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise KvmapError(f"cannot write: folder {parent} does not exist", path=str(path))
+    with _beside(path) as (fd, _):
+        with os.fdopen(fd, mode) as f:
+            yield f
+
+
+@contextmanager
+def _beside(path: Path) -> Iterator[tuple[int, str]]:
+    """(descriptor, name) of a new temporary file beside regular output `path`, renamed over it when the block
+    ends cleanly and removed when it does not."""
+    target = Path(os.path.realpath(path))  # a link stays a link: the file it names is replaced
+    if target.is_dir():
+        raise KvmapError("is a directory; give a file name", path=str(path))
+    if not target.parent.is_dir():
+        raise KvmapError(f"cannot write: folder {target.parent} does not exist", path=str(path))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".kvmap-", suffix=".tmp", dir=parent)
+        fd, tmp = tempfile.mkstemp(prefix=".kvmap-", suffix=".tmp", dir=target.parent)
     except OSError as e:
         raise _os_error(e, path) from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, mode) as f:
-            yield f
-        os.replace(tmp, path)
+        yield fd, tmp
+        os.replace(tmp, target)
     except OSError as e:
         _unlink(tmp)
         raise _os_error(e, path) from None
@@ -110,6 +186,23 @@ def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO]:
         _unlink(tmp)
         raise
 
+
+@contextmanager
+def staged_output(path: str | Path) -> Iterator[Path]:
+    """A name another process writes output `path` under (`replay --nproc`: rank 0's dump): a temporary name
+    beside a regular file, renamed into place when the block ends cleanly; for standard output or a special
+    file, a private temporary file copied into it then. On an error or a signal nothing reaches `path`."""
+    if output_kind(path) == "file":
+        with _beside(Path(path)) as (fd, tmp):
+            os.close(fd)
+            yield Path(tmp)
+        return
+    with tempfile.TemporaryDirectory(prefix="kvmap-") as folder:
+        tmp = Path(folder) / "output"
+        tmp.touch()
+        yield tmp
+        with atomic_open(path, "wb") as f, open(tmp, "rb") as src:
+            shutil.copyfileobj(src, f)
 
 def _unlink(tmp: str) -> None:
     try:

@@ -4,6 +4,11 @@ cross-rank invariant is named at its step, request and rank."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,7 +18,7 @@ from kvmap.run.replay import replay
 from kvmap.trace import Trace
 from kvmap.workers.mappings import dump_line
 
-from .conftest import TRACES
+from .conftest import ROOT, TRACES
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -69,3 +74,113 @@ def test_broken_invariant_is_named(tmp_path):
     msg = str(e.value)
     assert ("local on 2 DCP ranks" in msg or "local on 0 DCP ranks" in msg) and "step 3" in msg, msg
     assert "request" in msg and "rank" in msg
+
+
+# ---------------------------------------------------------------------------------- one unit (issue 29)
+
+SLOW = ("import time\n"
+        "from kvmap.workers.host import NumpyWorker\n"
+        "class Slow(NumpyWorker):\n"
+        "    name = 'slow'\n"
+        "    def compute_slot_mappings(self):\n"
+        "        time.sleep(0.25)\n"  # 34 steps: about 8 s, so that the signal lands mid-run
+        "        super().compute_slot_mappings()\n")
+
+
+def _ours(marker: str) -> list[int]:
+    """Live processes (torchrun and its ranks) whose command line names `marker` (a path of this test)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read().decode(errors="replace")
+                with open(f"/proc/{d}/stat") as f:
+                    zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            except OSError:
+                continue
+            if marker in cmd and "kvmap" in cmd and not zombie:
+                pids.append(int(d))
+    return pids
+
+
+def _start_slow_run(tmp_path, *extra):
+    trace = tmp_path / "dcp2.jsonl"
+    shutil.copy(TRACES / "dcp2.jsonl", trace)
+    (tmp_path / "slow.py").write_text(SLOW)
+    out = tmp_path / "out.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "NVTX_DISABLE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvmap", "replay", str(trace), "--nproc", "2", "--backend",
+                             f"{tmp_path / 'slow.py'}:Slow", "--no-progress", "-q", "--dump-mappings", str(out),
+                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    staged = []
+    while time.monotonic() < deadline and proc.poll() is None:  # until rank 0 writes the staged dump
+        staged = [p for p in tmp_path.iterdir() if p.name.startswith((".kvmap-", out.name)) and p.stat().st_size]
+        if staged and len(_ours(str(trace))) >= 3:  # torchrun and two ranks
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None and staged, "the run ended (or never started) before the signal"
+    time.sleep(0.5)
+    return proc, trace, out
+
+
+def _gone(marker: str, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while _ours(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _ours(marker)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_ranks_die_with_the_parent_and_leave_no_output(tmp_path, sig):
+    proc, trace, out = _start_slow_run(tmp_path)
+    try:
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 128 + sig and "Traceback" not in err, err
+        assert _gone(str(trace), within=5), "ranks outlived the parent"
+    finally:
+        for pid in _ours(str(trace)):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".kvmap-")] == []
+
+
+def test_ranks_die_when_the_parent_is_killed(tmp_path):
+    proc, trace, out = _start_slow_run(tmp_path)
+    try:
+        proc.kill()  # no handler runs: the kernel's PR_SET_PDEATHSIG links take torchrun, then the ranks
+        proc.wait(timeout=10)
+        assert _gone(str(trace), within=15), "ranks outlived the parent"
+    finally:
+        for pid in _ours(str(trace)):
+            os.kill(pid, signal.SIGKILL)
+    assert not out.exists()  # the staged dump never reaches its name
+
+
+def test_dash_and_a_missing_folder_with_nproc(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "NVTX_DISABLE": "1"}
+    args = [sys.executable, "-m", "kvmap", "replay", str(TRACES / "dcp2.jsonl"), "--backend", "numpy",
+            "--no-progress", "-q"]
+    p = subprocess.run(args + ["--nproc", "2", "--dump-mappings", "-"], capture_output=True, env=env,
+                       timeout=120, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == _emulated(TRACES / "dcp2.jsonl") and not (tmp_path / "-").exists()
+    missing = tmp_path / "no" / "d.jsonl"
+    t0 = time.monotonic()
+    p = subprocess.run(args + ["--nproc", "2", "--dump-mappings", str(missing)], capture_output=True, text=True,
+                       env=env, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and str(missing) in lines[0], p.stderr
+    assert "torchrun" not in p.stderr and time.monotonic() - t0 < 10
+
+
+def test_batch_order_reaches_the_ranks(tmp_path):
+    from kvmap.run.distributed import launch
+
+    dump = tmp_path / "v1.jsonl"
+    launch(TRACES / "dcp2.jsonl", 2, backend="numpy", write_kv=False, dump_mappings=dump, batch_order="v1",
+           timeout=240)
+    assert dump.read_bytes() == _emulated(TRACES / "dcp2.jsonl", batch_order="v1")

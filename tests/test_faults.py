@@ -478,3 +478,38 @@ def test_overlong_line_is_one_located_error(tmp_path, monkeypatch):
     with pytest.raises(TraceError) as e:
         list(Trace(p).steps())
     assert e.value.line == 3 and "runs past 4 KiB without ending" in e.value.message, e.value
+
+
+# ---------------------------------------------------------------------------------- bounded memory (issue 29)
+
+
+def _blank_lines(tmp_path: Path, n: int) -> Path:
+    p = tmp_path / f"blank{n}.jsonl.gz"
+    with gzip.open(p, "wb") as f:
+        f.write(WORKED.read_bytes().splitlines(keepends=True)[0] + b"\n" * n)
+    return p
+
+
+def test_validate_keeps_a_bounded_number_of_problems(tmp_path):
+    from kvmap.validate.problems import KEPT_PROBLEMS
+
+    n = KEPT_PROBLEMS + 5000
+    report = validate(Trace(_blank_lines(tmp_path, n)))
+    assert len(report.problems) == KEPT_PROBLEMS and report.problems.found() == n
+    d = report.to_json()
+    assert d["by_kind"] == {"json": n} and d["problems_not_kept"] == {"json": 5000} and not d["valid"]
+    p = kvmap("validate", str(_blank_lines(tmp_path, n)))
+    assert p.returncode == 1 and f"{n} problem(s)" in p.stdout and f"json {n}" in p.stdout, p.stdout
+
+
+def test_validate_memory_is_flat_in_blank_lines(tmp_path):
+    code = ("import resource, sys\nfrom kvmap.trace import Trace\nfrom kvmap.validate import validate\n"
+            "r = validate(Trace(sys.argv[1]))\njson = r.to_json()\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+    rss = {}
+    for n in (20_000, 400_000):
+        p = subprocess.run([sys.executable, "-c", code, str(_blank_lines(tmp_path, n))], capture_output=True,
+                           text=True, env=ENV, timeout=120)
+        assert p.returncode == 0, p.stderr
+        rss[n] = int(p.stdout.split()[-1])
+    assert rss[400_000] <= 1.25 * rss[20_000], rss

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -67,9 +68,9 @@ def validate(
     from kvmap.files import check_outputs, resolve_trace
 
     trace = resolve_trace(trace)
-    check_outputs({"--json": json_out}, [trace])
+    to_stdout = check_outputs({"--json": json_out}, [trace])
     report = run_validate(Trace(trace), max_problems=max_problems, deep=deep, backends=backend)
-    if json_out and str(json_out) == "-":
+    if to_stdout:
         print(json.dumps(report.to_json(), indent=1))
     else:
         from kvmap.render.validate import render_validation
@@ -127,11 +128,14 @@ def record(
     from kvmap.record.engine import require_vllm
     from kvmap.record.workload import load_workload
 
+    from kvmap.files import check_outputs, output_kind
+
+    if check_outputs({"--output": output}, [workload]) or output_kind(output) != "file":
+        raise KvmapError("record writes a trace file: give a file name", path=str(output), field="--output")
     w = load_workload(workload)
     require_vllm()
-    tmp = output.with_name(f".{output.name}.partial")
-    if not output.parent.is_dir():
-        raise KvmapError(f"folder {output.parent} does not exist", path=str(output))
+    target = Path(os.path.realpath(output))  # a link stays a link: the file it names is replaced
+    tmp = target.with_name(f".{target.name}.partial")
     with Spinner(progress, f"recording {w.name}") as tick:
         try:
             s = run_record(w, str(tmp) + (".gz" if output.name.endswith(".gz") else ""), on_step=tick)
@@ -140,7 +144,7 @@ def record(
                 p.unlink(missing_ok=True)
             raise
     written = Path(s.path)
-    written.replace(output)
+    written.replace(target)
     from kvmap.render.text import say
 
     say(out, f"recorded {output}: {s.steps} steps, {s.requests} requests, {s.tokens} tokens, "

@@ -101,22 +101,22 @@ def replay(
     from kvmap.kv.cache import KVGeometry
     from kvmap.run.config import ReplayConfig
     from kvmap.trace import Trace
+    from kvmap.workers.order import BATCH_ORDERS
     from kvmap.workers.registry import default_backend
 
     if no_kv and verify_kv:  # nothing written, nothing to read back
         raise KvmapError("--no-kv and --verify-kv exclude each other: --verify-kv reads back what the replay writes "
                          "into the KV cache, and --no-kv writes nothing", field="--verify-kv")
+    if batch_order not in BATCH_ORDERS:  # said here: the worker would blame --reorder-threshold
+        raise KvmapError(f"unknown batch order {batch_order!r}; choose one of {', '.join(BATCH_ORDERS)}",
+                         field="--batch-order")
     if device != "cpu" and backend is None:
         backend = "triton"
     backend = backend or default_backend()
     start, stop = parse_steps(steps)
     trace = resolve_trace(trace)
     outputs = {"--dump-mappings": dump_mappings, "--json": json_out, "--csv": csv_out, "--trace-out": trace_out}
-    to_stdout = [k for k, v in outputs.items() if v is not None and str(v) == "-"]
-    if len(to_stdout) > 1:
-        raise KvmapError(f"only one output can be '-' (standard output): {' and '.join(to_stdout)} both are",
-                         field=to_stdout[1])
-    check_outputs(outputs, [trace])
+    to_stdout = check_outputs(outputs, [trace])
     t = Trace(trace)
     config = ReplayConfig(backend=backend, device=device, start=start, stop=stop, warmup=warmup, verify_kv=verify_kv,
                           write_kv=not no_kv, kv_geometry=KVGeometry(kv_heads, head_size, kv_dtype).check(),
@@ -145,7 +145,8 @@ def _launch(trace: Path, cp: int, nproc: int, rank: int | None, config, dump_map
                          field="--nproc")
     return launch(trace, nproc, backend=config.backend, device=config.device, verify_kv=config.verify_kv,
                   write_kv=config.write_kv, kv_geometry=config.kv_geometry, dump_mappings=dump_mappings,
-                  start=config.start, stop=config.stop, warmup=config.warmup)
+                  start=config.start, stop=config.stop, warmup=config.warmup, batch_order=config.batch_order,
+                  reorder_batch_threshold=config.reorder_batch_threshold)
 
 
 def _replay_here(t, config, dump_mappings: Path | None, progress: bool):
@@ -205,7 +206,7 @@ def profile(
     import tempfile
 
     from kvmap.run import profile as P
-    from kvmap.files import resolve_trace
+    from kvmap.files import check_outputs, output_kind, resolve_trace
     from kvmap.render.report import render_profile
     from kvmap.run.result import ReplayResult
 
@@ -213,6 +214,10 @@ def profile(
 
     start, stop = parse_steps(steps)
     trace_path = resolve_trace(trace)
+    rep = output if output.suffix == ".nsys-rep" else output.with_name(output.name + ".nsys-rep")
+    written = output.with_name(output.name + ".trace.json") if builtin else rep
+    if check_outputs({"--output": written}, [trace_path]) or output_kind(written) != "file":
+        raise KvmapError("profile writes a report file: give a file name", path=str(written), field="--output")
     from kvmap.run.result import empty_window_error, warmup_window
 
     warmup_window(start, stop, warmup)  # a warm-up that does not fit is an error before nsys starts
@@ -227,8 +232,7 @@ def profile(
     if backend:
         args += ["--backend", backend]
     if builtin:
-        replay(trace_path, backend=backend, steps=steps, warmup=warmup,
-               trace_out=output.with_name(output.name + ".trace.json"), progress=False)
+        replay(trace_path, backend=backend, steps=steps, warmup=warmup, trace_out=written, progress=False)
         from kvmap.render.text import say
 
         say(out, f"wrote {output.name}.trace.json (open it in https://ui.perfetto.dev)")
@@ -242,7 +246,6 @@ def profile(
         with Spinner(True, f"profiling under {exe}"):
             P.run_nsys(exe, output, args + ["--json", str(res_path)], timeout=timeout)
         data = json.loads(res_path.read_text())
-    rep = output if output.suffix == ".nsys-rep" else output.with_name(output.name + ".nsys-rep")
     ranges = P.nvtx_ranges(exe, rep, timeout=timeout)
     if not ranges:
         from kvmap.run.markers import WORKS_WITH, nvtx_version
@@ -260,11 +263,12 @@ def report(
     trace_out: Annotated[Optional[Path], typer.Option("--trace-out", help="Also write a Chrome trace.")] = None,
 ) -> None:
     """Re-render a saved run: the same summary `kvmap replay` printed."""
-    from kvmap.files import write_json, write_text
+    from kvmap.files import check_outputs, write_json, write_text
     from kvmap.render.report import render_summary, to_chrome_trace, to_csv
 
+    to_stdout = check_outputs({"--csv": csv_out, "--trace-out": trace_out}, [result])
     r = _load_result(result)
-    render_summary(r, err if "-" in (str(csv_out), str(trace_out)) else out)
+    render_summary(r, err if to_stdout else out)
     if csv_out:
         write_text(csv_out, to_csv(r))
     if trace_out:
@@ -282,16 +286,17 @@ def compare(
                                                   "warning for each difference.")] = False,
 ) -> None:
     """Per-phase ratios B / A of two saved runs of the same work (two backends, two machines, two versions)."""
-    from kvmap.files import write_json
+    from kvmap.files import check_outputs, write_json
     from kvmap.render.compare import render_compare
     from kvmap.run.compare import compare_dict
 
+    to_stdout = check_outputs({"--json": json_out}, [a, b])
     ra, rb = _load_result(a), _load_result(b)
     d = compare_dict(ra, rb)
     if d["differences"] and not allow_different:
         raise KvmapError("the runs did different work, so their ratios would mislead: " + "; ".join(
             d["differences"]) + " (--allow-different compares them anyway)", path=f"{a} vs {b}")
-    render_compare(d, err if json_out is not None and str(json_out) == "-" else out, (str(a), str(b)))
+    render_compare(d, err if to_stdout else out, (str(a), str(b)))
     if json_out:
         write_json(json_out, d)
 
@@ -300,17 +305,21 @@ def _load_result(path: Path):
     from kvmap.run.result import ReplayResult
 
     try:
-        d = json.loads(path.read_text())
+        d = json.loads(path.read_bytes())
     except FileNotFoundError:
         raise KvmapError("no such file", path=str(path)) from None
+    except OSError as e:  # a directory, no permission
+        raise KvmapError(f"cannot read: {e.strerror or e}", path=str(path)) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KvmapError(f"not JSON ({e})", path=str(path)) from None
+    except RecursionError:
+        raise KvmapError("not a kvmap run: JSON nested too deeply", path=str(path)) from None
     d = d.get("result", d) if isinstance(d, dict) else d
     if not isinstance(d, dict) or d.get("kind") != "kvmap-replay-result/1":
         raise KvmapError("not a kvmap run (write one with `kvmap replay --json FILE`)", path=str(path))
     try:
         return ReplayResult.from_json(d)
-    except (TypeError, ValueError) as e:
-        raise KvmapError(f"a damaged kvmap run ({e})", path=str(path)) from None
+    except KvmapError as e:
+        raise e.located(path=str(path)) from None
 
 

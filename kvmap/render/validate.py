@@ -17,8 +17,6 @@ KEY_COLUMNS = ("line", "step", "request", "group", "kind")
 
 
 def render_validation(report, out: Console) -> None:
-    from collections import Counter
-
     from kvmap.validate import KINDS
 
     trace = safe(str(report.trace))
@@ -27,15 +25,18 @@ def render_validation(report, out: Console) -> None:
                                                    "no problems"))
     else:
         first = report.problems[0]
-        say(out, Text.assemble((f"{len(report.problems)} problem(s)", "red"), f" in {trace} ({report.steps} steps "
-                               "read" + (f"; stopped after {len(report.problems)}" if report.truncated else "")
+        found = report.problems.found()
+        say(out, Text.assemble((f"{found} problem(s)", "red"), f" in {trace} ({report.steps} steps "
+                               "read" + (f"; stopped after {found}" if report.truncated else "")
                                + ")"))
         at = f"{report.trace}:{first.line}" if first.line is not None else str(report.trace)  # --deep: no line
         say(out, f"first: {at}: {first.where()}: {first.message}")
         out.print(_problem_table(report.problems[:MAX_ROWS], out))
-        if len(report.problems) > MAX_ROWS:
-            say(out, f"... and {len(report.problems) - MAX_ROWS} more (use --json for all)")
-        by = Counter(p.kind for p in report.problems)
+        if found > MAX_ROWS:
+            kept = len(report.problems)
+            say(out, f"... and {found - MAX_ROWS} more (use --json for "
+                     + (f"the first {kept}, counts by kind for the rest)" if found > kept else "all)"))
+        by = report.problems.by_kind()
         say(out, "by kind: " + ", ".join(f"{k} {n} ({KINDS[k]})" for k, n in by.most_common()))
     if report.deep:
         for b, d in report.deep["backends"].items():

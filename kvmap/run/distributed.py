@@ -24,10 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import zlib
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +122,7 @@ class CrossRankCheck:
 
 def run(args: argparse.Namespace) -> None:
     """One rank's replay (inside torchrun)."""
+    _die_with_parent(signal.SIGKILL)  # torchrun gone (killed with kvmap): this rank goes too
     import torch
     import torch.distributed as dist
 
@@ -166,7 +169,8 @@ def run(args: argparse.Namespace) -> None:
         geometry = KVGeometry(args.kv_heads, args.head_size, args.kv_dtype)
         config = ReplayConfig(backend=args.backend, device=str(device) if cuda else "cpu", start=args.start,
                               stop=args.stop, warmup=args.warmup, verify_kv=args.verify_kv, write_kv=not args.no_kv,
-                              kv_geometry=geometry, nvtx=False, ranks=[dcp_rank])
+                              kv_geometry=geometry, nvtx=False, ranks=[dcp_rank], batch_order=args.batch_order,
+                              reorder_batch_threshold=args.reorder_threshold)
         result = replay(_Trace(header, name) if trace is None else trace, config, on_mappings=on_mappings,
                         source=source, cross_rank=check)
         if dump is not None:
@@ -220,6 +224,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--from-step", dest="start", type=int, default=0)
     p.add_argument("--to-step", dest="stop", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--batch-order", default="mrv2")
+    p.add_argument("--reorder-threshold", type=int, default=None)
     a = p.parse_args(argv)
     from kvmap import defaults
 
@@ -232,18 +238,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def launch(trace: Path, nproc: int, *, backend: str | None = None, device: str = "cpu", verify_kv: bool = False,
            write_kv: bool = True, kv_geometry=None, dump_mappings: Path | None = None, start: int = 0,
-           stop: int | None = None, warmup: int | None = None, timeout: float | None = None):
+           stop: int | None = None, warmup: int | None = None, timeout: float | None = None,
+           batch_order: str = "mrv2", reorder_batch_threshold: int | None = None):
     """Run `nproc` ranks with torchrun (`--standalone`: a free port on this machine); returns rank 0's merged
-    `ReplayResult`. Raises `KvmapError` with the ranks' last output when a rank fails."""
+    `ReplayResult`. Raises `KvmapError` with the ranks' last output when a rank fails. The dump is staged
+    (files.py `staged_output`) and reaches `dump_mappings` only when every rank finished cleanly."""
+    from kvmap.files import staged_output
     from kvmap.run.result import ReplayResult
 
-    with tempfile.TemporaryDirectory(prefix="kvmap-dist-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvmap-dist-") as tmp, ExitStack() as stack:
         res = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "kvmap.run.distributed", str(trace), "--device", device, "--result-json", str(res),
-               "--from-step", str(start)]
+               "--from-step", str(start), "--batch-order", batch_order]
         if backend:
             cmd += ["--backend", backend]
+        if reorder_batch_threshold is not None:
+            cmd += ["--reorder-threshold", str(reorder_batch_threshold)]
         if verify_kv:
             cmd.append("--verify-kv")
         if not write_kv:
@@ -252,19 +263,54 @@ def launch(trace: Path, nproc: int, *, backend: str | None = None, device: str =
             cmd += ["--kv-heads", str(kv_geometry.num_kv_heads), "--head-size", str(kv_geometry.head_size),
                     "--kv-dtype", kv_geometry.dtype]
         if dump_mappings:
-            cmd += ["--dump-mappings", str(dump_mappings)]
+            cmd += ["--dump-mappings", str(stack.enter_context(staged_output(dump_mappings)))]
         if stop is not None:
             cmd += ["--to-step", str(stop)]
         if warmup is not None:
             cmd += ["--warmup", str(warmup)]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-        if p.returncode or not res.exists():
-            lines = (p.stderr or p.stdout).strip().splitlines()
+        code, output = _run_torchrun(cmd, env, timeout)
+        if code or not res.exists():
+            lines = output.strip().splitlines()
             ours = sorted({x[x.index("kvmap: rank") + 7:] for x in lines if "kvmap: rank" in x})
             tail = "; ".join(ours or lines[-12:])  # one line: the error stays one located line
-            raise KvmapError(f"the distributed replay failed (exit {p.returncode}): {tail}", field="--nproc")
+            raise KvmapError(f"the distributed replay failed (exit {code}): {tail}", field="--nproc")
         return ReplayResult.from_json(json.loads(res.read_text()))
+
+
+def _run_torchrun(cmd: list[str], env: dict, timeout: float | None) -> tuple[int, str]:
+    """(exit code, stderr or stdout) of torchrun, which dies with this process: on any exception or signal
+    here (Ctrl-C, SIGTERM, SIGHUP, a timeout) it is sent SIGTERM, then SIGKILL after `STOP_GRACE_S`; on this
+    process's death it gets SIGTERM from the kernel (PR_SET_PDEATHSIG). Its ranks, each in a session of its
+    own, set the same link to torchrun (`_die_with_parent`)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: _die_with_parent(signal.SIGTERM))
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except BaseException:
+        p.terminate()
+        try:
+            p.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        raise
+    return p.returncode, err or out
+
+
+STOP_GRACE_S = 5.0  # seconds torchrun gets to stop its ranks before SIGKILL (the kernel then kills the ranks)
+
+
+def _die_with_parent(sig: int) -> None:
+    """Ask Linux to send `sig` to this process when its parent dies (PR_SET_PDEATHSIG); if the parent is gone
+    already (this process was adopted), exit now. Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() == 1:
+        os._exit(128 + int(sig))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,7 +15,7 @@ re-render a saved run. Times are integer nanoseconds (`*_ns`); statistics are de
 from __future__ import annotations
 
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 
 import numpy as np
 
@@ -145,15 +145,62 @@ class ReplayResult:
 
     @classmethod
     def from_json(cls, d: dict) -> ReplayResult:
+        """A saved run back; a field of the wrong type or shape is a `KvmapError` naming it (no traceback)."""
         d = dict(d)
         d.pop("kind", None)
         known = set(cls.__dataclass_fields__)
         kw = {k: v for k, v in d.items() if k in known}
+        for k, f in cls.__dataclass_fields__.items():
+            if k in kw and k not in _ARRAYS:
+                _check_field(k, kw[k], f.type)
+            elif k not in kw and f.default is MISSING and f.default_factory is MISSING:
+                raise KvmapError("missing", field=k)
+        if not kw["phases"] or len(set(kw["phases"])) != len(kw["phases"]):
+            raise KvmapError("must name each phase once, at least one", field="phases")
+        for k, keys in (("groups", _GROUP_KEYS), ("kv_examples", _EXAMPLE_KEYS)):
+            for i, item in enumerate(kw.get(k, [])):
+                if not keys <= set(item):
+                    raise KvmapError(f"item {i} lacks {sorted(keys - set(item))}", field=k)
+        window = kw.get("step_window", [0, None])
+        if len(window) != 2 or window[0] is None or window[0] < 0:
+            raise KvmapError(f"{window} is not [start, stop or null]", field="step_window")
         for k in _ARRAYS:
-            kw[k] = np.asarray(kw.get(k, []), dtype=np.int64)
-        kw["phase_ns"] = kw["phase_ns"].reshape(-1, len(kw["phases"]))
-        kw["device_phase_ns"] = kw["device_phase_ns"].reshape(-1, len(kw["phases"]))
+            try:
+                kw[k] = np.asarray(kw.get(k, []), dtype=np.int64)
+            except (TypeError, ValueError, OverflowError):
+                raise KvmapError("not an array of integers", field=k) from None
+        if any(a.ndim != 1 for k, a in kw.items() if k in _ARRAYS[:3] + ("step_start_ns",)) or \
+                len({len(kw[k]) for k in _ARRAYS[:3]}) != 1:
+            raise KvmapError("steps, num_reqs and num_tokens must be flat and of one length", field="steps")
+        for k in ("phase_ns", "device_phase_ns"):
+            if kw[k].size % len(kw["phases"]):
+                raise KvmapError(f"{kw[k].size} values are not whole rows of {len(kw['phases'])} phases", field=k)
+            kw[k] = kw[k].reshape(-1, len(kw["phases"]))
+        if len(kw["phase_ns"]) != len(kw["steps"]) or not 0 <= kw.get("warmup", 0) <= len(kw["steps"]):
+            raise KvmapError(f"{len(kw['phase_ns'])} rows of phase times for {len(kw['steps'])} steps with "
+                             f"{kw.get('warmup', 0)} warm-up steps", field="phase_ns")
         return cls(**kw)
 
 
 _ARRAYS = ("steps", "num_reqs", "num_tokens", "phase_ns", "step_start_ns", "device_phase_ns")
+_GROUP_KEYS = {"kind", "block_size"}
+_EXAMPLE_KEYS = {"step", "req_id", "group", "position", "slot", "expected_token", "found"}
+_SCALARS = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "dict": (dict,),
+            "list": (list,), "None": (type(None),)}
+
+
+def _check_field(name: str, value: object, annotation: str) -> None:
+    """`value` has the type `annotation` names ("int | None", "list[int]", "list[int | None]", "dict"...)."""
+    outer, _, inner = annotation.partition("[")
+    kinds = tuple(t for part in outer.split("|") for t in _SCALARS[part.strip()])
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if ok and inner:
+        for item in value:
+            _check_field(name, item, inner.rstrip("]"))
+    if not ok:
+        raise KvmapError(f"{json_type(value)} is not {annotation}", field=name)
+
+
+def json_type(value: object) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)

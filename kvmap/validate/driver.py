@@ -2,8 +2,9 @@
 
 Rules: a line that does not parse is one problem, of the kind its `TraceError` carries; the parts of it that
 did parse still inform the shadow model, and the requests it hid become uncertain (no cascade). A blank line
-is one problem and no step; a wrong step number is one problem and the count follows the file from there. A
-file cut short is validated up to its last complete line, with the reader's one warning (also in `--json`).
+is one problem and no step; problems beyond problems.py's `KEPT_PROBLEMS` are only counted. A wrong step
+number is one problem and the count follows the file from there. A file cut short is validated up to its last
+complete line, with the reader's one warning (also in `--json`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections import Counter
 from kvmap.errors import TraceError
 from kvmap.trace import ASYNC_SPEC_KEYS, Trace, Where, loads, parse_step
 from kvmap.trace.reader import json_error
-from kvmap.validate.problems import Problem, ValidationReport
+from kvmap.validate.problems import KEPT_PROBLEMS, KeptProblems, Problem, ValidationReport
 from kvmap.validate.shadow import StopValidation, Validator
 
 
@@ -117,6 +118,9 @@ def validate(trace: Trace, max_problems: int | None = None, deep: bool = False,
     warn = trace.warn
     trace.warn = lambda message: (report.warnings.append(message), warn(message))
     v = Validator(trace.header, trace.name, max_problems)
+    kept = KeptProblems(max(KEPT_PROBLEMS, max_problems or 0))  # bounded memory on any input
+    kept.extend(v.problems)  # the header's
+    v.problems = kept
     run = _Pass(trace, v)
     try:
         for line, raw in trace.raw_lines():

@@ -1,7 +1,9 @@
 """Validation problems: the kinds (codes), one located problem, and the report `kvmap validate` returns.
 
 Rules: every problem has a kind from `KINDS`, set where it is raised (a parse error carries its code on the
-`TraceError`); renderers and `--json` read only these records.
+`TraceError`); renderers and `--json` read only these records. At most `KEPT_PROBLEMS` records are kept
+(`KeptProblems`); beyond them only a count per kind, so that memory stays bounded on any input (a file of
+blank lines has one problem a line).
 """
 
 from __future__ import annotations
@@ -63,12 +65,40 @@ class Problem:
         return format_location(None, self.line, self.step, self.req_id, self.group, self.field)
 
 
+KEPT_PROBLEMS = 10_000  # records kept; every problem beyond is counted by kind
+
+
+class KeptProblems(list):
+    """The first `cap` problems, in order; `not_kept` counts the rest by kind."""
+
+    def __init__(self, cap: int = KEPT_PROBLEMS) -> None:
+        super().__init__()
+        self.cap, self.not_kept = cap, Counter()
+
+    def append(self, p: Problem) -> None:
+        if len(self) < self.cap:
+            super().append(p)
+        else:
+            self.not_kept[p.kind] += 1
+
+    def extend(self, problems) -> None:
+        for p in problems:
+            self.append(p)
+
+    def found(self) -> int:
+        """Every problem found, kept or not."""
+        return len(self) + sum(self.not_kept.values())
+
+    def by_kind(self) -> Counter:
+        return Counter(p.kind for p in self) + self.not_kept
+
+
 @dataclass
 class ValidationReport:
     trace: str
     steps: int = 0
     requests: int = 0
-    problems: list[Problem] = field(default_factory=list)
+    problems: KeptProblems = field(default_factory=KeptProblems)
     truncated: bool = False  # stopped at --max-problems
     info: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # e.g. the file ends early (a recording cut short)
@@ -80,5 +110,6 @@ class ValidationReport:
 
     def to_json(self) -> dict:
         return {"trace": self.trace, "valid": self.valid, "steps": self.steps, "requests": self.requests,
-                "problems": [asdict(p) for p in self.problems], "by_kind": dict(Counter(p.kind for p in self.problems)),
+                "problems": [asdict(p) for p in self.problems], "by_kind": dict(self.problems.by_kind()),
+                "problems_found": self.problems.found(), "problems_not_kept": dict(self.problems.not_kept),
                 "truncated": self.truncated, "info": self.info, "warnings": self.warnings, "deep": self.deep}
