@@ -104,6 +104,12 @@ def _ours(marker: str) -> list[int]:
     return pids
 
 
+def _default_sigint() -> None:
+    """The child takes SIGINT as a terminal would deliver it, even when this test runs where it is ignored (a
+    background job of a non-interactive shell inherits SIGINT ignored, and so would kvmap)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_slow_run(tmp_path, *extra):
     trace = tmp_path / "dcp2.jsonl"
     shutil.copy(TRACES / "dcp2.jsonl", trace)
@@ -112,7 +118,8 @@ def _start_slow_run(tmp_path, *extra):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "NVTX_DISABLE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "kvmap", "replay", str(trace), "--nproc", "2", "--backend",
                              f"{tmp_path / 'slow.py'}:Slow", "--no-progress", "-q", "--dump-mappings", str(out),
-                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)
     deadline = time.monotonic() + 60
     staged = []
     while time.monotonic() < deadline and proc.poll() is None:  # until rank 0 writes the staged dump

@@ -104,6 +104,12 @@ class ValidationReport:
     warnings: list[str] = field(default_factory=list)  # e.g. the file ends early (a recording cut short)
     deep: dict | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.problems, KeptProblems):  # a plain list of problems (tests, tools)
+            kept = KeptProblems(max(KEPT_PROBLEMS, len(self.problems)))
+            kept.extend(self.problems)
+            self.problems = kept
+
     @property
     def valid(self) -> bool:
         return not self.problems
