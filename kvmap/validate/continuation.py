@@ -1,14 +1,16 @@
 """The shadow model's rule for streaming-input continuations: a live request sent again as new.
 
 Rules (vLLM 0.33: `Scheduler._update_request_as_session`; docs/trace-format.md, Continuations): when a turn of a
-resumable session ends, the scheduler keeps every token of the request but the turn's last sampled one
-(`keep_end = num_tokens - 1`), appends the next chunk, keeps `num_computed_tokens` (never past `keep_end`) and
-keeps its blocks. So the continuation's tokens agree with the held tokens on the kept positions: all held but
-the last without outputs in flight; with async scheduling or a batch queue the turn's in-flight outputs are
-dropped too and only the first `num_computed_tokens` are certain. Its `num_computed_tokens` is at most the kept
-length (and, exactly, at most what was computed), and each group's new row starts with the held row; outside
-full attention the null block may stand where the row kept an id the scheduler freed out of the window.
-`self` is the `shadow.Validator`; one `continuation_mismatch` per continuation, the first misfit named.
+resumable session ends, the scheduler keeps the request's tokens but the turn's last sampled one
+(`keep_end = num_tokens - 1`), appends the next chunk, keeps `num_computed_tokens` and its blocks. A stop rolls
+`num_computed_tokens` back to `num_tokens - 1` (tokens sampled past the stop are trimmed, so the worker may
+hold more than the scheduler kept), and under async scheduling the turn's in-flight outputs are dropped: what
+the worker can hold the continuation to is its first `num_computed_tokens` tokens (`keep_end >=
+num_computed_tokens`, the scheduler asserts it). So: `num_computed_tokens` leaves the held tokens' last one
+out (and, without outputs in flight, is at most what was computed), those tokens are the held ones, and each
+group's new row starts with the held row; outside full attention the null block may stand where the row kept
+an id the scheduler freed out of the window. `self` is the `shadow.Validator`; one `continuation_mismatch`
+per continuation, its first misfit named, in the workers' order (workers/state.py `_check_continuation`).
 """
 
 from __future__ import annotations
@@ -21,19 +23,19 @@ def misfit(h, held_tokens: list[int], held_blocks: list[list[int]], expected_nc:
     """(message, field, group) of the first way `nr` does not continue what the request held, or None."""
     new, nc = nr.token_ids, nr.num_computed_tokens
     field = "prefill_token_ids" if nr.prefill_token_ids is not None else "prompt_token_ids"
-    in_flight = h.async_scheduling or h.max_concurrent_batches > 1
     kept = len(held_tokens) - 1
-    keep = min(nc, len(held_tokens)) if in_flight else kept
+    if nc > kept:
+        return f"num_computed_tokens {nc} passes the {kept} tokens the request kept", "num_computed_tokens", None
+    in_flight = h.async_scheduling or h.max_concurrent_batches > 1
+    if expected_nc is not None and not in_flight and nc > expected_nc:
+        return f"num_computed_tokens {nc} but only {expected_nc} were computed", "num_computed_tokens", None
+    keep = nc  # the scheduler keeps `num_tokens - 1 >= num_computed_tokens` of its tokens
     if len(new) < keep:
         return f"a continuation of {len(new)} tokens is shorter than the {keep} it keeps", field, None
     if new[:keep] != held_tokens[:keep]:
         j = next(p for p in range(keep) if new[p] != held_tokens[p])
         return (f"position {j} holds token {new[j]}, but the request held {held_tokens[j]} there (a continuation "
                 f"keeps its first {keep} tokens)", field, None)
-    if nc > kept:
-        return f"num_computed_tokens {nc} passes the {kept} tokens the request kept", "num_computed_tokens", None
-    if expected_nc is not None and not in_flight and nc > expected_nc:
-        return f"num_computed_tokens {nc} but only {expected_nc} were computed", "num_computed_tokens", None
     null = h.null_block_id if h.null_block_id is not None else 0
     for g, (ids, old) in enumerate(zip(nr.block_ids, held_blocks)):
         if len(ids) < len(old):

@@ -115,14 +115,16 @@ class ReferenceWorker(Worker):
         self.requests[nr.req_id] = ReferenceRequest(row, nr.token_ids, nr.num_computed_tokens, nr.block_ids)
 
     def _check_continuation(self, step: Step, nr, held: ReferenceRequest) -> None:
-        """The new prompt keeps the held tokens (all but the turn's last sampled one; with outputs in flight, the
-        first num_computed_tokens), num_computed_tokens stays within them, and every held block stays at its
-        logical index (or turns into the null block, outside full attention)."""
+        """num_computed_tokens leaves the held tokens' last one out, the new prompt's first num_computed_tokens
+        tokens are the held ones, and every held block stays at its logical index (or turns into the null block,
+        outside full attention)."""
         h = self.header
         new, nc = nr.token_ids, nr.num_computed_tokens
         field = "prefill_token_ids" if nr.prefill_token_ids is not None else "prompt_token_ids"
-        in_flight = h.async_scheduling or h.max_concurrent_batches > 1
-        keep = min(nc, len(held.tokens)) if in_flight else len(held.tokens) - 1
+        if nc > len(held.tokens) - 1:
+            raise self._error(step, nr.req_id, f"num_computed_tokens {nc} passes the {len(held.tokens) - 1} tokens "
+                              "the request kept", "num_computed_tokens", "continuation_mismatch")
+        keep = nc
         if len(new) < keep:
             raise self._error(step, nr.req_id, f"a continuation of {len(new)} tokens is shorter than the {keep} it "
                               "keeps", field, "continuation_mismatch")
@@ -131,9 +133,6 @@ class ReferenceWorker(Worker):
                 raise self._error(step, nr.req_id, f"position {p} holds token {new[p]}, but the request held "
                                   f"{held.tokens[p]} there (a continuation keeps its first {keep} tokens)", field,
                                   "continuation_mismatch")
-        if nc > len(held.tokens) - 1:
-            raise self._error(step, nr.req_id, f"num_computed_tokens {nc} passes the {len(held.tokens) - 1} tokens "
-                              "the request kept", "num_computed_tokens", "continuation_mismatch")
         null = h.null_block_id if h.null_block_id is not None else 0
         for g, (ids, old) in enumerate(zip(nr.block_ids, held.block_ids)):
             if len(ids) < len(old):

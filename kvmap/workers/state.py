@@ -123,10 +123,9 @@ class WorkerState:
 
     def _check_continuation(self, nr, step: Step) -> None:
         """A streaming-input continuation must extend what the live request held (docs/trace-format.md,
-        Continuations): its new tokens agree with the held ones on the kept positions (all held tokens but the
-        turn's last sampled one; with outputs in flight, the first `num_computed_tokens`), it has computed no
-        more than those, and each group's new block row starts with the held row (a group that is not full
-        attention may show the null block where the row kept a stale id)."""
+        Continuations): no more than the held tokens but the last are cached (`num_computed_tokens`), those
+        tokens are the held ones, and each group's new block row starts with the held row (a group that is not
+        full attention may show the null block where the row kept a stale id)."""
         row = self.req_id_to_index[nr.req_id]
         h = self.header
         held = int(self.total_len[row])
@@ -138,16 +137,16 @@ class WorkerState:
             return TraceError(message, line=step.line, step=step.step, req_id=nr.req_id, group=group, field=field,
                               kind="continuation_mismatch")
 
-        keep = min(nc, held) if h.async_scheduling or h.max_concurrent_batches > 1 else held - 1
+        if nc > held - 1:
+            raise refuse(f"num_computed_tokens {nc} passes the {held - 1} tokens the request kept",
+                         "num_computed_tokens")
+        keep = nc  # the scheduler keeps `num_tokens - 1 >= num_computed_tokens` of its tokens
         if len(new) < keep:
             raise refuse(f"a continuation of {len(new)} tokens is shorter than the {keep} it keeps", field)
         if keep > 0 and not np.array_equal(self.token_ids[row, :keep], np.asarray(new[:keep], dtype=np.int32)):
             j = int(np.argmax(self.token_ids[row, :keep] != np.asarray(new[:keep], dtype=np.int32)))
             raise refuse(f"position {j} holds token {new[j]}, but the request held {int(self.token_ids[row, j])} "
                          f"there (a continuation keeps its first {keep} tokens)", field)
-        if nc > held - 1:
-            raise refuse(f"num_computed_tokens {nc} passes the {held - 1} tokens the request kept",
-                         "num_computed_tokens")
         null = h.null_block_id if h.null_block_id is not None else 0
         for g, ids in enumerate(nr.block_ids):
             have = int(self.num_blocks[g, row])
