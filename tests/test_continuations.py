@@ -240,3 +240,69 @@ def test_a_preempted_request_sent_as_new_is_still_refused(tmp_path):
     assert [(p.step, p.req_id) for p in r.problems if p.kind == "new_id_not_new"] == [(2, "s")]
     for backend in ("reference", "numpy"):
         assert _refusal(path, backend, "mrv2")[:3] == ("new_id_not_new", 2, "s")
+
+
+# ------------------------------------------------------------------------------ recorded from vLLM's scheduler
+
+DATA = Path(__file__).parent / "data"
+RECORDED = ["streaming_sessions.jsonl", "streaming_sessions_async.jsonl"]  # `kvmap record` of the .yaml beside
+
+
+def _continuations(path: Path) -> list[tuple[int, list[str]]]:
+    """(step, continued ids) of every step that continues a live session."""
+    live: set[str] = set()
+    out = []
+    for L in _lines(path)[1:]:
+        so = L["scheduler_output"]
+        live -= set(so["finished_req_ids"])
+        cont = [nr["req_id"] for nr in so["scheduled_new_reqs"] if nr["req_id"] in live]
+        if cont:
+            out.append((L["step"], cont))
+        live |= {nr["req_id"] for nr in so["scheduled_new_reqs"]}
+    return out
+
+
+@pytest.mark.parametrize("name", RECORDED)
+def test_recorded_sessions_validate_and_replay_alike_in_every_backend(name):
+    path = DATA / name
+    cont = _continuations(path)
+    assert len(cont) == 3 and any(len(ids) == 2 for _, ids in cont)  # talk, chat (queued), talk2 + chat together
+    r = validate(Trace(path))
+    assert r.valid, [(p.kind, p.step, p.req_id, p.message) for p in r.problems]
+    for order in ORDERS:
+        want, res = _dumps(path, "reference", order)
+        assert res.kv_mismatches == 0 and res.kv_checked > 0
+        for backend in BACKENDS[1:]:
+            if backend == "triton" and not _has_triton():
+                continue
+            got, res = _dumps(path, backend, order)
+            assert got == want and res.kv_mismatches == 0, (backend, order)
+
+
+def test_the_chunks_key_of_a_workload(tmp_path):
+    from kvmap.errors import KvmapError
+    from kvmap.record.workload import arrivals, load_workload
+
+    w = load_workload(DATA / "streaming_sessions.yaml")
+    a = arrivals(w)
+    chat = [(x.step, len(x.prompt), x.max_tokens, x.resumable, x.end) for x in a if x.req_id == "chat"]
+    assert chat == [(0, 40, 6, True, False), (0, 12, 4, True, False), (30, 20, 5, True, False), (30, 0, 1, False, True)]
+    assert [x.step for x in a] == sorted(x.step for x in a)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("requests: [{req_id: s, prompt_len: 5, max_tokens: 2, chunks: [{prompt_len: 0, max_tokens: 1}]}]\n")
+    with pytest.raises(KvmapError, match="prompt_len and max_tokens must be > 0"):
+        load_workload(bad)
+
+
+HAVE_VLLM = __import__("importlib").util.find_spec("vllm") is not None
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (CI records in .venv-record)")
+@pytest.mark.parametrize("name", RECORDED)
+def test_recording_the_sessions_reproduces_the_trace(tmp_path, name):
+    from kvmap.record.engine import record
+    from kvmap.record.workload import load_workload
+
+    out = tmp_path / name
+    record(load_workload(DATA / name.replace(".jsonl", ".yaml")), str(out))
+    assert out.read_bytes() == (DATA / name).read_bytes()
