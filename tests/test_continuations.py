@@ -201,15 +201,36 @@ def _has_triton() -> bool:
     return True
 
 
-def test_sliding_window_rows_may_show_the_null_block_where_a_stale_id_was(tmp_path):
-    """Outside full attention the scheduler frees out-of-window blocks and sends the null block in their place."""
+def _windowed(kind: str) -> list[dict]:
+    """The session on blocks of 4 tokens in one group of `kind` (window 2): [1, 2] hold positions 0..7; the
+    continuation runs positions 6..8, whose window starts at 6 - 2 + 1 = 5, so the scheduler freed block 1
+    (positions 0..3) and sends the null block in its place, then block 3 for position 8."""
     L = copy.deepcopy(_lines())
-    L[0]["kv_cache_groups"] = [{"group_id": 0, "kind": "sliding_window", "block_size": 16, "sliding_window": 4}]
-    nr = L[3]["scheduler_output"]["scheduled_new_reqs"][0]
-    nr["block_ids"] = [[0]]  # not a real window layout (positions 6..8 need block 0's slots): the rule only
-    path = _write(tmp_path, L)
-    r = validate(Trace(path))
-    assert not [p for p in r.problems if p.kind == "continuation_mismatch"]
+    L[0]["block_size"] = 4
+    L[0]["kv_cache_groups"] = [{"group_id": 0, "kind": kind, "block_size": 4,
+                                "sliding_window": 2 if kind == "sliding_window" else None}]
+    L[1]["scheduler_output"]["scheduled_new_reqs"][0]["block_ids"] = [[1, 2]]
+    L[3]["scheduler_output"]["scheduled_new_reqs"][0]["block_ids"] = [[0, 2, 3]]
+    return L
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_outside_full_attention_a_held_block_may_come_back_as_the_null_block(tmp_path, backend):
+    _skip_missing(backend)
+    path = _write(tmp_path, _windowed("sliding_window"))
+    assert validate(Trace(path)).valid
+    dumps, res = _dumps(path, backend, "mrv2")
+    assert dumps[2]["block_tables"] == [[[0, 2, 3]]]
+    assert dumps[2]["slot_mapping"] == [[2 * 4 + 2, 2 * 4 + 3, 3 * 4 + 0]]
+    assert res.kv_mismatches == 0
+
+
+def test_in_full_attention_the_null_block_drops_a_held_block(tmp_path):
+    path = _write(tmp_path, _windowed("full_attention"))
+    p = next(p for p in validate(Trace(path)).problems if p.kind == "continuation_mismatch")
+    assert (p.step, p.req_id, p.group, p.field) == (2, "s", 0, "block_ids")
+    assert _refusal(path, "numpy", "mrv2")[:5] == ("continuation_mismatch", 2, "s", 0, "block_ids")
+    assert _refusal(path, "reference", "mrv2") == _refusal(path, "numpy", "mrv2")
 
 
 def test_explain_names_the_continued_session_and_what_changed():
