@@ -49,9 +49,10 @@ def _past_known(L):
     so(L, 2)["total_num_scheduled_tokens"] = 3
 
 
-def _still_live(L):
+def _continuation_drops_a_block(L):  # B, live, sent again as new (a streaming-input continuation) without block 12
     s = so(L, 1)
     s["scheduled_new_reqs"].append(copy.deepcopy(so(L, 0)["scheduled_new_reqs"][0]))
+    s["scheduled_new_reqs"][-1]["block_ids"] = [[37]]
     s["scheduled_cached_reqs"] = {"req_ids": ["A"], "resumed_req_ids": [], "new_block_ids": [[[44]]],
                                   "num_computed_tokens": [16], "all_token_ids": {}}
     s["num_scheduled_tokens"] = {"A": 8, "B": 1}
@@ -80,7 +81,8 @@ CASES = {
                                        "past the request's 25 known tokens"),
     "token id not int": (lambda L: so(L, 0)["scheduled_new_reqs"][1]["prompt_token_ids"].__setitem__(3, 1.5),
                          "request 'A', field prompt_token_ids: entry 3 is float"),
-    "new id still live": (_still_live, "request 'B', field scheduled_new_reqs: scheduled as a new request while"),
+    "continuation drops a block": (_continuation_drops_a_block,
+                                   "request 'B', group 0, field block_ids: 1 blocks drop the 2 the request held"),
     "group count": (lambda L: so(L, 0)["scheduled_new_reqs"][0].update(block_ids=[[37], [12]]),
                     "declares 1 KV cache groups"),
     "kernel block size": (lambda L: L[0]["kv_cache_groups"][0].update(kernel_block_size=5), "must divide"),

@@ -41,7 +41,7 @@ def _unknown(L):  # a cached request nobody added
     L[3]["sampled_token_ids"] = {"B": [2033], "Z": [7]}
 
 
-def _new_id_not_new(L):  # A, still live, scheduled again as a new request
+def _continuation_drops_blocks(L):  # A, still live, sent again as new (a continuation) with one other block
     so = _so(L, 2)
     c = so["scheduled_cached_reqs"]
     for key in ("req_ids", "new_block_ids", "num_computed_tokens", "num_output_tokens"):
@@ -51,6 +51,19 @@ def _new_id_not_new(L):  # A, still live, scheduled again as a new request
     so["scheduled_new_reqs"] = [new]
     so["num_scheduled_tokens"] = {"B": 1, "A": 16}
     _retotal(so)
+
+
+def _new_while_preempted(L):  # v1 protocol: the first preempted request sent as new instead of resumed
+    for k in range(len(L) - 2):
+        for r in _so(L, k)["preempted_req_ids"]:
+            so = _so(L, k + 1)
+            if r not in so["num_scheduled_tokens"]:
+                so["scheduled_new_reqs"].append({"req_id": r, "prompt_token_ids": [1] * 4, "block_ids": [[]],
+                                                 "num_computed_tokens": 0, "prefill_token_ids": None})
+                so["num_scheduled_tokens"][r] = 1
+                _retotal(so)
+                return
+    raise AssertionError
 
 
 def _budget_seqs(L):
@@ -106,7 +119,8 @@ def _correction(L):
 CASES = [  # (trace, fault, kind, step, req_id)
     ("worked_example.jsonl", _no_block, "no_block", 1, "A"),
     ("worked_example.jsonl", _unknown, "unknown_request", 2, "Z"),
-    ("worked_example.jsonl", _new_id_not_new, "new_id_not_new", 2, "A"),
+    ("worked_example.jsonl", _continuation_drops_blocks, "continuation_mismatch", 2, "A"),
+    ("preemption_v1.jsonl", _new_while_preempted, "new_id_not_new", 12, "req-4"),
     ("worked_example.jsonl", _budget_seqs, "budget_seqs", 0, "A"),
     ("worked_example.jsonl", _prompt_too_long, "max_model_len", 0, "B"),
     ("worked_example.jsonl", _positions_too_far, "max_model_len", 2, "B"),

@@ -92,7 +92,7 @@ def f_after_finish(L):
     return L, k, r
 
 
-def f_new_not_new(L):
+def f_continuation(L):  # a live request sent again as new: a continuation whose prompt does not extend it
     k, i, r = first(L, decode)
     s = so(L, k)
     c = s["scheduled_cached_reqs"]
@@ -102,6 +102,19 @@ def f_new_not_new(L):
     s["scheduled_new_reqs"].append({"req_id": r, "prompt_token_ids": [1] * (nc + 1), "block_ids": [[]],
                                     "num_computed_tokens": nc, "prefill_token_ids": None})
     return L, k, r
+
+
+def f_new_while_preempted(L):  # v1 protocol: a preempted request must come back resumed, not as new
+    for k in range(len(L) - 2):
+        for r in so(L, k)["preempted_req_ids"]:
+            s = so(L, k + 1)
+            if r not in s["num_scheduled_tokens"]:
+                s["scheduled_new_reqs"].append({"req_id": r, "prompt_token_ids": [1] * 4, "block_ids": [[]],
+                                                "num_computed_tokens": 0, "prefill_token_ids": None})
+                s["num_scheduled_tokens"][r] = 1
+                s["total_num_scheduled_tokens"] += 1
+                return L, k + 1, r
+    raise AssertionError
 
 
 def f_preempted_scheduled(L):
@@ -198,7 +211,8 @@ FAULTS = {
     "budget_seqs": ("prefix_caching.jsonl", f_budget_seqs),
     "unknown_request": ("chunked_prefill.jsonl", f_unknown),
     "scheduled_after_finish": ("chunked_prefill.jsonl", f_after_finish),
-    "new_id_not_new": ("chunked_prefill.jsonl", f_new_not_new),
+    "continuation_mismatch": ("chunked_prefill.jsonl", f_continuation),
+    "new_id_not_new": ("preemption_v1.jsonl", f_new_while_preempted),
     "preempted_scheduled": ("preemption_v1.jsonl", f_preempted_scheduled),
     "computed_ahead": ("chunked_prefill.jsonl", f_computed_ahead),
     "computed_back": ("chunked_prefill.jsonl", f_computed_back),

@@ -1,10 +1,12 @@
 """`kvmap explain`: how one step's scheduler decisions become GPU addresses, token by token.
 
 Rules: replay (numpy worker, no KV cache) up to the step, then describe it as plain data: the step (scheduler
-order, batch order, `idx_mapping`, `query_start_loc`, `seq_lens`, what changed), a request (row, batch row,
-token range, positions, block-table rows per group with the blocks this step touches), and a token (the whole
-chain, each link with its arithmetic, for every KV cache group, and the bytes it occupies). Renderers
-(kvmap/render/explain.py) draw it; `--json` prints it. Nothing here formats for a terminal.
+order, batch order, `idx_mapping`, `query_start_loc`, `seq_lens`, what changed; a streaming-input
+continuation is a "continued session", with its held and new token count, computed tokens and blocks), a
+request (row, batch row, token range, positions, block-table rows per group with the blocks this step
+touches), and a token (the whole chain, each link with its arithmetic, for every KV cache group, and the
+bytes it occupies). Renderers (kvmap/render/explain.py) draw it; `--json` prints it. Nothing here formats for
+a terminal.
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
         raise KvmapError(f"step {step} does not exist: steps are numbered from 0", field="--step")
     if group is not None and not 0 <= group < h.num_groups:
         raise KvmapError(f"group {group} does not exist: the trace has groups 0..{h.num_groups - 1}", field="--group")
-    worker, target = _replay_to(trace, step)
+    worker, target, held = _replay_to(trace, step)
     m = worker.mappings()
     qsl = m.query_start_loc.tolist()
     groups = [g for g in range(h.num_groups) if group is None or g == group]
-    origin = _origins(target.scheduler_output)
-    out = _step_dict(trace, target, m, origin, geometry)
+    origin = _origins(target.scheduler_output, held)
+    out = _step_dict(trace, target, m, origin, geometry, held)
     if req_id is None:
         if token is not None:  # a flat token index
             if not 0 <= token < m.num_tokens:
@@ -54,13 +56,17 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
     return out
 
 
-def _replay_to(trace: Trace, step: int) -> tuple[NumpyWorker, object]:
-    """A numpy worker (no KV cache) replayed through `step`; (the worker, the step)."""
+def _replay_to(trace: Trace, step: int) -> tuple[NumpyWorker, object, dict]:
+    """A numpy worker (no KV cache) replayed through `step`; (the worker, the step, what each continued session
+    held just before it: `_held`)."""
     worker = NumpyWorker(trace.header)
     target = None
     last = -1
+    held: dict = {}
     for s in trace.steps(0, step + 1):
         last = s.step
+        if s.step == step:
+            held = _held(worker, s)
         worker.run_step(s)
         if s.step == step:
             target = s
@@ -69,15 +75,41 @@ def _replay_to(trace: Trace, step: int) -> tuple[NumpyWorker, object]:
     if target is None:
         raise KvmapError(f"step {step} does not exist: the trace has steps 0..{last}", path=trace.name,
                          field="--step")
-    return worker, target
+    return worker, target, held
 
 
-def _origins(so):
-    """How each request of the step got there: new (with its prefix hit), resumed (v1 or v2), or cached."""
+def _held(worker: NumpyWorker, step) -> dict:
+    """Streaming-input continuations of `step` (a live, not preempted id sent as new): what the request held
+    before it, {req_id: {"tokens", "blocks"}}."""
+    st = worker.state
+    out = {}
+    for nr in step.scheduler_output.scheduled_new_reqs:
+        row = st.req_id_to_index.get(nr.req_id)
+        if row is None or nr.req_id in st.preempted:
+            continue
+        out[nr.req_id] = {"tokens": int(st.total_len[row]),
+                          "blocks": [st.block_tables[g][row, :int(st.num_blocks[g, row])].tolist()
+                                     for g in range(worker.header.num_groups)]}
+    return out
+
+
+def _continued(nr, held: dict) -> dict:
+    """What a continuation changed: the tokens the request held (prompt and sampled), the new prompt's length,
+    its num_computed_tokens (what stays cached), and each group's block row (held -> now)."""
+    return {"held_tokens": held["tokens"], "prompt_len": len(nr.token_ids),
+            "num_computed_tokens": nr.num_computed_tokens,
+            "blocks": [[old, list(new)] for old, new in zip(held["blocks"], nr.block_ids)]}
+
+
+def _origins(so, held: dict):
+    """How each request of the step got there: new (with its prefix hit), a continued session, resumed (v1 or
+    v2), or cached."""
     new_ids = {nr.req_id: nr for nr in so.scheduled_new_reqs}
     c = so.scheduled_cached_reqs
 
     def origin(r: str) -> str:
+        if r in held:
+            return "continued session"
         if r in new_ids:
             nr = new_ids[r]
             if nr.prefill_token_ids is not None and len(nr.prefill_token_ids) > len(nr.prompt_token_ids):
@@ -88,7 +120,7 @@ def _origins(so):
     return origin
 
 
-def _step_dict(trace: Trace, target, m, origin, geometry: KVGeometry) -> dict:
+def _step_dict(trace: Trace, target, m, origin, geometry: KVGeometry, held: dict) -> dict:
     """The step: groups, scheduler order, batch order, the mappings, what changed, the KV geometry."""
     h = trace.header
     so = target.scheduler_output
@@ -118,8 +150,9 @@ def _step_dict(trace: Trace, target, m, origin, geometry: KVGeometry) -> dict:
         "seq_lens": m.seq_lens.tolist(),
         "num_tokens": m.num_tokens,
         "changes": {"finished": list(so.finished_req_ids), "preempted": list(so.preempted_req_ids),
-                    "added": [r for r in new_ids if not origin(r).startswith("resumed")],
+                    "added": [r for r in new_ids if origin(r).startswith("new")],
                     "resumed": [r for r in so.num_scheduled_tokens if origin(r).startswith("resumed")],
+                    "continued": {r: _continued(new_ids[r], held[r]) for r in new_ids if r in held},
                     "blocks": appended},
         "kv_geometry": {"num_kv_heads": geometry.num_kv_heads, "head_size": geometry.head_size,
                         "dtype": geometry.dtype, "bytes_per_token": geometry.bytes_per_token},

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from kvmap.errors import KvmapError
 from kvmap.record.recorder import RecordingScheduler, TraceWriter, header_from_config
-from kvmap.record.workload import Workload, prompt_tokens
+from kvmap.record.workload import Arrival, Workload, arrivals
 
 INSTALL_HINT = ("vLLM is not installed. kvmap record needs vLLM's scheduler (no GPU needed): "
                 "pip install torch==2.13.0 && pip install --no-deps vllm==0.33.0 && pip install -r "
@@ -187,20 +187,27 @@ def record(w: Workload, out_path: str, on_step: Callable[[int], None] | None = N
     return RecordSummary(out_path, rec._writer.steps, len(w.request_list()), tokens, rec.num_preemptions, hits)
 
 
+def _add(w: Workload, rec, a: Arrival, hasher) -> None:
+    """One `add_request`: a new request, a session's next chunk (the same id, resumable: the scheduler queues it
+    or continues the waiting session), or a session's end (the same id, not resumable)."""
+    from vllm.v1.request import Request
+
+    kw = {"resumable": True} if a.resumable else {}
+    rec.add_request(Request(a.req_id, a.prompt, _sampling_params(w, a.max_tokens), None, block_hasher=hasher,
+                            **kw))
+
+
 def drive(w: Workload, rec, hasher, on_step: Callable[[int], None] | None = None) -> tuple[int, int]:
     """The synchronous engine loop over `rec` (a scheduler, normally wrapped by RecordingScheduler).
     Returns (tokens scheduled, prefix-hit tokens)."""
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
-    from vllm.v1.request import Request
 
-    pending = sorted(w.request_list(), key=lambda r: r.arrival_step)
+    pending = arrivals(w)
     clock = tokens = hits = steps = 0
     k = w.num_speculative_tokens
     while pending or rec.has_requests():
-        while pending and pending[0].arrival_step <= clock:
-            r = pending.pop(0)
-            rec.add_request(Request(r.req_id, prompt_tokens(w, r), _sampling_params(w, r.max_tokens), None,
-                                    block_hasher=hasher))
+        while pending and pending[0].step <= clock:
+            _add(w, rec, pending.pop(0), hasher)
         clock += 1
         if not rec.has_requests():
             continue
@@ -324,9 +331,8 @@ def drive_async(w: Workload, rec, hasher, depth: int,
     from collections import deque
 
     from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
 
-    pending = sorted(w.request_list(), key=lambda r: r.arrival_step)
+    pending = arrivals(w)
     clock = tokens = hits = steps = 0
     worker = FakeWorker(w)
     queue: deque = deque()
@@ -365,10 +371,8 @@ def drive_async(w: Workload, rec, hasher, depth: int,
             sampled_token_ids=[list(s) for s in mro.sampled_token_ids]))
 
     while pending or rec.has_requests() or queue:
-        while pending and pending[0].arrival_step <= clock:
-            r = pending.pop(0)
-            rec.add_request(Request(r.req_id, prompt_tokens(w, r), _sampling_params(w, r.max_tokens), None,
-                                    block_hasher=hasher))
+        while pending and pending[0].step <= clock:
+            _add(w, rec, pending.pop(0), hasher)
         clock += 1
         if not rec.has_requests() and not queue:
             continue

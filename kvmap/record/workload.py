@@ -2,7 +2,8 @@
 
 Rules: unknown keys and bad values are rejected with the file, the key path and what was expected. Requests
 are explicit (`requests:`) or generated (`generate:`) from a seeded RNG, so a workload always yields the same
-requests. Token ids are derived from the seed; shared prefixes give prefix-cache hits.
+requests. Token ids are derived from the seed; shared prefixes give prefix-cache hits. A request with `chunks`
+is a streaming-input session; `arrivals` lists every `add_request` the engine loop makes, in step order.
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ class GroupSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkSpec:
+    """A later input chunk of a streaming-input session (vLLM's resumable requests)."""
+    prompt_len: int
+    max_tokens: int
+    # the engine step it is added at (None: with the chunk before it): a chunk that comes while its session
+    # still runs its turn is queued (`streaming_queue`), one that comes later finds the session waiting
+    arrival_step: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RequestSpec:
     req_id: str
     prompt_len: int
@@ -34,6 +45,20 @@ class RequestSpec:
     arrival_step: int = 0
     prefix: str | None = None  # requests naming the same prefix share its first tokens
     prefix_len: int = 0
+    # a streaming-input session: the request is resumable and these chunks follow its first (prompt_len,
+    # max_tokens); each turn's last sampled token is dropped and the next chunk continues the same request id
+    chunks: tuple[ChunkSpec, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One `add_request` of the engine loop: a request, a session's next chunk, or a session's end."""
+    step: int
+    req_id: str
+    prompt: list[int]
+    max_tokens: int
+    resumable: bool  # a session's chunk (False for plain requests and for a session's end)
+    end: bool = False  # the session's end (vLLM: a request that is not resumable for a live session id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +128,22 @@ def _generated(g: GenerateSpec, rng: random.Random, first: int) -> list[RequestS
     return out
 
 
+def arrivals(w: Workload) -> list[Arrival]:
+    """Every `add_request` in engine-step order (stable: a session's chunks in their order, its end last)."""
+    out = []
+    for r in w.request_list():
+        out.append(Arrival(r.arrival_step, r.req_id, prompt_tokens(w, r), r.max_tokens, bool(r.chunks)))
+        at = r.arrival_step
+        for i, c in enumerate(r.chunks):
+            at = c.arrival_step if c.arrival_step is not None else at
+            rng = random.Random(f"{w.seed}/{r.req_id}/chunk{i + 1}")
+            out.append(Arrival(at, r.req_id, [rng.randrange(1, w.vocab_size) for _ in range(c.prompt_len)],
+                               c.max_tokens, True))
+        if r.chunks:
+            out.append(Arrival(at, r.req_id, [], 1, False, end=True))
+    return sorted(out, key=lambda a: a.step)
+
+
 def prompt_tokens(w: Workload, r: RequestSpec) -> list[int]:
     """Deterministic prompt ids; requests with the same prefix name share their first `prefix_len` ids."""
     rng = random.Random(f"{w.seed}/{r.req_id}")
@@ -147,6 +188,10 @@ def _value(f, v, path: str, key: str):
         if not isinstance(v, list):
             raise _fail(path, key, "expected a list of requests")
         return tuple(_build(RequestSpec, r, path, f"{key}[{i}]") for i, r in enumerate(v))
+    if f.name == "chunks":
+        if not isinstance(v, list):
+            raise _fail(path, key, "expected a list of chunks")
+        return tuple(_build(ChunkSpec, c, path, f"{key}[{i}]") for i, c in enumerate(v))
     if f.name == "generate":
         return _build(GenerateSpec, v, path, key)
     if f.name == "eos_token_id":
@@ -222,8 +267,16 @@ def _check(w: Workload, path: str) -> Workload:
         need(r.req_id not in seen, f"requests[{i}].req_id", f"duplicate request id {r.req_id!r}")
         seen.add(r.req_id)
         need(r.prompt_len > 0 and r.max_tokens > 0, f"requests[{i}]", "prompt_len and max_tokens must be > 0")
-        need(r.prompt_len + r.max_tokens <= w.max_model_len, f"requests[{i}]",
-             f"prompt_len + max_tokens exceeds max_model_len {w.max_model_len}")
+        total = r.prompt_len + r.max_tokens + sum(c.prompt_len + c.max_tokens for c in r.chunks)
+        need(total <= w.max_model_len, f"requests[{i}]",
+             f"prompt_len + max_tokens (every chunk's) exceeds max_model_len {w.max_model_len}")
+        at = r.arrival_step
+        for j, c in enumerate(r.chunks):
+            need(c.prompt_len > 0 and c.max_tokens > 0, f"requests[{i}].chunks[{j}]",
+                 "prompt_len and max_tokens must be > 0")
+            need(c.arrival_step is None or c.arrival_step >= at, f"requests[{i}].chunks[{j}].arrival_step",
+                 f"must not come before the chunk before it (step {at})")
+            at = c.arrival_step if c.arrival_step is not None else at
         need(r.prefix_len < r.prompt_len, f"requests[{i}].prefix_len", "must be shorter than the prompt")
     return w
 

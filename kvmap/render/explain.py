@@ -47,6 +47,10 @@ def render_explain(d: dict, console: Console) -> None:
                        ("resumed", "resumed")):
         if ch[key]:
             say(console, f"  {label}: {', '.join(ch[key])}")
+    for r, c in ch.get("continued", {}).items():
+        say(console, f"  continued session {safe(r)}: {c['held_tokens']} tokens held (the last sampled one is "
+                     f"dropped) -> a prompt of {c['prompt_len']}, {c['num_computed_tokens']} of them cached; blocks "
+                     + "; ".join(f"group {g}: {old} -> {new}" for g, (old, new) in enumerate(c["blocks"])))
     for r, what in ch["blocks"].items():
         for verb, lists in what.items():
             say(console, f"  blocks {verb} for {r}: " + "; ".join(f"group {g}: {ids}" for g, ids in enumerate(lists)))

@@ -24,7 +24,10 @@ KINDS = {
     "max_model_len": "a position beyond max_model_len",
     "unknown_request": "a cached request the worker does not know",
     "scheduled_after_finish": "a request scheduled after it finished",
-    "new_id_not_new": "a new request whose id is still live",
+    "new_id_not_new": "a new request whose id is held by a preempted request (it must come back resumed)",
+    "continuation_mismatch": "a streaming-input continuation (a live id sent as new) whose prompt does not extend "
+                             "what the request held, whose num_computed_tokens pass the kept tokens, or whose "
+                             "block row drops a held block",
     "preempted_scheduled": "a preempted request scheduled without being resumed",
     "preempted_in_step": "a request preempted and scheduled in the same step (v2: also re-added as new)",
     "resumed_no_blocks": "a resumed request without its replacement block row",

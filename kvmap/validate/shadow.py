@@ -5,6 +5,8 @@ Rules:
   mentions become "uncertain" until they finish, so one bad line does not cascade into false alarms.
 - A shadow model in plain Python (independent of the replay workers) follows every live request: its tokens,
   the `num_computed_tokens` the scheduler must send next, its block rows per group, and who holds each block.
+- A live request sent again as new is a streaming-input continuation (validate/continuation.py checks that it
+  extends what the request held); it then starts over as a new request with the continuation's rows.
 - Zero false alarms on real traces: every rule is vLLM 0.33 behaviour (docs/trace-format.md). Prefix caching shares
   full-attention blocks between live requests that hold the same tokens at the same positions (one may still
   be computing them); sliding-window rows keep stale ids outside the window; rejected drafts and preemption
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from kvmap.trace import Step, TraceHeader
 from kvmap.validate.blocks import BlockOwners
-from kvmap.validate import model_output, multirank
+from kvmap.validate import continuation, model_output, multirank
 from kvmap.validate.problems import KINDS, Problem
 from kvmap.validate.salvage import read_bad_line
 
@@ -225,11 +227,12 @@ class Validator:
                 self.add("max_model_len", f"{len(nr.token_ids)} tokens exceed max_model_len {h.max_model_len}",
                          step, req_id=r, field="prefill_token_ids" if nr.prefill_token_ids is not None
                          else "prompt_token_ids")
-            if r in self.reqs and self.reqs[r].live:
-                self.add("new_id_not_new", "scheduled as new while still live (not finished or preempted)", step,
+            if r in self.reqs and self.reqs[r].live and r not in self.uncertain:  # a streaming continuation
+                continuation.check(self, step, nr)
+            elif r in self.reqs and r not in self.uncertain:  # v1 protocol: a preempted request comes back resumed
+                self.add("new_id_not_new", "scheduled as new while preempted (it must come back resumed)", step,
                          req_id=r, field="scheduled_new_reqs")
-                self._release(r, self.reqs[r])
-            elif r in self.reqs:
+            if r in self.reqs:
                 self._release(r, self.reqs[r])
             self.finished.discard(r)
             self.uncertain.discard(r)

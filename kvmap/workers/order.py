@@ -5,8 +5,10 @@ Rules:
   requests with drafts, then requests of exactly `1 + num_speculative_tokens` tokens, come first (#47381).
   `mrv2_key` is the spec; the numpy and numba sorts are tested against it.
 - V1 (`v1`): the persistent batch (vLLM's `gpu_model_runner._update_states`): finished
-  requests leave their row, then every row not scheduled this step (preempted, resumed, merely unscheduled);
-  new requests (scheduler order) and then re-added cached ones take the lowest hole or are appended;
+  requests leave their row, then every row not scheduled this step (preempted, resumed, merely unscheduled),
+  then every streaming-input continuation (a live id in `scheduled_new_reqs`, `_update_streaming_request`);
+  new requests (continuations among them, scheduler order) and then re-added cached ones take the lowest hole
+  or are appended;
   `condense()` moves the highest occupied rows into the remaining holes, lowest hole first; then, only if the
   attention backend sets `reorder_batch_threshold`, the 4-region reorder by swaps (decode, short extend, long
   extend, prefill), exactly as `reorder_batch_to_split_decodes_and_prefills` swaps them.
@@ -54,6 +56,8 @@ class V1PersistentBatch:
         resumed = so.scheduled_cached_reqs.resumed_req_ids
         for r in [r for r in self.index if r not in scheduled or r in resumed]:
             self._remove(r, holes)
+        for nr in so.scheduled_new_reqs:  # a live id sent as new: a streaming-input continuation leaves its row
+            self._remove(nr.req_id, holes)
         holes.sort(reverse=True)  # popped from the end: lowest first
         for nr in so.scheduled_new_reqs:
             self.prompt_len[nr.req_id] = len(nr.prompt_token_ids)

@@ -96,10 +96,15 @@ class ReferenceWorker(Worker):
         self._check_positions(step)
 
     def _add(self, step: Step, nr) -> None:
-        """A new request: a free row, its tokens and its block rows."""
+        """A new request: a free row, its tokens and its block rows. A live one is a streaming-input
+        continuation: checked against what it held, freed, and added again (the freed row comes straight back)."""
+        held = self.requests.get(nr.req_id)
+        if held is not None and not held.preempted:
+            self._check_continuation(step, nr, held)
+            self._free(nr.req_id)
         if nr.req_id in self.requests:
-            raise self._error(step, nr.req_id, "scheduled as a new request while it is still live (not finished or "
-                              "preempted)", "scheduled_new_reqs", "new_id_not_new")
+            raise self._error(step, nr.req_id, "scheduled as new while preempted (it must come back resumed)",
+                              "scheduled_new_reqs", "new_id_not_new")
         if not self.free_rows:
             raise self._error(step, nr.req_id, f"more than max_num_seqs={self.header.max_num_seqs} live requests",
                               "scheduled_new_reqs", "budget_seqs")
@@ -108,6 +113,36 @@ class ReferenceWorker(Worker):
                            "prefill_token_ids" if nr.prefill_token_ids is not None else "prompt_token_ids")
         self._check_width(step, nr.req_id, nr.block_ids, "block_ids")
         self.requests[nr.req_id] = ReferenceRequest(row, nr.token_ids, nr.num_computed_tokens, nr.block_ids)
+
+    def _check_continuation(self, step: Step, nr, held: ReferenceRequest) -> None:
+        """num_computed_tokens leaves the held tokens' last one out, the new prompt's first num_computed_tokens
+        tokens are the held ones, and every held block stays at its logical index (or turns into the null block,
+        outside full attention)."""
+        h = self.header
+        new, nc = nr.token_ids, nr.num_computed_tokens
+        field = "prefill_token_ids" if nr.prefill_token_ids is not None else "prompt_token_ids"
+        if nc > len(held.tokens) - 1:
+            raise self._error(step, nr.req_id, f"num_computed_tokens {nc} passes the {len(held.tokens) - 1} tokens "
+                              "the request kept", "num_computed_tokens", "continuation_mismatch")
+        keep = nc
+        if len(new) < keep:
+            raise self._error(step, nr.req_id, f"a continuation of {len(new)} tokens is shorter than the {keep} it "
+                              "keeps", field, "continuation_mismatch")
+        for p in range(keep):
+            if new[p] != held.tokens[p]:
+                raise self._error(step, nr.req_id, f"position {p} holds token {new[p]}, but the request held "
+                                  f"{held.tokens[p]} there (a continuation keeps its first {keep} tokens)", field,
+                                  "continuation_mismatch")
+        null = h.null_block_id if h.null_block_id is not None else 0
+        for g, (ids, old) in enumerate(zip(nr.block_ids, held.block_ids)):
+            if len(ids) < len(old):
+                raise self._error(step, nr.req_id, f"{len(ids)} blocks drop the {len(old)} the request held",
+                                  "block_ids", "continuation_mismatch", group=g)
+            for j, b in enumerate(old):
+                stale = ids[j] == null and h.kv_cache_groups[g].kind != "full_attention"
+                if ids[j] != b and not stale:
+                    raise self._error(step, nr.req_id, f"logical block {j} is {ids[j]}, but the request held block "
+                                      f"{b} there", "block_ids", "continuation_mismatch", group=g)
 
     def _update_cached(self, step: Step) -> None:
         """Cached requests: num_computed_tokens (less an async correction), resumed rows, full token lists,
