@@ -101,15 +101,9 @@ def replay(
     from kvmap.kv.cache import KVGeometry
     from kvmap.run.config import ReplayConfig
     from kvmap.trace import Trace
-    from kvmap.workers.order import BATCH_ORDERS
     from kvmap.workers.registry import default_backend
 
-    if no_kv and verify_kv:  # nothing written, nothing to read back
-        raise KvmapError("--no-kv and --verify-kv exclude each other: --verify-kv reads back what the replay writes "
-                         "into the KV cache, and --no-kv writes nothing", field="--verify-kv")
-    if batch_order not in BATCH_ORDERS:  # said here: the worker would blame --reorder-threshold
-        raise KvmapError(f"unknown batch order {batch_order!r}; choose one of {', '.join(BATCH_ORDERS)}",
-                         field="--batch-order")
+    _check_replay_options(no_kv, verify_kv, batch_order)
     if device != "cpu" and backend is None:
         backend = "triton"
     backend = backend or default_backend()
@@ -131,6 +125,18 @@ def replay(
         return
     result = _replay_here(t, config, dump_mappings, progress)
     _finish(result, None if quiet else (err if to_stdout else out), json_out, csv_out, trace_out)
+
+
+def _check_replay_options(no_kv: bool, verify_kv: bool, batch_order: str) -> None:
+    """The option combinations a replay refuses before it reads anything, each naming its option."""
+    from kvmap.workers.order import BATCH_ORDERS
+
+    if no_kv and verify_kv:  # nothing written, nothing to read back
+        raise KvmapError("--no-kv and --verify-kv exclude each other: --verify-kv reads back what the replay writes "
+                         "into the KV cache, and --no-kv writes nothing", field="--verify-kv")
+    if batch_order not in BATCH_ORDERS:  # said here: the worker would blame --reorder-threshold
+        raise KvmapError(f"unknown batch order {batch_order!r}; choose one of {', '.join(BATCH_ORDERS)}",
+                         field="--batch-order")
 
 
 def _launch(trace: Path, cp: int, nproc: int, rank: int | None, config, dump_mappings: Path | None):

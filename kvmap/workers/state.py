@@ -17,7 +17,7 @@ Rules:
 - A live request sent again in `scheduled_new_reqs` is a streaming-input continuation (vLLM's resumable
   sessions; MRV2 `add_requests`): its state is removed and added again, so the LIFO free list gives its row
   back, one request at a time in `scheduled_new_reqs` order; its tokens, block rows and `num_computed_tokens`
-  are replaced. It must extend what the request held (`_check_continuation`, kind `continuation_mismatch`).
+  are replaced. It must extend what the request held (`workers/continuation.py`, kind `continuation_mismatch`).
 - `num_computed_tokens` is always taken from the trace. Sampled tokens are appended after the step.
 - Problems that need state to detect (unknown request, a full pool of rows, a row that overflows, a scheduled
   position without a block) raise `TraceError` naming step, request, group and field, with the problem kind
@@ -34,6 +34,7 @@ import numpy as np
 from kvmap.defaults import STANDIN_TOKEN_ID
 from kvmap.errors import TraceError
 from kvmap.layout import group_layouts
+from kvmap.workers.continuation import check_continuation
 from kvmap.trace import SchedulerOutput, Step, TraceHeader, check_fits
 from kvmap.workers.state_ops import CompiledOps, VectorOps
 from kvmap.workers.writes import TOKENS, StagedWrites
@@ -121,47 +122,6 @@ class WorkerState:
         self.index_to_req_id[row] = req_id
         return row
 
-    def _check_continuation(self, nr, step: Step) -> None:
-        """A streaming-input continuation must extend what the live request held (docs/trace-format.md,
-        Continuations): no more than the held tokens but the last are cached (`num_computed_tokens`), those
-        tokens are the held ones, and each group's new block row starts with the held row (a group that is not
-        full attention may show the null block where the row kept a stale id)."""
-        row = self.req_id_to_index[nr.req_id]
-        h = self.header
-        held = int(self.total_len[row])
-        new = nr.token_ids
-        nc = nr.num_computed_tokens
-        field = "prefill_token_ids" if nr.prefill_token_ids is not None else "prompt_token_ids"
-
-        def refuse(message: str, field: str, group: int | None = None) -> TraceError:
-            return TraceError(message, line=step.line, step=step.step, req_id=nr.req_id, group=group, field=field,
-                              kind="continuation_mismatch")
-
-        if nc > held - 1:
-            raise refuse(f"num_computed_tokens {nc} passes the {held - 1} tokens the request kept",
-                         "num_computed_tokens")
-        keep = nc  # the scheduler keeps `num_tokens - 1 >= num_computed_tokens` of its tokens
-        if len(new) < keep:
-            raise refuse(f"a continuation of {len(new)} tokens is shorter than the {keep} it keeps", field)
-        if keep > 0 and not np.array_equal(self.token_ids[row, :keep], np.asarray(new[:keep], dtype=np.int32)):
-            j = int(np.argmax(self.token_ids[row, :keep] != np.asarray(new[:keep], dtype=np.int32)))
-            raise refuse(f"position {j} holds token {new[j]}, but the request held {int(self.token_ids[row, j])} "
-                         f"there (a continuation keeps its first {keep} tokens)", field)
-        null = h.null_block_id if h.null_block_id is not None else 0
-        for g, ids in enumerate(nr.block_ids):
-            have = int(self.num_blocks[g, row])
-            old = self.block_tables[g][row, :have]
-            if len(ids) < have:
-                raise refuse(f"{len(ids)} blocks drop the {have} the request held", "block_ids", g)
-            got = np.asarray(ids[:have], dtype=np.int32)
-            diff = got != old
-            if h.kv_cache_groups[g].kind != "full_attention":
-                diff &= got != null  # out-of-window blocks the scheduler freed come back as the null block
-            if diff.any():
-                j = int(np.argmax(diff))
-                raise refuse(f"logical block {j} is {ids[j]}, but the request held block {int(old[j])} there",
-                             "block_ids", g)
-
     def _set_tokens(self, row: int, tokens: list[int], step: Step, req_id: str, field: str) -> None:
         n = len(tokens)
         if n > self.header.max_model_len:
@@ -205,7 +165,7 @@ class WorkerState:
 
         for nr in so.scheduled_new_reqs:
             if nr.req_id in self.req_id_to_index and nr.req_id not in self.preempted:
-                self._check_continuation(nr, step)
+                check_continuation(self, nr, step)
                 self._remove(nr.req_id)  # a continuation: MRV2 removes the state, then adds it again
             row = self._take_row(nr.req_id, step)
             self._set_tokens(row, nr.token_ids, step, nr.req_id, "prefill_token_ids"
