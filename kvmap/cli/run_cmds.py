@@ -43,21 +43,24 @@ Examples:
 }
 
 
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, or cuda[:N] (state, mappings and KV cache on the GPU; "
+                                        "needs --backend torch or triton).", rich_help_panel="Backend")]
+BatchOrderOpt = Annotated[str, typer.Option("--batch-order", help="mrv2 (Model Runner V2: sorted by scheduled "
+                                            "tokens) or v1 (V1's persistent batch: lowest hole, condense), to diff "
+                                            "dumps against either runner.", rich_help_panel="Backend")]
+ReorderOpt = Annotated[Optional[int], typer.Option("--reorder-threshold", help="With --batch-order v1: the attention "
+                                                   "backend's reorder_batch_threshold (decode-first regions; "
+                                                   "FlashAttention sets none).", min=1, rich_help_panel="Backend")]
+
+
 @user_errors
 def replay(
     trace: TraceArg = None,
     backend: BackendOpt = None,
-    device: Annotated[str, typer.Option("--device", help="cpu, or cuda[:N] (state, mappings and KV cache on "
-                                        "the GPU; needs --backend torch or triton).",
-                                        rich_help_panel="Backend")] = "cpu",
+    device: DeviceOpt = "cpu",
     steps: StepsOpt = None,
-    batch_order: Annotated[str, typer.Option("--batch-order", help="mrv2 (Model Runner V2: sorted by scheduled "
-                                             "tokens) or v1 (V1's persistent batch: lowest hole, condense), to "
-                                             "diff dumps against either runner.", rich_help_panel="Backend")] = "mrv2",
-    reorder_threshold: Annotated[Optional[int], typer.Option("--reorder-threshold", help="With --batch-order v1: "
-                                                             "the attention backend's reorder_batch_threshold "
-                                                             "(decode-first regions; FlashAttention sets none).",
-                                                             min=1, rich_help_panel="Backend")] = None,
+    batch_order: BatchOrderOpt = "mrv2",
+    reorder_threshold: ReorderOpt = None,
     warmup: WarmupOpt = defaults.WARMUP,
     verify_kv: Annotated[bool, typer.Option("--verify-kv", help="Read back every scheduled request's "
                                             "readable context from the KV cache each step and check it bit "
