@@ -228,12 +228,122 @@ def few_rows(L, rng):
     return at
 
 
+def cross_group_block(L, rng):
+    """A hybrid model: a new request's block of a group that is not full attention is a block another live
+    request (scheduled as cached in this step) holds in a full-attention group: one block in two groups."""
+    groups = L[0]["kv_cache_groups"]
+    full = [g for g, grp in enumerate(groups) if grp["kind"] == "full_attention"]
+    other = [g for g, grp in enumerate(groups) if grp["kind"] in ("sliding_window", "chunked_local")]
+    if not full or not other:
+        return None
+    sites = [(k, nr) for k in range(1, len(L) - 1) for nr in so(L, k)["scheduled_new_reqs"]
+             if nr["block_ids"][other[0]] and so(L, k)["scheduled_cached_reqs"]["req_ids"]]
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    k, nr = site
+    held = _row_of(L, k, so(L, k)["scheduled_cached_reqs"]["req_ids"][0], full[0])
+    if not held:
+        return None
+    nr["block_ids"][other[0]][-1] = held[-1]
+    return k, nr["req_id"]
+
+
+def finish_twice(L, rng):
+    """A finished request is listed in finished_req_ids again in a later step (vLLM frees a request once)."""
+    sites = []
+    for f in range(len(L) - 2):
+        for r in so(L, f)["finished_req_ids"]:
+            for k in range(f + 1, len(L) - 1):
+                s = so(L, k)
+                if any(nr["req_id"] == r for nr in s["scheduled_new_reqs"]):
+                    break
+                sites.append((k, r))
+    site = _pick(rng, sites)
+    if site is None:
+        return None
+    k, r = site
+    so(L, k)["finished_req_ids"].append(r)
+    return k, r
+
+
+def new_while_preempted(L, rng):
+    """v1 protocol: a preempted request comes back in scheduled_new_reqs instead of resumed."""
+    if L[0]["model_runner_protocol"] != "v1":
+        return None
+    site = _pick(rng, [(k, r) for k in range(len(L) - 2) for r in so(L, k)["preempted_req_ids"]
+                       if r not in so(L, k + 1)["num_scheduled_tokens"]])
+    if site is None:
+        return None
+    k, r = site
+    s = so(L, k + 1)
+    G = len(L[0]["kv_cache_groups"])
+    s["scheduled_new_reqs"].append({"req_id": r, "prompt_token_ids": [1] * 4, "block_ids": [[]] * G,
+                                    "num_computed_tokens": 0, "prefill_token_ids": None})
+    s["num_scheduled_tokens"][r] = 1
+    s["total_num_scheduled_tokens"] += 1
+    return k + 1, r
+
+
+def not_resumed(L, rng):
+    """A preempted request is scheduled again without being listed in resumed_req_ids."""
+    site = _pick(rng, _sites(L, lambda L, k, i, r: r in so(L, k)["scheduled_cached_reqs"]["resumed_req_ids"]))
+    if site is None or L[0]["model_runner_protocol"] != "v1":
+        return None
+    k, i, r = site
+    so(L, k)["scheduled_cached_reqs"]["resumed_req_ids"].remove(r)
+    return k, r
+
+
+def wide_row(L, rng):
+    """A new request's block row is padded with null blocks past the row width cdiv(max_model_len + drafts,
+    block_size * cp)."""
+    h = L[0]
+    null = h.get("null_block_id") or 0
+    site = _pick(rng, _new_sites(L, lambda L, k, i, nr: True))
+    if site is None:
+        return None
+    k, i, nr = site
+    g = 0
+    span = h["kv_cache_groups"][g]["block_size"]
+    width = -(-(h["max_model_len"] + h.get("num_speculative_tokens", 0)) // span)
+    nr["block_ids"][g] = nr["block_ids"][g] + [null] * (width + 1 - len(nr["block_ids"][g]))
+    return k, nr["req_id"]
+
+
+def short_model_len(L, rng):
+    """max_model_len one below the longest sequence the trace schedules: the step that schedules its last
+    position is refused (or the step before, whose sampled token would pass max_model_len)."""
+    ends = []
+    nc: dict[str, int] = {}
+    for k in range(len(L) - 1):
+        s = so(L, k)
+        for nr in s["scheduled_new_reqs"]:
+            nc[nr["req_id"]] = nr["num_computed_tokens"]
+        c = s["scheduled_cached_reqs"]
+        for r, n in zip(c["req_ids"], c["num_computed_tokens"]):
+            nc[r] = n
+        ends += [(nc[r] + n, k, r) for r, n in s["num_scheduled_tokens"].items()]
+    longest = max(e for e, _, _ in ends)
+    if longest - 1 < L[0]["block_size"] or L[0].get("async_scheduling") or any(
+            len(nr["prompt_token_ids"]) >= longest for k in range(len(L) - 1) for nr in so(L, k)["scheduled_new_reqs"]):
+        return None
+    L[0]["max_model_len"] = longest - 1
+    _, k, r = next(x for x in ends if x[0] == longest)
+    return k, r
+
+
 def blank_line(L, rng):
     return "blank", rng.randrange(1, len(L) - 1)
 
 
 MUTATORS = [unknown_cached, finish_early, null_in_context, repeat_block, resumed_without_row, bool_block,
-            schedule_more, drop_sampled, steal_block, new_twice, few_rows]
+            schedule_more, drop_sampled, steal_block, new_twice, few_rows, cross_group_block, finish_twice,
+            new_while_preempted, not_resumed, wide_row, short_model_len]
+# faults replay runs through (vLLM's workers would too): only validate names them. A block in two groups
+# corrupts KV only where groups share memory (vLLM's hybrid layers do; replay's KV cache gives each group its
+# own pages); a finished id listed again is ignored by vLLM's workers, as it is by replay.
+REPLAY_RUNS = {cross_group_block, finish_twice}
 
 
 def plant(name: str, mutator, seed: int, tmp: Path) -> tuple[Path, object] | None:

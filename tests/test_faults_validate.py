@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import kvmap
 from kvmap.errors import TraceError
 from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
@@ -81,6 +84,59 @@ def test_validate_agrees_with_replay(name, mutator, seed, tmp_path):
     got = F.plant(name, mutator, seed, tmp_path)
     if got is not None:
         check_agree(got[0])
+
+
+# every kind the host workers' state refuses a trace with (workers/state.py, workers/continuation.py) -> the
+# fault that makes replay refuse with it
+REFUSALS = {"unknown_request": F.unknown_cached, "new_id_not_new": F.new_while_preempted,
+            "budget_seqs": F.few_rows, "max_model_len": F.short_model_len, "row_width": F.wide_row,
+            "resumed_no_blocks": F.resumed_without_row, "preempted_scheduled": F.not_resumed,
+            "no_block": F.schedule_more, "tokens_unknown": F.drop_sampled,
+            "continuation_mismatch": F.new_twice}
+
+
+def test_every_refusal_of_replay_is_planted():
+    """A new refusal in the workers' state needs its planted fault here."""
+    root = Path(kvmap.__file__).parent / "workers"
+    raised = set()
+    for name in ("state.py", "continuation.py"):
+        raised |= set(re.findall(r'kind="(\w+)"', (root / name).read_text()))
+    assert raised == set(REFUSALS), raised ^ set(REFUSALS)
+
+
+@pytest.mark.parametrize("kind", list(REFUSALS))
+def test_each_refusal_named_by_validate(kind, tmp_path):
+    """Replay refuses with `kind` on some bundled trace with the fault planted, and validate names the same
+    kind at the same step and request."""
+    refused = 0
+    for name in F.SMALL:
+        got = F.plant(name, REFUSALS[kind], 0, tmp_path)
+        if got is None:
+            continue
+        outcome, e = replay_outcome(got[0])
+        if outcome != "refused" or e.kind != kind:
+            continue
+        refused += 1
+        found = {(p.kind, p.step, p.req_id) for p in validate(Trace(got[0])).problems}
+        assert (kind, e.step, e.req_id) in found, (name, e.step, e.req_id, sorted(found)[:8])
+    assert refused, f"no bundled trace makes replay refuse with {kind}"
+
+
+@pytest.mark.parametrize("mutator", sorted(F.REPLAY_RUNS, key=lambda m: m.__name__), ids=lambda m: m.__name__)
+def test_faults_replay_runs_through(mutator, tmp_path):
+    """A block held by two groups and a finished id listed again: replay runs through (see faults.py), and
+    validate names the fault at its step and request."""
+    kind = {"cross_group_block": "group_conflict", "finish_twice": "finished_twice"}[mutator.__name__]
+    planted = 0
+    for name in F.SMALL:
+        got = F.plant(name, mutator, 0, tmp_path)
+        if got is None:
+            continue
+        path, (step, req) = got
+        planted += 1
+        assert replay_outcome(path)[0] == "ran"
+        assert (kind, step, req) in {(p.kind, p.step, p.req_id) for p in validate(Trace(path)).problems}
+    assert planted
 
 
 def test_blank_line_is_one_problem_at_its_line(tmp_path):

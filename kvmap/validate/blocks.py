@@ -1,4 +1,5 @@
-"""Who holds each full-attention block in validate's shadow model, checked in time linear in the sharers.
+"""Who holds each block in validate's shadow model: per full-attention group (`BlockOwners`) and across the
+groups of the one block pool (`PoolHolders`), checked in time linear in the sharers.
 
 Rules: a block id maps to its live holders (request -> logical block index), in the order they claimed it.
 Prefix caching makes every consistent holder of a block agree on its position and tokens, so a new claim is
@@ -66,3 +67,62 @@ class BlockOwners:
                     break
             holders[req_id] = j
         return found
+
+
+class PoolHolders:
+    """Block id -> {group: {req_id: logical index}} across every KV cache group that addresses KV by position.
+
+    Rules (vLLM 0.33: one `BlockPool` serves every group, prefix-cache hashes carry their group id): a block id
+    belongs to one group at a time, so a block claimed in group g while a live request holds it in another
+    group is a conflict. A full-attention holder holds its blocks until it finishes or is preempted; a
+    sliding-window or chunked-local holder only those its scheduler has not freed (inside the window or chunk:
+    `held` decides, since the worker's row keeps stale ids the scheduler already gave back to the pool)."""
+
+    __slots__ = ("null", "holders")
+
+    def __init__(self, null: int) -> None:
+        self.null = null
+        self.holders: dict[int, dict[int, dict[str, int]]] = {}
+
+    def release(self, g: int, req_id: str, ids: list[int]) -> None:
+        holders = self.holders
+        for b in ids:
+            groups = holders.get(b)
+            if groups is None or g not in groups:
+                continue
+            groups[g].pop(req_id, None)
+            if not groups[g]:
+                del groups[g]
+                if not groups:
+                    del holders[b]
+
+    def claim(self, g: int, req_id: str, row: list[int], start: int,
+              held: Callable[[int, str, int], bool]) -> list[tuple[int, int, int, str]]:
+        """Register `row[start:]` in group g; returns (logical index, block, other group, holder) for each block
+        another group holds. `held(og, other, oj)`: whether `other` still holds its logical block oj of group og."""
+        found = []
+        for j in range(start, len(row)):
+            b = row[j]
+            if b == self.null:
+                continue
+            groups = self.holders.setdefault(b, {})
+            for og, reqs in groups.items():
+                if og == g:
+                    continue
+                hit = next((other for n, (other, oj) in enumerate(reqs.items())
+                            if n < COMPARE and held(og, other, oj)), None)
+                if hit is not None:
+                    found.append((j, b, og, hit))
+                    break
+            groups.setdefault(g, {})[req_id] = j
+        return found
+
+
+def context_start(grp, nc: int) -> int:
+    """The first position a step starting at `nc` attends to: 0 for full attention, the window's or the chunk's
+    start otherwise (vLLM frees a window's or chunk's blocks before it: `get_num_skipped_tokens`)."""
+    if grp.kind == "sliding_window":
+        return max(0, nc - grp.sliding_window + 1)
+    if grp.kind == "chunked_local":
+        return nc - nc % grp.attention_chunk_size
+    return 0

@@ -39,6 +39,9 @@ KINDS = {
     "null_block": "a position the step reads or writes (its context included) maps to the null block",
     "double_allocation": "one block held by two live requests for different tokens or positions",
     "block_repeated": "one block at two logical positions of the same request's row",
+    "group_conflict": "one block id held by two KV cache groups at once (every group draws from one block pool)",
+    "finished_twice": "a request listed in finished_req_ids again after it finished (vLLM frees a request once; "
+                      "replay ignores it, as vLLM's workers ignore finished ids they hold no row for)",
     "window_conflict": "a sliding-window block read inside the window by two requests for different tokens",
     "partial_sampled": "a partial prefill chunk sampled tokens",
     "too_many_sampled": "more sampled tokens than 1 + drafts",

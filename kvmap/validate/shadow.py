@@ -7,6 +7,10 @@ Rules:
   the `num_computed_tokens` the scheduler must send next, its block rows per group, and who holds each block.
 - A live request sent again as new is a streaming-input continuation (validate/continuation.py checks that it
   extends what the request held); it then starts over as a new request with the continuation's rows.
+- One block pool serves every group (vLLM's `BlockPool`): a block id claimed in one group while a live request
+  holds it in another is a `group_conflict` (blocks.py `PoolHolders`). vLLM frees a request once, so an id
+  listed in `finished_req_ids` again after it finished is `finished_twice` (replay ignores it, as vLLM's
+  workers ignore finished ids they hold no row for).
 - Zero false alarms on real traces: every rule is vLLM 0.33 behaviour (docs/trace-format.md). Prefix caching shares
   full-attention blocks between live requests that hold the same tokens at the same positions (one may still
   be computing them); sliding-window rows keep stale ids outside the window; rejected drafts and preemption
@@ -17,7 +21,7 @@ Rules:
 from __future__ import annotations
 
 from kvmap.trace import Step, TraceHeader
-from kvmap.validate.blocks import BlockOwners
+from kvmap.validate.blocks import BlockOwners, PoolHolders, context_start
 from kvmap.validate import continuation, model_output, multirank
 from kvmap.validate.problems import KINDS, Problem
 from kvmap.validate.salvage import read_bad_line
@@ -48,6 +52,7 @@ class Validator:
         self.problems: list[Problem] = []
         self.reqs: dict[str, _Req] = {}
         self.finished: set[str] = set()
+        self.freed: set[str] = set()  # finished since the last lost line and not added again
         self.uncertain: set[str] = set()
         self.seen: set[str] = set()
         self.blind = False  # the line before was not JSON: unknown requests now may have been added there
@@ -57,6 +62,8 @@ class Validator:
         # full-attention groups: block id -> {req_id: logical block index}
         self.owners = [BlockOwners(s or g.block_size, self.null) if f else None
                        for g, f, s in zip(header.kv_cache_groups, self.full, self.spans)]
+        self.pool = PoolHolders(self.null)  # every positional group: block id -> group -> holders
+        self.scheduled: dict[str, int] = {}  # the step's num_scheduled_tokens (holders' windows in `_held`)
         width = header.max_model_len + header.num_speculative_tokens
         # the worker's row width, in blocks of block_size * cp
         self.row_width = [-(-width // (s or g.block_size)) for g, s in zip(header.kv_cache_groups, self.spans)]
@@ -92,6 +99,23 @@ class Validator:
         for g, ids in enumerate(req.blocks):
             if self.owners[g] is not None:
                 self.owners[g].release(req_id, ids)
+            if self.spans[g] is not None:
+                self.pool.release(g, req_id, ids)
+
+    def _held(self, g: int, other: str, j: int) -> bool:
+        """Whether live request `other` certainly still holds logical block j of group g: full attention holds
+        every block; a window or chunk frees those before its context start, taken at the latest
+        `num_computed_tokens` this step can reach (drafts and the step's tokens included: never a false alarm)."""
+        o = self.reqs.get(other)
+        if o is None or not o.live or other in self.uncertain:
+            return False
+        grp = self.h.kv_cache_groups[g]
+        if grp.kind == "full_attention":
+            return True
+        if o.expected_nc is None:
+            return False
+        nc = o.expected_nc + self.scheduled.get(other, 0) + self.h.num_speculative_tokens
+        return j >= context_start(grp, nc) // self.spans[g]
 
     def _peer(self, other: str) -> list[int] | None:
         if other in self.uncertain:
@@ -104,6 +128,11 @@ class Validator:
         if len(req.blocks[g]) > self.row_width[g]:
             self.add("row_width", f"{len(req.blocks[g])} blocks exceed the row width {self.row_width[g]} "
                      "(cdiv(max_model_len + drafts, block_size * cp))", step, req_id=req_id, group=g, field=field_name)
+        if self.spans[g] is not None:
+            for _j, b, og, other in self.pool.claim(g, req_id, req.blocks[g], start, self._held):
+                who = "this request" if other == req_id else f"live request {other!r}"
+                self.add("group_conflict", f"block {b} is also held in group {og} by {who} (all groups draw "
+                         "from one block pool)", step, req_id=req_id, group=g, field=field_name)
         owners = self.owners[g]
         if owners is None:
             return
@@ -148,6 +177,7 @@ class Validator:
 
     def step(self, step: Step) -> None:
         """Follow one parsed step through the shadow model, adding every problem it shows."""
+        self.scheduled = step.scheduler_output.num_scheduled_tokens
         self._finish_and_preempt(step)
         self._budgets(step)
         self._new_requests(step)
@@ -161,6 +191,13 @@ class Validator:
         in a step that preempts, so a preempted request is never scheduled in its step (v2: nor re-added)."""
         so = step.scheduler_output
         scheduled = so.num_scheduled_tokens
+        listed: set[str] = set()
+        for r in so.finished_req_ids:
+            if r in listed or (r in self.freed and r not in self.reqs):
+                self.add("finished_twice", "listed in finished_req_ids again after it finished (vLLM frees a "
+                         "request once; replay ignores the id, as vLLM's workers do)", step, req_id=r,
+                         field="finished_req_ids")
+            listed.add(r)
         for r in so.preempted_req_ids:
             if r in scheduled:
                 self.add("preempted_in_step", "preempted in this step but also scheduled", step, req_id=r,
@@ -173,6 +210,7 @@ class Validator:
             if req is not None:
                 self._release(r, req)
             self.finished.add(r)
+            self.freed.add(r)
             self.uncertain.discard(r)
         v2 = self.h.model_runner_protocol == "v2"
         for r in preempted:
@@ -189,6 +227,7 @@ class Validator:
         """A step line that is not JSON at all: every live request stops being checked (its tokens and
         blocks may have changed there), and requests first seen in the next step may have been added there."""
         self.uncertain.update(self.reqs)
+        self.freed.clear()  # the lost line may have added a finished id again
         self.blind = True
 
     def _unknown(self, step: Step | None, r: str, field: str = "scheduled_cached_reqs.req_ids", **where) -> None:
@@ -235,6 +274,7 @@ class Validator:
             if r in self.reqs:
                 self._release(r, self.reqs[r])
             self.finished.discard(r)
+            self.freed.discard(r)
             self.uncertain.discard(r)
             self.seen.add(r)
             req = _Req(nr.token_ids, nr.num_computed_tokens, nr.block_ids)
@@ -339,7 +379,7 @@ class Validator:
                     self.add("no_block", f"position {end - 1} needs block {need - 1} but the row holds {len(row)}",
                              step, req_id=r, group=g, field="block_ids/new_block_ids")
                     continue
-                first = self._context_start(grp, nc) // bs  # the first block this step reads
+                first = context_start(grp, nc) // bs  # the first block this step reads
                 if first == 0:  # full attention: the row's prefix never changes, look at each block once
                     first = min(req.no_null[g], need)
                 if self.null not in row[first:need]:
@@ -373,13 +413,3 @@ class Validator:
                     self.add("drafts_mismatch", f"scheduled drafts {list(drafts)[:4]} are not a prefix of the "
                              f"proposed {req.last_drafts_proposed[:4]}", step, req_id=r,
                              field="scheduled_spec_decode_tokens")
-
-    @staticmethod
-    def _context_start(grp, nc: int) -> int:
-        """The first position the step's first token attends to: 0 for full attention, the window's or the
-        chunk's start otherwise."""
-        if grp.kind == "sliding_window":
-            return max(0, nc - grp.sliding_window + 1)
-        if grp.kind == "chunked_local":
-            return nc - nc % grp.attention_chunk_size
-        return 0
