@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvmap.cli.console import Spinner, out
+from kvmap.cli.console import Spinner, out, pass_bars
 from kvmap.cli.guard import user_errors
 from kvmap.cli.options import TraceArg, complete_trace
 from kvmap import defaults
@@ -69,7 +69,8 @@ def validate(
 
     trace = resolve_trace(trace)
     to_stdout = check_outputs({"--json": json_out}, [trace])
-    report = run_validate(Trace(trace), max_problems=max_problems, deep=deep, backends=backend)
+    t = Trace(trace)
+    report = run_validate(t, max_problems=max_problems, deep=deep, backends=backend, progress=pass_bars(True, t))
     if to_stdout:
         print(json.dumps(report.to_json(), indent=1))
     else:
