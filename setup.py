@@ -21,6 +21,7 @@ import sys
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -62,7 +63,27 @@ class BuildKernels(build_ext):
                 del sys.modules[name]  # the build imported kvmap from the source tree: forget it
 
 
+class BuildWithTraces(build_py):
+    """The bundled traces/ (traces, workload files, README) shipped inside the package as kvmap/traces, where
+    kvmap/files.py `bundled_traces_dir` finds them when no source checkout is beside kvmap (`pip install .`). An
+    editable install reads the checkout's traces/ itself."""
+
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        source = os.path.join(HERE, "traces")
+        target = os.path.join(self.build_lib, "kvmap", "traces")
+        for folder, _, files in os.walk(source):
+            for name in files:
+                if name.endswith((".jsonl", ".jsonl.gz", ".yaml", ".md")):
+                    path = os.path.join(folder, name)
+                    out = os.path.join(target, os.path.relpath(path, source))
+                    self.mkpath(os.path.dirname(out))
+                    self.copy_file(path, out)
+
+
 setup(
     ext_modules=[Extension(name, sources=[], optional=True) for name in MODULES],  # optional: may be absent
-    cmdclass={"build_ext": BuildKernels},
+    cmdclass={"build_ext": BuildKernels, "build_py": BuildWithTraces},
 )

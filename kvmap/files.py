@@ -223,8 +223,11 @@ def write_text(path: str | Path, text: str) -> None:
 
 
 def bundled_traces_dir() -> Path:
-    """traces/ of the source checkout kvmap runs from (an editable install or the repository itself)."""
-    return Path(__file__).resolve().parent.parent / "traces"
+    """traces/ of the source checkout kvmap runs from (an editable install or the repository itself), else the
+    copy a regular install ships inside the package (setup.py `BuildWithTraces`)."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "traces"
+    return checkout if checkout.is_dir() or not (here / "traces").is_dir() else here / "traces"
 
 
 def bundled_traces() -> dict[str, Path]:

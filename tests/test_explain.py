@@ -84,3 +84,14 @@ def test_multirank_token_chain_json_is_plain_json(trace):
     assert code == 0, out
     ranks = json.loads(out)["token"]["groups"][0]["ranks"]
     assert sum(r["holds"] for r in ranks) == 1
+
+
+def test_req_without_step_explains_its_first_scheduled_step():
+    trace = TRACES / "hybrid_sliding_window.jsonl"
+    code, out, _ = explain(trace, "--req", "long-b", "--json")
+    assert code == 0
+    step = json.loads(out)["step"]
+    code, out, _ = explain(trace, "--step", step - 1, "--req", "long-b")
+    assert code == 2  # not scheduled the step before: that was its first
+    code, out, err = explain(trace, "--req", "nobody")
+    assert code == 2 and "request 'nobody' is never scheduled" in err

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvmap.cli.console import Spinner, out
+from kvmap.cli.console import Spinner, out, pass_bars
 from kvmap.cli.guard import user_errors
 from kvmap.cli.options import TraceArg, complete_trace
 from kvmap import defaults
@@ -69,7 +69,8 @@ def validate(
 
     trace = resolve_trace(trace)
     to_stdout = check_outputs({"--json": json_out}, [trace])
-    report = run_validate(Trace(trace), max_problems=max_problems, deep=deep, backends=backend)
+    t = Trace(trace)
+    report = run_validate(t, max_problems=max_problems, deep=deep, backends=backend, progress=pass_bars(True, t))
     if to_stdout:
         print(json.dumps(report.to_json(), indent=1))
     else:
@@ -85,7 +86,9 @@ def validate(
 @user_errors
 def explain(
     trace: TraceArg = None,
-    step: Annotated[int, typer.Option("--step", help="The step to explain.", rich_help_panel="What to explain")] = 1,
+    step: Annotated[Optional[int], typer.Option("--step", help="The step to explain (default: --req's first "
+                                                "scheduled step; without --req, 1).", show_default=False,
+                                                rich_help_panel="What to explain")] = None,
     req: Annotated[Optional[str], typer.Option("--req", help="A request scheduled in that step.",
                                                rich_help_panel="What to explain")] = None,
     token: Annotated[Optional[int], typer.Option("--token", help="A token: its index within --req's scheduled "
@@ -104,12 +107,16 @@ def explain(
 ) -> None:
     """Show how one step's scheduler decisions become rows, flat tokens, positions, blocks and KV slots."""
     from kvmap.explain.build import explain as run_explain
+    from kvmap.explain.build import first_scheduled_step
     from kvmap.kv.cache import KVGeometry
     from kvmap.files import resolve_trace
     from kvmap.render.explain import render_explain
     from kvmap.trace import Trace
 
-    d = run_explain(Trace(resolve_trace(trace)), step, req, token, group, KVGeometry(kv_heads, head_size, kv_dtype))
+    t = Trace(resolve_trace(trace))
+    if step is None:
+        step = first_scheduled_step(t, req) if req is not None else 1
+    d = run_explain(t, step, req, token, group, KVGeometry(kv_heads, head_size, kv_dtype))
     if json_out:
         print(json.dumps(d, indent=1))
     else:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvmap.cli.root_help import fit_width, new_console
 
-__all__ = ["LazyConsole", "ProgressBar", "Spinner", "err", "fit_consoles", "out", "safe"]
+__all__ = ["LazyConsole", "ProgressBar", "Spinner", "err", "fit_consoles", "out", "pass_bars", "safe"]
 
 # variables by which Rich may call a stream that is not a tty a terminal
 RICH_ENV = ("TTY_COMPATIBLE", "FORCE_COLOR", "TTY_INTERACTIVE", "JUPYTER_COLUMNS", "JUPYTER_LINES")
@@ -99,12 +99,13 @@ class Spinner:
 class ProgressBar:
     """A Rich progress bar over the trace file (by bytes read: no counting pass), updated outside timed regions.
     Shown before the slow start (numba's kernels load, or compile once into their cache, inside the first
-    step), saying what is happening."""
+    step), saying what is happening; `label` names the pass (a check replays the trace once per backend)."""
 
-    def __init__(self, enabled: bool, trace, backend: str | None = None) -> None:
+    def __init__(self, enabled: bool, trace, backend: str | None = None, label: str = "replaying") -> None:
         self.enabled = enabled and err.is_terminal
         self.trace = trace
         self.backend = backend
+        self.label = label
 
     def __enter__(self):
         if not self.enabled:
@@ -116,15 +117,17 @@ class ProgressBar:
         compiled = (self.backend or default_backend()) == "numba"
         first = ("compiling kernels, once (seconds; cached for later runs)" if compiled and not _kernels_cached()
                  else "loading kernels" if compiled else "starting")
+        if self.label != "replaying":
+            first = f"{self.label}: {first}"
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
                             TextColumn("step {task.fields[step]}"), TimeElapsedColumn(), console=err.rich,
                             transient=True)
         self.bar.start()
         task = self.bar.add_task(first, total=self.trace.size_bytes() or None, step="-")
-        update, read = self.bar.update, self.trace.bytes_read
+        update, read, label = self.bar.update, self.trace.bytes_read, self.label
 
         def advance(step: int) -> None:
-            update(task, completed=read(), step=step, description="replaying")
+            update(task, completed=read(), step=step, description=label)
 
         return advance
 
@@ -144,3 +147,9 @@ def _kernels_cached() -> bool:
     where = os.environ.get("NUMBA_CACHE_DIR")
     folder = Path(where) if where else Path(kvmap.__file__).parent / "workers" / "__pycache__"
     return folder.is_dir() and any(folder.rglob("kernels_cpu.*.nbi"))
+
+
+def pass_bars(enabled: bool, trace):
+    """A progress bar per pass over `trace` (kvmap/validate/deep.py's `progress`): `bars(label, backend)` is a
+    context giving the pass's `on_step` (None where nothing is drawn)."""
+    return lambda label, backend=None: ProgressBar(enabled, trace, backend, label)

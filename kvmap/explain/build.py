@@ -25,6 +25,16 @@ def _list(items: list[str], limit: int = 12) -> str:
     return s + (f", ... ({len(items)} in all)" if len(items) > limit else "")
 
 
+def first_scheduled_step(trace: Trace, req_id: str) -> int:
+    """The first step that schedules `req_id` (`explain --req` without `--step`)."""
+    steps = 0
+    for s in trace.steps():
+        steps += 1
+        if req_id in s.scheduler_output.num_scheduled_tokens:
+            return s.step
+    raise KvmapError(f"request {req_id!r} is never scheduled in the trace's {steps} steps", field="--req")
+
+
 def explain(trace: Trace, step: int, req_id: str | None = None, token: int | None = None,
             group: int | None = None, geometry: KVGeometry | None = None) -> dict:
     """The step as plain data; with `req_id` (or a flat `token` index) its request, with `token` the token's

@@ -2,9 +2,13 @@
 words), and the warnings a run carries.
 
 Rules: every figure is over the measured steps (result.py's one definition); nothing here measures or draws.
-Percentiles and medians are numpy's (linear interpolation), from one sort each. Outliers use the MAD-based
-modified z-score (as hyperfine does) with threshold OUTLIER_Z; the noise warning fires when the median absolute
-deviation of step time exceeds NOISE_MAD of the median.
+Percentiles and medians are numpy's (linear interpolation), from one sort each. A step is slow against a
+per-step cost model, not against the median step: time = a + b * scheduled tokens + c * requests, fitted by least
+squares on relative error over the measured steps (refitted FIT_PASSES times without the steps it flags); a
+step is flagged where its time over the model's, in log, has a MAD-based modified z-score (hyperfine's) over
+OUTLIER_Z. The work phases (all but read_step) and read_step (reading the trace: I/O, and for gzip the inflation
+of a 64 KiB chunk, paid by the step whose line crosses it) are modelled and reported apart. The noise warning
+fires when the median absolute deviation of step time exceeds NOISE_MAD of the median.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from kvmap.run.result import MAPPING_PHASES, ReplayResult
 
 OUTLIER_Z = 14.0  # modified z-score threshold (hyperfine's)
 NOISE_MAD = 0.25  # MAD / median above this -> noisy
+FIT_PASSES = 3  # cost-model fits, each without the steps the one before flagged
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,15 +122,65 @@ def warnings(r: ReplayResult) -> list[str]:
         if med and mad / med > NOISE_MAD:
             out.append(f"noisy timings: the median absolute deviation is {mad / med:.0%} of the median step "
                        "time; close other work or compare medians of several runs")
-        if mad:
-            z = 0.6745 * (total - med) / mad
-            outliers = np.flatnonzero(z > OUTLIER_Z)
-            if len(outliers):
-                worst = int(outliers[np.argmax(total[outliers])])
-                step = int(r.measured_steps()[worst])
-                out.append(f"{len(outliers)} outlier step(s), the worst step {step} at {total[worst] / 1e3:.0f} us "
-                           f"vs a median of {med / 1e3:.0f} us (first-touch or a busy machine: raise --warmup "
-                           "or replay again)")
+        out += _slow_step_warnings(r, m)
     if r.standin_tokens:
         out.append(f"{r.standin_tokens} input ids are stand-ins: the trace does not record sampled_token_ids")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class SlowSteps:
+    """Steps slower than the cost model explains: their indices into the measured steps, measured and modelled ns."""
+    index: np.ndarray  # [k] into the measured steps
+    ns: np.ndarray  # [k] measured
+    model_ns: np.ndarray  # [k] the cost model's
+
+
+def slow_steps(ns: np.ndarray, num_tokens: np.ndarray, num_reqs: np.ndarray) -> SlowSteps:
+    """The steps whose time `ns` [n] the cost model a + b * num_tokens + c * num_reqs does not explain (the module's
+    rule); none where the times' spread is nil."""
+    y = np.maximum(ns.astype(np.float64), 1.0)
+    x = np.column_stack([np.ones(len(y)), num_tokens.astype(np.float64), num_reqs.astype(np.float64)])
+    keep = np.ones(len(y), dtype=bool)
+    flagged = np.zeros(len(y), dtype=bool)
+    model = y
+    for _ in range(FIT_PASSES):
+        coef = np.linalg.lstsq(x[keep] / y[keep, None], np.ones(int(keep.sum())), rcond=None)[0]
+        model = np.maximum(x @ coef, 1.0)
+        excess = np.log(y / model)
+        med = median(excess[keep])
+        mad = median(np.abs(excess[keep] - med))
+        if not mad:
+            break
+        z = 0.6745 * (excess - med) / mad
+        flagged = z > OUTLIER_Z
+        keep = np.abs(z) <= OUTLIER_Z
+    index = np.flatnonzero(flagged)
+    return SlowSteps(index, ns[index], model[index])
+
+
+def _slow_step_warnings(r: ReplayResult, m: np.ndarray) -> list[str]:
+    """The slow work steps, then the slow reads, each with its worst step (the largest time over the model)."""
+    out = []
+    nr, nt = r.measured_counts()
+    steps = r.measured_steps()
+    read = r.phases.index("read_step") if "read_step" in r.phases else None
+    work = m.sum(axis=1) - (m[:, read] if read is not None else 0)
+    slow = slow_steps(work, nt, nr)
+    if len(slow.index):
+        w = int(np.argmax(slow.ns - slow.model_ns))
+        i = int(slow.index[w])
+        out.append(f"{len(slow.index)} step(s) slower than their scheduled tokens and requests explain (a per-step "
+                   f"cost model, read_step apart): the worst step {int(steps[i])} at {slow.ns[w] / 1e3:.0f} us vs "
+                   f"{slow.model_ns[w] / 1e3:.0f} us for its {int(nt[i])} tokens and {int(nr[i])} requests (a busy "
+                   "machine or first-touch: replay again; `kvmap explain --step` shows the step)")
+    if read is not None:
+        slow = slow_steps(m[:, read], nt, nr)
+        if len(slow.index):
+            w = int(np.argmax(slow.ns - slow.model_ns))
+            i = int(slow.index[w])
+            out.append(f"{len(slow.index)} step(s) slower in read_step than their size explains: I/O, not the "
+                       f"mappings (the worst step {int(steps[i])} at {slow.ns[w] / 1e3:.0f} us reading vs "
+                       f"{slow.model_ns[w] / 1e3:.0f} us; a gzip trace inflates 64 KiB chunks, each paid by the step "
+                       "that crosses it)")
     return out

@@ -2,17 +2,26 @@
 
 Rules: the reference replays first; any other backend that loads is compared step by step on the dump record
 and its KV cache is read back every step. Problems name the step, request, token and group of the first
-difference, with the chain `kvmap explain` prints for it.
+difference, with the chain `kvmap explain` prints for it. Each pass runs inside `progress(label, backend)`, a
+context giving the pass's `on_step` (the CLI's progress bar at a terminal; None: nothing drawn).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict
 
 from kvmap.errors import KvmapError
 from kvmap.trace import Trace
 from kvmap.validate import multirank
 from kvmap.validate.problems import Problem
+
+Progress = Callable[..., AbstractContextManager]  # (label, backend) -> a context giving on_step or None
+
+
+def _no_progress(label: str, backend: str | None = None) -> AbstractContextManager:
+    return nullcontext()
 
 
 def first_difference(got: dict, want: dict) -> dict:
@@ -56,7 +65,8 @@ def _chain(trace: Trace, step: int, where: dict) -> list[str]:
     return tok["links"] + [link for g in tok["groups"] for link in g["links"]]
 
 
-def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: int = 5) -> tuple[dict, list[dict]]:
+def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: int = 5,
+                    on_step: Callable[[int], None] | None = None) -> tuple[dict, list[dict]]:
     """Replay `backend` against the reference dumps `ref` with the KV canary read back every step."""
     from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
@@ -66,7 +76,8 @@ def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: i
     got: list[dict] = []
     problems: list[dict] = []
     try:
-        kv = replay(trace, ReplayConfig(verify_kv=True, nvtx=False, warmup=0), worker=worker, on_mappings=got.append)
+        kv = replay(trace, ReplayConfig(verify_kv=True, nvtx=False, warmup=0), worker=worker, on_mappings=got.append,
+                    on_step=on_step)
     except KvmapError as e:
         problems.append(asdict(Problem("conformance", f"{backend} failed: {e.message}", e.line, e.step, e.req_id,
                                        e.group, e.field)))
@@ -104,17 +115,19 @@ def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: i
             "kv_mismatches": kv.kv_mismatches}, problems
 
 
-def deep_check(trace: Trace, backends: list[str] | None = None) -> dict:
+def deep_check(trace: Trace, backends: list[str] | None = None, progress: Progress | None = None) -> dict:
     """Replay through `backends` (default: every built-in one that loads here) and compare each step with the
     reference; KV canary read back every step. A named backend that cannot load is a problem, not a skip."""
     from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
     from kvmap.workers.registry import BACKENDS
 
+    progress = progress or _no_progress
     ref: list[dict] = []
     try:
-        r = replay(trace, ReplayConfig(backend="reference", write_kv=False, nvtx=False, warmup=0),
-                   on_mappings=ref.append)
+        with progress("reference", "reference") as on_step:
+            r = replay(trace, ReplayConfig(backend="reference", write_kv=False, nvtx=False, warmup=0),
+                       on_mappings=ref.append, on_step=on_step)
     except KvmapError as e:
         return {"backends": {}, "skipped": {}, "problems": [asdict(Problem(
             "schema", f"replay failed: {e.message}", e.line, e.step, e.req_id, e.group, e.field))]}
@@ -123,7 +136,8 @@ def deep_check(trace: Trace, backends: list[str] | None = None) -> dict:
     problems: list[dict] = []
     for backend in backends or [b for b in BACKENDS if b != "reference"]:
         try:
-            summary, found = compare_backend(trace, backend, ref)
+            with progress(f"{backend} vs the reference", backend) as on_step:
+                summary, found = compare_backend(trace, backend, ref, on_step=on_step)
         except KvmapError as e:  # not installed, or needs an environment (triton on CPU: TRITON_INTERPRET=1)
             if backends:
                 raise

@@ -112,7 +112,7 @@ class _Pass:
 
 
 def validate(trace: Trace, max_problems: int | None = None, deep: bool = False,
-             backends: list[str] | None = None) -> ValidationReport:
+             backends: list[str] | None = None, progress=None) -> ValidationReport:
     """Every problem of `trace`; with `deep`, also replay `backends` (default: all) against the reference."""
     report = ValidationReport(trace=trace.name)
     warn = trace.warn
@@ -140,7 +140,7 @@ def validate(trace: Trace, max_problems: int | None = None, deep: bool = False,
     if deep and report.valid:
         from kvmap.validate.deep import deep_check
 
-        report.deep = deep_check(trace, backends)
+        report.deep = deep_check(trace, backends, progress)
         if report.deep["problems"]:
             report.problems.extend(Problem(**p) for p in report.deep["problems"])
     return report
