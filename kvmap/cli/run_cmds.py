@@ -55,6 +55,10 @@ ReorderOpt = Annotated[Optional[int], typer.Option("--reorder-threshold", help="
                                                    "backend's reorder_batch_threshold (decode-first regions; "
                                                    "FlashAttention sets none).", min=1, rich_help_panel="Backend")]
 
+RunsOpt = Annotated[int, typer.Option("--runs", metavar="N", help="Replay N times, each with a fresh worker and KV "
+                                      "cache; the summary adds each phase's mean +- sigma over the runs' medians "
+                                      "(other figures: the last run).", min=1, rich_help_panel="Window")]
+
 
 @user_errors
 def replay(
@@ -65,9 +69,7 @@ def replay(
     batch_order: BatchOrderOpt = "mrv2",
     reorder_threshold: ReorderOpt = None,
     warmup: WarmupOpt = defaults.WARMUP,
-    runs: Annotated[int, typer.Option("--runs", metavar="N", help="Replay N times, each with a fresh worker and KV "
-                                      "cache; the summary adds each phase's mean +- sigma over the runs' medians "
-                                      "(other figures: the last run).", min=1, rich_help_panel="Window")] = 1,
+    runs: RunsOpt = 1,
     verify_kv: Annotated[bool, typer.Option("--verify-kv", help="Read back every scheduled request's "
                                             "readable context from the KV cache each step and check it bit "
                                             "for bit.", rich_help_panel="KV cache")] = False,

@@ -10,6 +10,9 @@ re-render a saved run. Times are integer nanoseconds (`*_ns`); statistics are de
   recorded steps inside it). Every count, mean and rate of the summary,
   `--json`, `--csv` and `report` is over the measured steps; only `steps_replayed` and the KV check's
   `kv_checked` count every replayed step.
+- A saved run carries what produced it (`provenance`, provenance.py), the summary's percentiles and, with
+  `--runs N`, every run's per-phase medians (`runs_p50_us`, runs.py); runs saved before these have none, and
+  load: a missing field takes its default, an unknown key is ignored.
 """
 
 from __future__ import annotations
