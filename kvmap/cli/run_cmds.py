@@ -119,8 +119,7 @@ def replay(
     if device != "cpu" and backend is None:
         backend = "triton"
     backend = backend or default_backend()
-    start, stop = parse_steps(steps)
-    qs = parse_percentiles(percentiles)
+    (start, stop), qs = parse_steps(steps), parse_percentiles(percentiles)
     trace = resolve_trace(trace)
     outputs = {"--dump-mappings": dump_mappings, "--json": json_out, "--csv": csv_out, "--trace-out": trace_out}
     to_stdout = check_outputs(outputs, [trace])
