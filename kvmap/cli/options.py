@@ -1,5 +1,5 @@
-"""The options several commands share (the trace, the step window, the warm-up, the backend) and `--steps`'s
-one parser.
+"""The options several commands share (the trace, the step window, the warm-up, the backend, the percentiles)
+and the one parser of `--steps` and of `--percentiles`.
 
 Rules: an option shared by two commands is stated once, here, so that its name, help and default cannot drift
 between them; a bad `--steps` is a located `KvmapError` naming the option.
@@ -15,7 +15,10 @@ import typer
 from kvmap.errors import KvmapError
 from kvmap.workers.registry import BUILTIN
 
-__all__ = ["BACKEND_HELP", "BackendOpt", "StepsOpt", "TraceArg", "WarmupOpt", "parse_steps"]
+__all__ = ["BACKEND_HELP", "BackendOpt", "PercentilesOpt", "StepsOpt", "TraceArg", "WarmupOpt", "parse_percentiles",
+           "parse_steps"]
+
+MAX_PERCENTILES = 5  # columns the phase table can hold at 80 columns
 
 
 def parse_steps(spec: str | None) -> tuple[int, int | None]:
@@ -33,6 +36,21 @@ def parse_steps(spec: str | None) -> tuple[int, int | None]:
     if start < 0 or (stop is not None and stop <= start):
         raise KvmapError(f"needs 0 <= START < END, got {spec!r}", field="--steps")
     return start, stop
+
+
+def parse_percentiles(spec: str | None) -> list[float] | None:
+    """`50,90,99` -> [50, 90, 99] (each in 0..100, at most MAX_PERCENTILES, no repeats); None: the default."""
+    if spec is None:
+        return None
+    try:
+        qs = [float(x) for x in spec.split(",")]
+    except ValueError:
+        raise KvmapError(f"expected percentiles separated by commas (e.g. 50,90,99.9), got {spec!r}",
+                         field="--percentiles") from None
+    if not 1 <= len(qs) <= MAX_PERCENTILES or not all(0 <= q <= 100 for q in qs) or len(set(qs)) != len(qs):
+        raise KvmapError(f"needs 1 to {MAX_PERCENTILES} different percentiles in 0..100, got {spec!r}",
+                         field="--percentiles")
+    return [int(q) if q.is_integer() else q for q in qs]
 
 
 def complete_trace(incomplete: str) -> list[str]:
@@ -70,3 +88,7 @@ BackendOpt = Annotated[Optional[str], typer.Option("--backend", "-b", metavar="N
                                                    "your own as module:Class or file.py:Class (a subclass of "
                                                    "kvmap.workers.contract.Worker), or a kvmap.backends entry point.",
                                                    show_default=False, rich_help_panel="Backend")]
+PercentilesOpt = Annotated[Optional[str], typer.Option("--percentiles", metavar="P,P", help="The percentiles "
+                                                       "of the phase table and --json (default 50,90,99; at most "
+                                                       f"{MAX_PERCENTILES}, each 0..100).", show_default=False,
+                                                       rich_help_panel="Outputs")]

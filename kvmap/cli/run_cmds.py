@@ -15,7 +15,8 @@ import typer
 
 from kvmap.cli.console import ProgressBar, Spinner, err, out
 from kvmap.cli.guard import user_errors
-from kvmap.cli.options import BackendOpt, StepsOpt, TraceArg, WarmupOpt, parse_steps
+from kvmap.cli.options import (BackendOpt, PercentilesOpt, StepsOpt, TraceArg, WarmupOpt, parse_percentiles,
+                               parse_steps)
 from kvmap import defaults
 from kvmap.errors import KvmapError
 
@@ -24,6 +25,7 @@ EXAMPLES = {
     "replay": """
 Examples:
   kvmap replay long_mixed --steps 100:200
+  kvmap replay long_mixed --runs 5 --percentiles 50,99
   kvmap replay spec_decode --verify-kv -b numpy
   kvmap replay dcp2 --dump-mappings - -q | head -1""",
     "profile": """
@@ -39,7 +41,8 @@ Examples:
 Examples:
   kvmap replay long_mixed -b numba --json a.json -q
   kvmap replay long_mixed -b numpy --json b.json -q
-  kvmap compare a.json b.json""",
+  kvmap compare a.json b.json
+  (with --runs 5 on both: the ratio's uncertainty)""",
 }
 
 
@@ -52,6 +55,10 @@ ReorderOpt = Annotated[Optional[int], typer.Option("--reorder-threshold", help="
                                                    "backend's reorder_batch_threshold (decode-first regions; "
                                                    "FlashAttention sets none).", min=1, rich_help_panel="Backend")]
 
+RunsOpt = Annotated[int, typer.Option("--runs", metavar="N", help="Replay N times, each with a fresh worker and KV "
+                                      "cache; the summary adds each phase's mean +- sigma over the runs' medians "
+                                      "(other figures: the last run).", min=1, rich_help_panel="Window")]
+
 
 @user_errors
 def replay(
@@ -62,6 +69,7 @@ def replay(
     batch_order: BatchOrderOpt = "mrv2",
     reorder_threshold: ReorderOpt = None,
     warmup: WarmupOpt = defaults.WARMUP,
+    runs: RunsOpt = 1,
     verify_kv: Annotated[bool, typer.Option("--verify-kv", help="Read back every scheduled request's "
                                             "readable context from the KV cache each step and check it bit "
                                             "for bit.", rich_help_panel="KV cache")] = False,
@@ -90,6 +98,7 @@ def replay(
                                            rich_help_panel="Outputs")] = True,
     nvtx_capture: Annotated[bool, typer.Option("--nvtx-capture", hidden=True,
                                                help="Wrap the measured steps in the kvmap_capture range.")] = False,
+    percentiles: PercentilesOpt = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no summary.", rich_help_panel="Outputs")] = False,
     rank: Annotated[Optional[int], typer.Option("--rank", help="DCP traces: compute only this decode context "
                                                 "parallel rank (default: every rank, in this process).",
@@ -110,7 +119,7 @@ def replay(
     if device != "cpu" and backend is None:
         backend = "triton"
     backend = backend or default_backend()
-    start, stop = parse_steps(steps)
+    (start, stop), qs = parse_steps(steps), parse_percentiles(percentiles)
     trace = resolve_trace(trace)
     outputs = {"--dump-mappings": dump_mappings, "--json": json_out, "--csv": csv_out, "--trace-out": trace_out}
     to_stdout = check_outputs(outputs, [trace])
@@ -123,11 +132,14 @@ def replay(
     if rank is not None and rank >= cp:
         raise KvmapError(f"the trace has {cp} DCP rank(s): --rank must be below that", field="--rank")
     if nproc is not None:
+        if runs > 1:
+            raise KvmapError("--runs repeats a replay in this process; with --nproc, run the command again",
+                             field="--runs")
         _finish(_launch(trace, cp, nproc, rank, config, dump_mappings), None if quiet else out, json_out, csv_out,
-                trace_out)
+                trace_out, qs)
         return
-    result = _replay_here(t, config, dump_mappings, progress)
-    _finish(result, None if quiet else (err if to_stdout else out), json_out, csv_out, trace_out)
+    result = _replay_runs(t, config, dump_mappings, progress, runs)
+    _finish(result, None if quiet else (err if to_stdout else out), json_out, csv_out, trace_out, qs)
 
 
 def _check_replay_options(no_kv: bool, verify_kv: bool, batch_order: str) -> None:
@@ -158,6 +170,20 @@ def _launch(trace: Path, cp: int, nproc: int, rank: int | None, config, dump_map
                   reorder_batch_threshold=config.reorder_batch_threshold)
 
 
+def _replay_runs(t, config, dump_mappings: Path | None, progress: bool, runs: int):
+    """`--runs N`: N replays in this process, each with a fresh worker and KV cache (and its own warm-up); the
+    last run's result, carrying every run's per-phase medians; the dump is the last run's."""
+    from kvmap.run.runs import run_medians
+
+    medians = []
+    for k in range(runs):
+        result = _replay_here(t, config, dump_mappings if k == runs - 1 else None, progress)
+        medians.append(run_medians(result))
+    if runs > 1:
+        result.runs_p50_us = medians
+    return result
+
+
 def _replay_here(t, config, dump_mappings: Path | None, progress: bool):
     """The replay in this process; the dump is renamed into place only if the whole replay succeeds."""
     from kvmap.files import atomic_open
@@ -175,10 +201,16 @@ def _replay_here(t, config, dump_mappings: Path | None, progress: bool):
             return run_replay(t, config, on_mappings=on_mappings if dump_file else None, on_step=advance)
 
 
-def _finish(result, console, json_out, csv_out, trace_out) -> None:
-    """Render the summary (unless `console` is None), write the outputs asked for; exit 1 on KV mismatches."""
+def _finish(result, console, json_out, csv_out, trace_out, percentiles: list[float] | None = None) -> None:
+    """Record what produced the run and the percentiles asked for; render the summary (unless `console` is None),
+    write the outputs asked for; exit 1 on KV mismatches."""
     from kvmap.files import write_json, write_text
     from kvmap.render.report import render_summary, summary_dict, to_chrome_trace, to_csv
+    from kvmap.run.provenance import provenance
+
+    result.provenance = provenance()
+    if percentiles:
+        result.percentiles = percentiles
 
     if console is not None:
         render_summary(result, console)
@@ -209,6 +241,9 @@ def profile(
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for nsys (the profiled replay, "
                                            "then nsys stats) before giving up.", min=1,
                                            rich_help_panel="Nsight Systems")] = defaults.NSYS_TIMEOUT_S,
+    force_overwrite: Annotated[bool, typer.Option("--force-overwrite", help="Replace an existing report (as nsys's "
+                                                  "own option; without it an existing report is refused).",
+                                                  rich_help_panel="Outputs")] = False,
 ) -> None:
     """Replay under Nsight Systems (NVTX + OS runtime, CUDA on a GPU) and show its NVTX ranges per phase beside
     kvmap's own timings."""
@@ -227,6 +262,7 @@ def profile(
     written = output.with_name(output.name + ".trace.json") if builtin else rep
     if check_outputs({"--output": written}, [trace_path]) or output_kind(written) != "file":
         raise KvmapError("profile writes a report file: give a file name", path=str(written), field="--output")
+    P.check_overwrite(written, force_overwrite)
     from kvmap.run.result import empty_window_error, warmup_window
 
     warmup_window(start, stop, warmup)  # a warm-up that does not fit is an error before nsys starts
@@ -270,14 +306,19 @@ def report(
     result: Annotated[Path, typer.Argument(help="A run saved with `kvmap replay --json`.")],
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per step and phase.")] = None,
     trace_out: Annotated[Optional[Path], typer.Option("--trace-out", help="Also write a Chrome trace.")] = None,
+    percentiles: PercentilesOpt = None,
 ) -> None:
-    """Re-render a saved run: the same summary `kvmap replay` printed."""
+    """Re-render a saved run: what produced it (kvmap version, date, command line, host), then the same summary
+    `kvmap replay` printed."""
     from kvmap.files import check_outputs, write_json, write_text
     from kvmap.render.report import render_summary, to_chrome_trace, to_csv
 
+    qs = parse_percentiles(percentiles)
     to_stdout = check_outputs({"--csv": csv_out, "--trace-out": trace_out}, [result])
     r = _load_result(result)
-    render_summary(r, err if to_stdout else out)
+    if qs:
+        r.percentiles = qs
+    render_summary(r, err if to_stdout else out, produced_by=True)
     if csv_out:
         write_text(csv_out, to_csv(r))
     if trace_out:

@@ -18,17 +18,28 @@ def render_compare(d: dict, console: Console, names: tuple[str, str]) -> None:
         say(console, Text.assemble(("warning: the runs did different work: ", "bold yellow"), safe(diff)))
     table = fit_table(console, Text(f"B / A per phase (A = {safe(names[0])}, B = {safe(names[1])}; below 1.00 "
                                     "means B is faster)"))
-    for col in ("phase", "A p50 us", "B p50 us", "B/A p50", "A mean us", "B mean us", "B/A mean"):
-        table.add_column(col, justify="left" if col == "phase" else "right", no_wrap=col == "phase")
+    runs = d["a"].get("runs", 1) > 1 or d["b"].get("runs", 1) > 1
+    unit = "" if runs else " us"  # with runs the ratio's cell is wider: the unit goes to the caption
+    for col in ("phase", f"A p50{unit}", f"B p50{unit}", "B/A p50", f"A mean{unit}", f"B mean{unit}", "B/A mean"):
+        table.add_column(col, justify="left" if col == "phase" else "right", no_wrap=col in ("phase", "B/A p50"))
 
     def fmt(x):
         return "n/a" if x is None else f"{x:.2f}"
 
     for name, row in d["phases"].items():
-        table.add_row(name, f"{row['a_p50_us']:.1f}", f"{row['b_p50_us']:.1f}", fmt(row["ratio_p50"]),
-                      f"{row['a_mean_us']:.1f}", f"{row['b_mean_us']:.1f}", fmt(row["ratio_mean"]),
+        if runs and row.get("ratio_runs"):  # the runs' mean medians and the ratio with its uncertainty
+            p50 = (f"{row['a_runs_p50_us'][0]:.1f}", f"{row['b_runs_p50_us'][0]:.1f}",
+                   "{:.2f} +- {:.2f}".format(*row["ratio_runs"]))
+        else:
+            p50 = (f"{row['a_p50_us']:.1f}", f"{row['b_p50_us']:.1f}", fmt(row["ratio_p50"]))
+        table.add_row(name, *p50, f"{row['a_mean_us']:.1f}", f"{row['b_mean_us']:.1f}", fmt(row["ratio_mean"]),
                       style="bold" if name in ("mappings", "step") else None)
+    if runs:
+        table.caption = (f"us; p50: mean of the runs' medians (A {d['a']['runs']} runs, B {d['b']['runs']}), B/A "
+                         "with its uncertainty; mean: the last run's")
     console.print(table)
+    if d.get("verdict"):
+        say(console, Text.assemble(("step: ", "bold"), d["verdict"]))
     for key, label in (("a", "A"), ("b", "B")):
         for w in d[key]["warnings"]:
             say(console, Text.assemble((f"warning: {label}: ", "yellow"), safe(w)))

@@ -18,7 +18,9 @@ import numpy as np
 
 from kvmap.render.text import fit_table, safe, say
 from kvmap.run.result import ReplayResult
-from kvmap.run.stats import median, percentiles, phase_stats, step_span, steps_text, warnings
+from kvmap.run.provenance import csv_header, provenance_lines
+from kvmap.run.runs import runs_stats
+from kvmap.run.stats import median, percentiles, phase_percentiles, phase_stats, step_span, steps_text, warnings
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
@@ -65,15 +67,33 @@ def summary_dict(r: ReplayResult) -> dict:
                                   for i, p in enumerate(r.phases)} if r.device_phase_ns.size else None),
         "kv": {"bytes": r.kv_bytes, "geometry": r.kv_geometry, "verified": r.kv_verified,
                "checked": r.kv_checked, "mismatches": r.kv_mismatches},
-        "phases": {s.name: {"mean_us": s.mean_us, "p50_us": s.p50_us, "p90_us": s.p90_us, "p99_us": s.p99_us,
-                            "min_us": s.min_us, "max_us": s.max_us, "total_ms": s.total_ms, "share": s.share}
-                   for s in phase_stats(r)},
+        "phases": _phases_dict(r),
+        **({"runs": runs_dict(r)} if r.runs_p50_us else {}),
         "warnings": warnings(r),
         **({"ranks": rank_dict(r)} if r.cp_size > 1 or r.kernel_block_sizes or r.world_size > 1 else {}),
     }
 
 
+def percentile_name(q: float) -> str:
+    """`p50`, `p99.9`: a percentile's column and key."""
+    return f"p{q:g}"
 
+
+def _phases_dict(r: ReplayResult) -> dict:
+    """Per phase (then mappings, step): mean, the run's percentiles (`--percentiles`), min, max, total, share."""
+    qs = phase_percentiles(r, r.percentiles)
+    return {s.name: {"mean_us": s.mean_us, **{f"{percentile_name(q)}_us": v for q, v in zip(r.percentiles, qs[s.name])},
+                     "min_us": s.min_us, "max_us": s.max_us, "total_ms": s.total_ms, "share": s.share}
+            for s in phase_stats(r)}
+
+
+def runs_dict(r: ReplayResult) -> dict:
+    """`--runs N`: every run's per-phase medians and, per phase, their mean +- sigma (run/runs.py)."""
+    return {"count": len(r.runs_p50_us), "scope": "per run, the median of its measured steps; mean and sample "
+            "standard deviation over the runs; the per-step figures elsewhere are the last run's",
+            "p50_us": r.runs_p50_us,
+            "phases": {name: {"mean_us": x.mean, "sigma_us": x.sigma, "min_us": x.min, "max_us": x.max}
+                       for name, x in runs_stats(r).items()}}
 
 
 def rank_dict(r: ReplayResult) -> dict:
@@ -119,17 +139,22 @@ def render_ranks(r: ReplayResult, console: Console) -> None:
     console.print(t)
 
 
-def render_summary(r: ReplayResult, console: Console) -> None:
-    """The summary: its lines, the per-rank tables (multi-rank runs), the phase table, the device table (CUDA
-    events), its notes."""
+def render_summary(r: ReplayResult, console: Console, produced_by: bool = False) -> None:
+    """The summary: what produced the run (`produced_by`: `kvmap report`), its lines, the per-rank tables
+    (multi-rank runs), the phase table, the runs' table (`--runs N`), the device table (CUDA events), its notes."""
     from rich.text import Text
 
     s = summary_dict(r)
+    if produced_by:
+        for key, text in provenance_lines(r.provenance):
+            say(console, Text.assemble((f"{key:<12}", "bold"), safe(text)))
     for parts in _summary_lines(r, s):
         say(console, Text.assemble(*parts))
     if r.cp_size > 1 or r.kernel_block_sizes or r.world_size > 1:
         render_ranks(r, console)
     console.print(_phase_table(r, console))
+    if r.runs_p50_us:
+        console.print(_runs_table(r, console))
     if r.device_phase_ns.size:
         console.print(_device_table(r, console))
     for parts in _summary_notes(r, s):
@@ -151,6 +176,9 @@ def _summary_lines(r: ReplayResult, s: dict) -> list[list[tuple[str, str | None]
         g = r.kv_geometry
         head.append(("KV cache", f"{r.kv_bytes / 2**20:.1f} MiB ({g.get('num_kv_heads')} heads x "
                                  f"{g.get('head_size')} x {g.get('dtype')} per token, K and V, per group)"))
+    if r.runs_p50_us:
+        head.insert(3, ("runs", f"{len(r.runs_p50_us)}, each with a fresh worker and KV cache in this process; "
+                                "the table of runs is over their medians, every other figure is the last run's"))
     lines = [[(f"{key:<12}", "bold"), (value, None)] for key, value in head]
     if r.kv_verified:
         verdict = ("0 mismatches", "green") if not r.kv_mismatches else (f"{r.kv_mismatches} mismatches", "red")
@@ -181,18 +209,36 @@ def _phase_table(r: ReplayResult, console: Console) -> Table:
     from rich.text import Text
 
     table = fit_table(console, "time per measured step (us)", "mappings = the four mapping phases; step = all phases")
-    for col in ("phase", "mean", "p50", "p90", "p99", "min", "max", "total ms", "share"):
+    qcols = [percentile_name(q) for q in r.percentiles]
+    for col in ("phase", "mean", *qcols, "min", "max", "total ms", "share"):
         if col == "phase":
             table.add_column(Text(col), justify="left", no_wrap=True, min_width=len("prepare_inputs"),
                              overflow="ellipsis")
         else:
             table.add_column(Text(col), justify="right", overflow="fold")
+    qs = phase_percentiles(r, r.percentiles)
     for st in phase_stats(r):
-        cells = (st.name, f"{st.mean_us:.1f}", f"{st.p50_us:.1f}", f"{st.p90_us:.1f}", f"{st.p99_us:.1f}",
+        cells = (st.name, f"{st.mean_us:.1f}", *(f"{v:.1f}" for v in qs[st.name]),
                  f"{st.min_us:.1f}", f"{st.max_us:.1f}", f"{st.total_ms:.2f}",
                  "" if st.name == "step" else f"{st.share:.0%}")
         table.add_row(*map(Text, cells), style="bold" if st.name in ("mappings", "step") else None,
                       end_section=st.name == r.phases[-1])
+    return table
+
+
+def _runs_table(r: ReplayResult, console: Console) -> Table:
+    """`--runs N`: per phase, the mean +- sigma of the runs' medians (hyperfine's form), their min and max."""
+    from rich.text import Text
+
+    n = len(r.runs_p50_us)
+    table = fit_table(console, f"median per measured step over {n} runs", "sigma: sample standard deviation")
+    for col in ("phase", "mean +- sigma", "min", "max", "sigma/mean"):
+        table.add_column(Text(col), justify="left" if col == "phase" else "right", no_wrap=True)
+    for name, x in runs_stats(r).items():
+        k = 1 if x.mean >= 10 else 2  # decimals: a sigma of a few ns still shows
+        table.add_row(*map(Text, (name, f"{x.mean:.{k}f} us +- {x.sigma:.{k}f}", f"{x.min:.{k}f} us",
+                                  f"{x.max:.{k}f} us", f"{x.sigma / x.mean:.1%}" if x.mean else "")),
+                      style="bold" if name in ("mappings", "step") else None, end_section=name == r.phases[-1])
     return table
 
 
@@ -211,8 +257,10 @@ def _device_table(r: ReplayResult, console: Console) -> Table:
 
 
 def to_csv(r: ReplayResult) -> str:
-    """One row per measured-or-warm-up step and phase."""
-    buf = io.StringIO()
+    """What produced the run as `# key: value` comment lines (provenance.py `csv_header`), then one row per
+    measured-or-warm-up step and phase."""
+    buf = io.StringIO(csv_header(r.provenance))
+    buf.seek(0, io.SEEK_END)
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["step", "warmup", "num_reqs", "num_tokens", "phase", "ns"])
     for i, (step, nr, nt, row) in enumerate(zip(r.steps.tolist(), r.num_reqs.tolist(), r.num_tokens.tolist(),

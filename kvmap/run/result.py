@@ -10,6 +10,9 @@ re-render a saved run. Times are integer nanoseconds (`*_ns`); statistics are de
   recorded steps inside it). Every count, mean and rate of the summary,
   `--json`, `--csv` and `report` is over the measured steps; only `steps_replayed` and the KV check's
   `kv_checked` count every replayed step.
+- A saved run carries what produced it (`provenance`, provenance.py), the summary's percentiles and, with
+  `--runs N`, every run's per-phase medians (`runs_p50_us`, runs.py); runs saved before these have none, and
+  load: a missing field takes its default, an unknown key is ignored.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ PHASES = (
     "cross_rank",  # distributed: the cross-rank invariants, checked with collectives
 )
 MAPPING_PHASES = ("batch_order", "prepare_inputs", "block_tables", "slot_mappings")
+DEFAULT_PERCENTILES = (50, 90, 99)  # the summary's percentile columns unless --percentiles says otherwise
 
 
 def warmup_window(start: int, stop: int | None, warmup: int, prewarm: bool = True) -> tuple[int, int]:
@@ -115,6 +119,12 @@ class ReplayResult:
     rank_broadcast_p50_ns: list[int] = field(default_factory=list)  # [ranks] distributed: median broadcast per step
     machine: dict = field(default_factory=lambda: {"python": platform.python_version(),
                                                     "machine": platform.machine(), "processor": cpu_model()})
+    # what produced the run (provenance.py): {kvmap, date, argv, host}; {} in runs saved before it was recorded
+    provenance: dict = field(default_factory=dict)
+    percentiles: list[float] = field(default_factory=lambda: list(DEFAULT_PERCENTILES))  # the summary's columns
+    # `--runs N` (N > 1): per run, in run order, {phase (and mappings, step): median per measured step, us}; this
+    # result's per-step arrays are the last run's
+    runs_p50_us: list[dict] = field(default_factory=list)
 
     # ------------------------------------------------------------------ derived
 
@@ -155,6 +165,8 @@ class ReplayResult:
                 _check_field(k, kw[k], f.type)
             elif k not in kw and f.default is MISSING and f.default_factory is MISSING:
                 raise KvmapError("missing", field=k)
+        if not all(0 <= q <= 100 for q in kw.get("percentiles", DEFAULT_PERCENTILES)):
+            raise KvmapError("percentiles must lie in 0..100", field="percentiles")
         if not kw["phases"] or len(set(kw["phases"])) != len(kw["phases"]):
             raise KvmapError("must name each phase once, at least one", field="phases")
         for k, keys in (("groups", _GROUP_KEYS), ("kv_examples", _EXAMPLE_KEYS)):

@@ -69,16 +69,27 @@ def _stats(name: str, ns: np.ndarray, step_total_ns: float) -> PhaseStats:
                       float(us.max()), float(ns.sum() / 1e6), float(ns.sum() / step_total_ns) if step_total_ns else 0.0)
 
 
-def phase_stats(r: ReplayResult) -> list[PhaseStats]:
-    """Per phase, then `mappings` (the four mapping phases) and `step` (all phases)."""
+def phase_series(r: ReplayResult) -> list[tuple[str, np.ndarray]]:
+    """(name, [measured steps] ns) per phase, then `mappings` (the four mapping phases) and `step` (all phases)."""
     m = r.measured()
     total = m.sum(axis=1) if len(m) else np.zeros(0, dtype=np.int64)
-    all_ns = float(total.sum())
-    rows = [_stats(p, m[:, i], all_ns) for i, p in enumerate(r.phases)]
+    rows = [(p, m[:, i]) for i, p in enumerate(r.phases)]
     mi = [r.phases.index(p) for p in MAPPING_PHASES if p in r.phases]
-    rows.append(_stats("mappings", m[:, mi].sum(axis=1) if len(m) else total, all_ns))
-    rows.append(_stats("step", total, all_ns))
+    rows.append(("mappings", m[:, mi].sum(axis=1) if len(m) else total))
+    rows.append(("step", total))
     return rows
+
+
+def phase_stats(r: ReplayResult) -> list[PhaseStats]:
+    """Per phase, then `mappings` (the four mapping phases) and `step` (all phases)."""
+    series = phase_series(r)
+    all_ns = float(series[-1][1].sum())
+    return [_stats(name, ns, all_ns) for name, ns in series]
+
+
+def phase_percentiles(r: ReplayResult, qs) -> dict[str, list[float]]:
+    """{name: [the q-th percentile of the measured steps, us, for q in qs]}, in phase_series's order."""
+    return {name: (percentiles(ns / 1e3, qs) if len(ns) else [0.0] * len(qs)) for name, ns in phase_series(r)}
 
 
 def window_text(r: ReplayResult) -> str:
