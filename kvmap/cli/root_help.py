@@ -36,7 +36,8 @@ COMMANDS = (
     ("replay", "Replay a trace step by step: every index mapping, a real paged KV cache, a timing summary."),
     ("profile", "Replay under Nsight Systems (NVTX + OS runtime, CUDA on a GPU) and show its NVTX ranges per "
                 "phase beside kvmap's own timings."),
-    ("report", "Re-render a saved run: the same summary `kvmap replay` printed."),
+    ("report", "Re-render a saved run: what produced it (kvmap version, date, command line, host), then the same "
+               "summary `kvmap replay` printed."),
     ("compare", "Per-phase ratios B / A of two saved runs of the same work (two backends, two machines, two "
                 "versions)."),
 )
