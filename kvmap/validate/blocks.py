@@ -126,3 +126,12 @@ def context_start(grp, nc: int) -> int:
     if grp.kind == "chunked_local":
         return nc - nc % grp.attention_chunk_size
     return 0
+
+
+def still_held(grp, span: int, reach: int | None, j: int) -> bool:
+    """Whether a live holder certainly still holds logical block j of group `grp`: full attention holds every
+    block; a window or chunk frees those before its context start, taken at `reach`, the latest
+    `num_computed_tokens` the holder can reach this step (None: unknown, so never a false alarm)."""
+    if grp.kind == "full_attention":
+        return True
+    return reach is not None and j >= context_start(grp, reach) // span

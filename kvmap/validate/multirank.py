@@ -32,7 +32,7 @@ def block_spans(h) -> list[int | None]:
 
 
 def header_problems(h) -> list[tuple[str, int | None, str]]:
-    """(message, group, field) for every multi-rank header rule that fails."""
+    """(message, group, field) for every header rule that fails: the multi-rank rules, then the block sizes."""
     out = []
     cp, I = h.decode_context_parallel_size, h.cp_kv_cache_interleave_size
     for i, g in enumerate(h.kv_cache_groups):
@@ -42,6 +42,12 @@ def header_problems(h) -> list[tuple[str, int | None, str]]:
         if g.kernel_block_size and g.block_size % g.kernel_block_size:
             out.append((f"kernel_block_size {g.kernel_block_size} does not divide block_size {g.block_size}", i,
                         f"kv_cache_groups[{i}].kernel_block_size"))
+    for i, g in enumerate(h.kv_cache_groups):
+        if h.block_size % g.block_size and g.uses_slot_mapping:
+            out.append((f"scheduler block_size {h.block_size} is not a multiple of group {i}'s block_size "
+                        f"{g.block_size}", i, "kv_cache_groups.block_size"))
+    if h.max_model_len < h.block_size:
+        out.append(("max_model_len is shorter than one block", None, "max_model_len"))
     return out
 
 

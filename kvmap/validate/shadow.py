@@ -11,23 +11,22 @@ Rules:
   holds it in another is a `group_conflict` (blocks.py `PoolHolders`). vLLM frees a request once, so an id
   listed in `finished_req_ids` again after it finished is `finished_twice` (replay ignores it, as vLLM's
   workers ignore finished ids they hold no row for).
-- Zero false alarms on real traces: every rule is vLLM 0.33 behaviour (docs/trace-format.md). Prefix caching shares
-  full-attention blocks between live requests that hold the same tokens at the same positions (one may still
-  be computing them); sliding-window rows keep stale ids outside the window; rejected drafts and preemption
-  are the only reasons `num_computed_tokens` goes back.
+- Zero false alarms on real traces: every rule is vLLM 0.33 behaviour (docs/trace-format.md). Prefix caching
+  shares full-attention blocks between live requests holding the same tokens at the same positions; sliding
+  windows keep stale ids; only rejected drafts and preemption move `num_computed_tokens` back.
 - No torch, no numpy arrays in the loop: validate starts fast and never needs the KV cache unless `--deep`.
 """
 
 from __future__ import annotations
 
 from kvmap.trace import Step, TraceHeader
-from kvmap.validate.blocks import BlockOwners, PoolHolders, context_start
+from kvmap.validate.blocks import BlockOwners, PoolHolders, context_start, still_held
 from kvmap.validate import continuation, model_output, multirank
 from kvmap.validate.problems import KINDS, Problem
 from kvmap.validate.salvage import read_bad_line
 
 
-class StopValidation(Exception):
+class StopValidation(Exception):  # --max-problems reached
     pass
 
 
@@ -83,15 +82,8 @@ class Validator:
             raise StopValidation
 
     def _check_header(self) -> None:
-        h = self.h
-        for msg, grp, fld in multirank.header_problems(h):
+        for msg, grp, fld in multirank.header_problems(self.h):
             self.add("header", msg, line=1, group=grp, field=fld)
-        for i, g in enumerate(h.kv_cache_groups):
-            if h.block_size % g.block_size and g.uses_slot_mapping:
-                self.add("header", f"scheduler block_size {h.block_size} is not a multiple of group {i}'s "
-                         f"block_size {g.block_size}", line=1, group=i, field="kv_cache_groups.block_size")
-        if h.max_model_len < h.block_size:
-            self.add("header", "max_model_len is shorter than one block", line=1, field="max_model_len")
 
     # ------------------------------------------------------------------ blocks
 
@@ -103,24 +95,17 @@ class Validator:
                 self.pool.release(g, req_id, ids)
 
     def _held(self, g: int, other: str, j: int) -> bool:
-        """Whether live request `other` certainly still holds logical block j of group g: full attention holds
-        every block; a window or chunk frees those before its context start, taken at the latest
-        `num_computed_tokens` this step can reach (drafts and the step's tokens included: never a false alarm)."""
+        """Whether live request `other` certainly still holds logical block j of group g (blocks.still_held, at
+        the furthest it can reach this step: its expected start, the step's tokens and every draft)."""
         o = self.reqs.get(other)
         if o is None or not o.live or other in self.uncertain:
             return False
-        grp = self.h.kv_cache_groups[g]
-        if grp.kind == "full_attention":
-            return True
-        if o.expected_nc is None:
-            return False
-        nc = o.expected_nc + self.scheduled.get(other, 0) + self.h.num_speculative_tokens
-        return j >= context_start(grp, nc) // self.spans[g]
+        reach = None if o.expected_nc is None else \
+            o.expected_nc + self.scheduled.get(other, 0) + self.h.num_speculative_tokens
+        return still_held(self.h.kv_cache_groups[g], self.spans[g], reach, j)
 
     def _peer(self, other: str) -> list[int] | None:
-        if other in self.uncertain:
-            return None
-        o = self.reqs.get(other)
+        o = None if other in self.uncertain else self.reqs.get(other)
         return o.tokens if o is not None and o.live else None
 
     def _claim(self, step: Step, req_id: str, req: _Req, g: int, start: int, field_name: str) -> None:
@@ -147,11 +132,10 @@ class Validator:
     # ------------------------------------------------------------------ steps
 
     def salvage(self, obj: object, mentioned: set[str], line: int, step_idx: int) -> None:
-        """A step line that did not parse: its well-formed parts (salvage.py) still count. Finished and preempted
-        ids are applied (so a bad field elsewhere cannot cause false double allocations later); cached ids the
-        model does not know are reported as on a parsed line; appended blocks and sampled tokens are followed.
-        What it hid stops being checked: requests it added or resumed, or with nothing usable, become uncertain
-        until they finish or are added again; the others skip their next num_computed_tokens check."""
+        """A line that did not parse: its well-formed parts (salvage.py) count (finished and preempted ids freed,
+        unknown cached ids reported, appended blocks and sampled tokens followed). Requests it added or resumed,
+        or with nothing usable, become uncertain until they finish or are added again; the others skip their
+        next num_computed_tokens check."""
         bad = read_bad_line(obj)
         self._free(bad.finished, bad.preempted)
         for r in bad.cached:
