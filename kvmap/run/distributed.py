@@ -242,12 +242,14 @@ def launch(trace: Path, nproc: int, *, backend: str | None = None, device: str =
            stop: int | None = None, warmup: int | None = None, timeout: float | None = None,
            batch_order: str = "mrv2", reorder_batch_threshold: int | None = None):
     """Run `nproc` ranks with torchrun (`--standalone`: a free port on this machine); returns rank 0's merged
-    `ReplayResult`. Raises `KvmapError` with the ranks' last output when a rank fails. The dump is staged
+    `ReplayResult`. Refuses ranks that would not fit in memory before starting (`check_ranks_fit`); a failed rank
+    is one `KvmapError`, its own located message (`rank_failure`). The dump is staged
     (files.py `staged_output`) and reaches `dump_mappings` only when every rank finished cleanly."""
     from kvmap.files import staged_output
     from kvmap.kv.cache import KVGeometry
     from kvmap.run.result import ReplayResult
 
+    check_ranks_fit(trace, nproc, (kv_geometry or KVGeometry()) if (write_kv or verify_kv) else None)
     with tempfile.TemporaryDirectory(prefix="kvmap-dist-") as tmp, ExitStack() as stack:
         res = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -271,7 +273,6 @@ def launch(trace: Path, nproc: int, *, backend: str | None = None, device: str =
         if warmup is not None:
             cmd += ["--warmup", str(warmup)]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        check_ranks_fit(trace, nproc, (kv_geometry or KVGeometry()) if (write_kv or verify_kv) else None)
         code, output = _run_torchrun(cmd, env, timeout)
         if code or not res.exists():
             raise rank_failure(code, output)
