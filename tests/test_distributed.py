@@ -191,3 +191,34 @@ def test_batch_order_reaches_the_ranks(tmp_path):
     launch(TRACES / "dcp2.jsonl", 2, backend="numpy", write_kv=False, dump_mappings=dump, batch_order="v1",
            timeout=240)
     assert dump.read_bytes() == _emulated(TRACES / "dcp2.jsonl", batch_order="v1")
+
+
+def test_a_rank_failure_is_one_located_line(tmp_path):
+    """Line 5 broken: the parent prints rank 0's located message once, not torchrun's failure table."""
+    lines = (TRACES / "dcp2.jsonl").read_text().splitlines(keepends=True)
+    bad = tmp_path / "bad5.jsonl"
+    bad.write_text("".join(lines[:4]) + '{"step": 4, "broken\n' + "".join(lines[5:12]))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "NVTX_DISABLE": "1"}
+    p = subprocess.run([sys.executable, "-m", "kvmap", "replay", str(bad), "--backend", "numpy", "--no-progress",
+                        "-q", "--nproc", "2"], capture_output=True, text=True, env=env, timeout=120)
+    out = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(out) == 1, p.stderr
+    assert out[0].startswith(f"kvmap: error: rank 0: {bad}:5, step 3: "), out[0]
+    assert "torchrun" not in p.stderr and "Traceback" not in p.stderr
+
+
+def test_nproc_beyond_the_memory_left_is_refused_before_starting(monkeypatch):
+    """Each rank is a process with its worker and KV shard: 64 ranks in 4 GiB are refused at once, naming
+    --nproc, the estimate and what is available; 2 ranks fit."""
+    from kvmap.errors import KvmapError
+    from kvmap.run import distributed
+    from kvmap.trace import header
+
+    monkeypatch.setattr(header, "available_memory", lambda: (4 * 2**30, "memory available (MemAvailable)"))
+    monkeypatch.setattr(distributed, "_run_torchrun", lambda *a: pytest.fail("torchrun started"))
+    with pytest.raises(KvmapError) as e:
+        distributed.launch(TRACES / "dcp2.jsonl", 64, backend="numpy")
+    msg = str(e.value)
+    assert msg.startswith("option --nproc: 64 ranks need about ") and "GiB per rank" in msg, msg
+    assert "4.0 GiB is the memory available (MemAvailable)" in msg, msg
+    distributed.check_ranks_fit(TRACES / "dcp2.jsonl", 2, None)  # no error

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -241,11 +242,14 @@ def launch(trace: Path, nproc: int, *, backend: str | None = None, device: str =
            stop: int | None = None, warmup: int | None = None, timeout: float | None = None,
            batch_order: str = "mrv2", reorder_batch_threshold: int | None = None):
     """Run `nproc` ranks with torchrun (`--standalone`: a free port on this machine); returns rank 0's merged
-    `ReplayResult`. Raises `KvmapError` with the ranks' last output when a rank fails. The dump is staged
+    `ReplayResult`. Refuses ranks that would not fit in memory before starting (`check_ranks_fit`); a failed rank
+    is one `KvmapError`, its own located message (`rank_failure`). The dump is staged
     (files.py `staged_output`) and reaches `dump_mappings` only when every rank finished cleanly."""
     from kvmap.files import staged_output
+    from kvmap.kv.cache import KVGeometry
     from kvmap.run.result import ReplayResult
 
+    check_ranks_fit(trace, nproc, (kv_geometry or KVGeometry()) if (write_kv or verify_kv) else None)
     with tempfile.TemporaryDirectory(prefix="kvmap-dist-") as tmp, ExitStack() as stack:
         res = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -271,11 +275,43 @@ def launch(trace: Path, nproc: int, *, backend: str | None = None, device: str =
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         code, output = _run_torchrun(cmd, env, timeout)
         if code or not res.exists():
-            lines = output.strip().splitlines()
-            ours = sorted({x[x.index("kvmap: rank") + 7:] for x in lines if "kvmap: rank" in x})
-            tail = "; ".join(ours or lines[-12:])  # one line: the error stays one located line
-            raise KvmapError(f"the distributed replay failed (exit {code}): {tail}", field="--nproc")
+            raise rank_failure(code, output)
         return ReplayResult.from_json(json.loads(res.read_text()))
+
+
+RANK_BASE_BYTES = 256 * 2**20  # a rank's process before its worker: Python, torch and gloo (torchrun: one more)
+
+
+def check_ranks_fit(trace: Path, nproc: int, kv_geometry) -> None:
+    """Refuse `--nproc N` before any process starts when N ranks (each a process with its worker's arrays and its
+    KV shard, `kv_geometry` None: no KV cache) and torchrun would not fit in the memory left (header.py's
+    `HEADROOM` share of `available_memory`), naming the option, the estimate and what is available."""
+    from kvmap.trace import header as hdr
+    from kvmap.trace import open_trace
+
+    h = open_trace(trace).header
+    per_rank = RANK_BASE_BYTES + sum(n for _, n in hdr.worker_memory(h))
+    if kv_geometry is not None:  # each rank holds its DCP shard of the pool
+        kv = sum(n for _, n in hdr.kv_memory(h, kv_geometry.bytes_per_token + 1))
+        per_rank += -(-kv // h.decode_context_parallel_size)
+    need = (nproc + 1) * RANK_BASE_BYTES + nproc * (per_rank - RANK_BASE_BYTES)
+    have, what = hdr.available_memory()
+    if need > hdr.HEADROOM * have:
+        raise KvmapError(f"{nproc} ranks need about {hdr._gib(need)} ({hdr._gib(per_rank)} per rank: its process, "
+                         f"worker arrays and KV shard; and torchrun); {hdr._gib(have)} is the {what}: use fewer "
+                         "processes", field="--nproc")
+
+
+def rank_failure(code: int, output: str) -> KvmapError:
+    """torchrun's failure as one line: the located message of the first rank that named itself (`kvmap: rank R:
+    WHERE: WHAT`, every rank that raised a `KvmapError`), once, never torchrun's failure table; without one, the
+    output's last lines."""
+    lines = output.strip().splitlines()
+    ours = sorted({(int(m[2]), m[1]) for x in lines if (m := re.search(r"kvmap: (rank (\d+): .*)", x))})
+    if ours:
+        return KvmapError(ours[0][1])
+    tail = "; ".join(lines[-12:])  # one line: the error stays one line
+    return KvmapError(f"the distributed replay failed (exit {code}): {tail}", field="--nproc")
 
 
 def _run_torchrun(cmd: list[str], env: dict, timeout: float | None) -> tuple[int, str]:

@@ -16,7 +16,6 @@ Rules:
 from __future__ import annotations
 
 import time
-from array import array
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Protocol
@@ -29,6 +28,7 @@ from kvmap.kv.cache import KVCheckResult, KVGeometry
 from kvmap.run.config import ReplayConfig
 from kvmap.run.markers import Markers
 from kvmap.run.result import PHASES, ReplayResult, empty_window_error, warmup_window
+from kvmap.run.steplog import DistinctIds, StepLog
 from kvmap.trace import Trace
 from kvmap.workers.contract import Worker
 from kvmap.workers.registry import make_worker
@@ -119,10 +119,10 @@ class _Run:
             from kvmap.run.timing import EventTimer
 
             self.events = EventTimer(len(result.phases), lambda: _t.cuda.Event(enable_timing=True))
-        self.seen: set[str] = set()
-        self.seen_measured: set[str] = set()
+        self.seen = DistinctIds()  # new requests, all replayed steps
+        self.seen_measured = DistinctIds()  # requests scheduled in the measured steps (a window after 0)
         self.h2d_before = 0
-        self.rec = _Recorded(len(result.phases))
+        self.rec = StepLog(len(result.phases))
         self.ranks_tally: _RankTally | None = None
         self.wall0 = 0.0
 
@@ -160,7 +160,7 @@ class _Run:
             if measure_from and step.step >= measure_from:  # from 0 it is `seen` (see `store`)
                 seen_measured.update(step.scheduled_req_ids())
             if step.step >= record_from:
-                rec.add(step, ts)
+                rec.add(step.step, step.num_reqs, step.num_tokens, ts)
             result.steps_replayed += 1
             result.tokens_scheduled += step.num_tokens
             seen.update(step.new_req_ids)
@@ -180,7 +180,7 @@ class _Run:
         result, worker = self.result, self.worker
         if self.ranks_tally is not None:
             self.ranks_tally.store(result, check)
-        self.rec.store(result)
+        result.steps, result.num_reqs, result.num_tokens, result.step_start_ns, result.phase_ns = self.rec.arrays()
         if self.events:
             result.device_phase_ns = self.events.finish()
         result.device = worker.device
@@ -255,31 +255,6 @@ def _new_result(trace: Trace, worker: Worker, kv, geometry: KVGeometry, phases: 
     if h.decode_context_parallel_size > 1 and kv is not None:
         result.rank_kv_bytes = [kv.bytes_per_rank] * len(worker.ranks)
     return result
-
-
-class _Recorded:
-    """Per-step figures of the recorded steps, in flat int64 arrays (no per-step objects kept): a step's
-    clock reads as they were taken (one per phase boundary), differenced once, at the end."""
-
-    def __init__(self, num_phases: int) -> None:
-        self.num_phases = num_phases
-        self.origin = 0  # clock at the start of the run
-        self.steps, self.reqs, self.tokens, self.ts = (array("q") for _ in range(4))
-
-    def add(self, step, ts: list[int]) -> None:
-        self.steps.append(step.step)
-        self.reqs.append(step.num_reqs)
-        self.tokens.append(step.num_tokens)
-        self.ts.extend(ts)  # num_phases + 1 boundaries
-
-    def store(self, result: ReplayResult) -> None:
-        result.steps, result.num_reqs, result.num_tokens = (
-            np.frombuffer(a, dtype=np.int64) if len(a) else np.zeros(0, np.int64)
-            for a in (self.steps, self.reqs, self.tokens))
-        ts = np.frombuffer(self.ts, dtype=np.int64) if len(self.ts) else np.zeros(0, np.int64)
-        ts = ts.reshape(-1, self.num_phases + 1)
-        result.phase_ns = np.diff(ts, axis=1)  # [steps, num_phases]
-        result.step_start_ns = ts[:, 0] - self.origin
 
 
 class _RankTally:

@@ -6,7 +6,8 @@ Rules:
   with the reason kept (`_Gunzip.stopped`), every byte inflated before it kept.
 - A stream (`-`, a FIFO, a process substitution) is read exactly once, into an unlinked temporary file, its
   header checked as soon as line 1 has arrived and its lines bounded as they arrive, so an endless or foreign
-  stream fails at once; the spool takes at most half the free space of its folder.
+  stream fails at once: spooling stops just past a step line's limit, and the reader reports that line, located,
+  as it does in a file; the spool takes at most half the free space of its folder.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def _source(path: Path, name: str) -> BinaryIO:
 
 class _StreamCheck:
     """Watches a stream's bytes as they are spooled (inflated if gzip): hands over the first line as soon as
-    it is complete, and refuses a line that runs past its limit (an endless `/dev/zero` fails at once)."""
+    it is complete, refuses a header that runs past its limit and stops at a step line that does (an endless
+    `/dev/zero` ends the spool at once)."""
 
     def __init__(self, line_limit: int) -> None:
         self.parts: list[bytes] | None = []  # line 1 so far; None once it is complete
@@ -142,11 +144,11 @@ class _StreamCheck:
             self.parts.append(chunk if head < 0 else chunk[: head + 1])
             if head >= 0:
                 first, self.parts = b"".join(self.parts), None
-        limit = HEADER_LIMIT if self.parts is not None else self.line_limit
-        if self.run > limit:
-            raise TraceError(f"a line runs past {_size(limit)} without ending" + (
-                ": not a kvmap trace header" if self.parts is not None else ""), kind="json",
-                line=1 if self.parts is not None else None)
+        if self.parts is not None and self.run > HEADER_LIMIT:
+            raise TraceError(f"a line runs past {_size(HEADER_LIMIT)} without ending: not a kvmap trace header",
+                             kind="json", line=1)
+        if self.run > self.line_limit:  # the reader finds this line over its limit, located, and stops there
+            self.stop = True
         return first
 
 

@@ -1,0 +1,124 @@
+"""The recorded steps' figures as a replay goes: clock reads and counts, kept compact and handed over once.
+
+Rules:
+- No per-step Python objects are kept: a step appends its numbers to one flat `array("q")` block of `BLOCK`
+  steps; a full block is turned at once into its final form (step, num_reqs, num_tokens, start from the
+  replay's origin, each phase's time as the difference of two clock reads) and spilled to an unlinked
+  temporary file, so memory stays flat however long the trace (a run shorter than a block never makes one).
+- The result's arrays are filled block by block from the spill at the end, so the run never holds its figures
+  twice. Values are the same integers in any dtype: counts and phase times are int32 when every value fits
+  (a phase of 2.1 s or more keeps int64), step starts are int64.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from array import array
+from typing import BinaryIO
+
+import numpy as np
+
+BLOCK = 4096  # steps per block
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+class StepLog:
+    """Per-step figures of the recorded steps: `add` per step, `arrays` once at the end."""
+
+    def __init__(self, num_phases: int) -> None:
+        self.width = 3 + num_phases + 1  # step, num_reqs, num_tokens, then one clock read per phase boundary
+        self.num_phases = num_phases
+        self.origin = 0  # clock at the start of the run
+        self.buf = array("q")  # the open block, row after row
+        self.spill: BinaryIO | None = None  # the closed blocks, each as counts [3, k], start [k], phases [k, P]
+        self.sizes: list[int] = []  # steps of each closed block
+        self.top = self.phase_top = self.phase_bottom = 0  # largest count, largest and smallest phase time
+        self.n = 0
+
+    def add(self, step: int, num_reqs: int, num_tokens: int, ts: list[int]) -> None:
+        buf = self.buf
+        buf.append(step)
+        buf.append(num_reqs)
+        buf.append(num_tokens)
+        buf.extend(ts)  # num_phases + 1 boundaries
+        self.n += 1
+        if len(buf) == BLOCK * self.width:
+            self._spill(*self._close())
+
+    def _close(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The open block in its final form: (counts [3, k], start [k], phases [k, P]), all int64."""
+        rows = np.frombuffer(self.buf, dtype=np.int64).reshape(-1, self.width)
+        counts, start, phases = rows[:, :3].T.copy(), rows[:, 3] - self.origin, np.diff(rows[:, 3:], axis=1)
+        self.buf = array("q")
+        if len(rows):
+            self.top = max(self.top, int(counts.max()))
+            self.phase_top = max(self.phase_top, int(phases.max(initial=0)))
+            self.phase_bottom = min(self.phase_bottom, int(phases.min(initial=0)))
+        return counts, start, phases
+
+    def _spill(self, counts: np.ndarray, start: np.ndarray, phases: np.ndarray) -> None:
+        if self.spill is None:
+            self.spill = tempfile.TemporaryFile(prefix="kvmap-steps-")
+        for a in (counts, start, phases):
+            self.spill.write(a.tobytes())
+        self.sizes.append(len(start))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(steps [n], num_reqs [n], num_tokens [n], step_start_ns [n], phase_ns [n, num_phases]); the log is
+        empty afterwards."""
+        last = self._close()
+        n, P = self.n, self.num_phases
+        counts = np.empty((3, n), dtype=_fitting(self.top))  # [3, n]: steps, num_reqs, num_tokens
+        start = np.empty(n, dtype=np.int64)
+        phases = np.empty((n, P), dtype=_fitting(self.phase_top, self.phase_bottom))
+        at = 0
+        if self.spill is not None:
+            self.spill.seek(0)
+            for k in self.sizes:
+                blk = (np.fromfile(self.spill, np.int64, 3 * k).reshape(3, k), np.fromfile(self.spill, np.int64, k),
+                       np.fromfile(self.spill, np.int64, k * P).reshape(k, P))
+                self._place(blk, counts, start, phases, at)
+                at += k
+            self.spill.close()
+            self.spill, self.sizes = None, []
+        self._place(last, counts, start, phases, at)
+        self.n = 0
+        return counts[0], counts[1], counts[2], start, phases
+
+    @staticmethod
+    def _place(blk, counts: np.ndarray, start: np.ndarray, phases: np.ndarray, at: int) -> None:
+        c, s, p = blk
+        k = len(s)
+        counts[:, at : at + k] = c
+        start[at : at + k] = s
+        phases[at : at + k] = p
+
+
+def _fitting(top: int, bottom: int = 0) -> type:
+    return np.int32 if -_INT32_MAX <= bottom and top <= _INT32_MAX else np.int64
+
+
+class DistinctIds:
+    """How many distinct request ids were added, in 8 bytes an id: each id kept as its 64-bit `hash` (two ids
+    count as one only if their hashes collide, about 1 in 10^8 for a million ids), deduplicated whenever the
+    kept hashes double, so that ids added again and again (every step's scheduled ids) stay bounded."""
+
+    def __init__(self) -> None:
+        self.hashes = array("q")
+        self.unique = 0  # distinct hashes at the last deduplication
+
+    def update(self, ids) -> None:
+        self.hashes.extend(map(hash, ids))
+        if len(self.hashes) > 2 * self.unique + BLOCK:
+            self._dedupe()
+
+    def add(self, req_id: str) -> None:
+        self.update((req_id,))
+
+    def _dedupe(self) -> None:
+        kept = np.unique(np.frombuffer(self.hashes, dtype=np.int64)) if self.hashes else np.zeros(0, np.int64)
+        self.hashes, self.unique = array("q", kept.tobytes()), len(kept)
+
+    def __len__(self) -> int:
+        self._dedupe()
+        return self.unique

@@ -1,0 +1,137 @@
+"""Bounded memory (issue 29): replay's per-step records are kept compactly and spilled (run/steplog.py), so a
+long trace's peak RSS stays near a short one's, with the same outputs byte for byte; validate bounds the line
+length it reads on every input form (a file, gzip, a pipe) and names the line."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kvmap.render.report import summary_dict, to_chrome_trace, to_csv
+from kvmap.run import steplog
+from kvmap.run.config import ReplayConfig
+from kvmap.run.replay import replay
+from kvmap.run.stats import phase_stats, warnings
+from kvmap.trace import Trace
+
+from .conftest import ROOT, TRACES
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "NVTX_DISABLE": "1"}
+
+
+def longer(src, dst, times: int) -> int:
+    """`src` repeated `times` times, steps renumbered and request ids suffixed per copy (as scripts/
+    bench_process.py `longer_trace` does, by text); the number of steps."""
+    header, *steps = gzip.open(src, "rt").read().splitlines()
+    n = 0
+    with open(dst, "w") as out:
+        out.write(header + "\n")
+        for k in range(times):
+            for line in steps:
+                out.write(re.sub(r'^\{"step": ?\d+', f'{{"step":{n}', line, count=1).replace('"req-', f'"r{k}-req-')
+                          + "\n")
+                n += 1
+    return n
+
+
+def _peak_kib(*args: str) -> int:
+    """Peak RSS (KiB) of one `kvmap` process, read as the child's ru_maxrss by a small wrapper."""
+    code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, check=True);"
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    p = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "kvmap", *args], capture_output=True,
+                       text=True, env=ENV, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return int(p.stdout)
+
+
+def test_replay_peak_rss_stays_flat_on_a_long_trace(tmp_path):
+    """50 x the long bundled trace (about 96k steps): peak RSS within 1.3x of the trace once (today's code,
+    keeping every step's clock reads in growing arrays, takes 1.5x here and 1.9x at 100 x)."""
+    short, long_ = tmp_path / "x1.jsonl", tmp_path / "x50.jsonl"
+    longer(TRACES / "long_mixed.jsonl.gz", short, 1)
+    assert longer(TRACES / "long_mixed.jsonl.gz", long_, 50) == 50 * 1919
+    a, b = _peak_kib("replay", str(short), "--no-progress"), _peak_kib("replay", str(long_), "--no-progress")
+    assert b < 1.3 * a, (a, b)
+
+
+def test_spilled_records_equal_the_steps_byte_for_byte(monkeypatch):
+    """Blocks of 7 steps (every block spilled): the arrays hold exactly the steps replayed, and --json, --csv,
+    the Chrome trace and every statistic are the same bytes as from int64 arrays of the same values."""
+    monkeypatch.setattr(steplog, "BLOCK", 7)
+    r = replay(Trace(TRACES / "preemption_v1.jsonl"), ReplayConfig(nvtx=False, warmup=0))
+    assert r.steps.tolist() == list(range(107)) and r.phase_ns.shape == (107, len(r.phases))
+    assert (r.phase_ns > 0).all() and (np.diff(r.step_start_ns) > 0).all()
+    wide = replace(r, **{k: getattr(r, k).astype(np.int64) for k in ("steps", "num_reqs", "num_tokens",
+                                                                     "phase_ns", "step_start_ns")})
+    assert json.dumps(r.to_json()) == json.dumps(wide.to_json())
+    assert to_csv(r) == to_csv(wide) and json.dumps(to_chrome_trace(r)) == json.dumps(to_chrome_trace(wide))
+    assert summary_dict(r) == summary_dict(wide) and phase_stats(r) == phase_stats(wide)
+    assert warnings(r) == warnings(wide)
+
+
+def test_a_phase_past_int32_keeps_int64():
+    log = steplog.StepLog(1)
+    log.add(0, 1, 2, [10, 20])
+    log.add(1, 1, 2, [30, 30 + 2**31 + 5])
+    steps, reqs, toks, start, phases = log.arrays()
+    assert phases.dtype == np.int64 and phases[:, 0].tolist() == [10, 2**31 + 5] and start.tolist() == [10, 30]
+    assert steps.tolist() == [0, 1] and reqs.tolist() == [1, 1] and toks.tolist() == [2, 2]
+
+
+def test_distinct_ids_count_each_id_once():
+    ids = steplog.DistinctIds()
+    for i in range(3 * steplog.BLOCK):
+        ids.update([f"req-{i % 1000}", f"req-{i % 1000}"])
+    assert len(ids) == 1000 and len(ids.hashes) == 1000
+
+
+# ------------------------------------------------------------------------ validate: a line past the limit
+
+def _with_long_line(path, opener, n: int) -> None:
+    lines = (TRACES / "worked_example.jsonl").read_bytes().splitlines(keepends=True)
+    with opener(path, "wb") as f:
+        f.writelines(lines[:3])
+        for _ in range(n >> 20):
+            f.write(b"x" * (1 << 20))
+        f.write(b"\n")
+        f.writelines(lines[3:])
+
+
+@pytest.mark.parametrize("opener", [open, gzip.open], ids=["plain", "gzip"])
+def test_validate_a_line_past_the_limit_is_one_located_problem(tmp_path, monkeypatch, opener):
+    from kvmap.trace import reader
+    from kvmap.trace.streams import LINE_MIN
+    from kvmap.validate.driver import validate
+
+    monkeypatch.setattr(reader, "available_memory", lambda: (0, "memory"))  # the smallest limit, LINE_MIN
+    path = tmp_path / "long.jsonl"
+    _with_long_line(path, opener, LINE_MIN + (1 << 20))
+    report = validate(Trace(path, warn=lambda m: None))
+    assert [(p.kind, p.line) for p in report.problems] == [("json", 4)], report.problems
+    assert "runs past 64 MiB without ending" in report.problems[0].message
+
+
+def test_validate_stdin_with_an_endless_line_names_it(tmp_path):
+    """A generator writing one endless line into `kvmap validate -`: one problem at line 4, exit 1."""
+    head = "".join((TRACES / "worked_example.jsonl").read_text().splitlines(keepends=True)[:3])
+    gen = ("import sys; o = sys.stdout.buffer; o.write(sys.argv[1].encode()); b = b'x' * (1 << 20)\n"
+           "while True: o.write(b)")
+    g = subprocess.Popen([sys.executable, "-c", gen, head], stdout=subprocess.PIPE)
+    try:
+        p = subprocess.run([sys.executable, "-m", "kvmap", "validate", "-", "--json", "-"], stdin=g.stdout,
+                           capture_output=True, env=ENV, timeout=120)
+    finally:
+        g.kill()
+        g.wait()
+    assert p.returncode == 1, p.stderr
+    problems = json.loads(p.stdout)["problems"]
+    assert [(x["kind"], x["line"]) for x in problems] == [("json", 4)], problems
+    assert "without ending" in problems[0]["message"]
