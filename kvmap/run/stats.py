@@ -21,6 +21,7 @@ from kvmap.run.result import MAPPING_PHASES, ReplayResult
 
 OUTLIER_Z = 14.0  # modified z-score threshold (hyperfine's)
 NOISE_MAD = 0.25  # MAD / median above this -> noisy
+FIT_SAMPLE = 8192  # steps the cost model is fitted on, at most (evenly spaced)
 FIT_PASSES = 3  # cost-model fits, each without the steps the one before flagged
 
 
@@ -75,7 +76,10 @@ def phase_series(r: ReplayResult) -> list[tuple[str, np.ndarray]]:
     total = m.sum(axis=1) if len(m) else np.zeros(0, dtype=np.int64)
     rows = [(p, m[:, i]) for i, p in enumerate(r.phases)]
     mi = [r.phases.index(p) for p in MAPPING_PHASES if p in r.phases]
-    rows.append(("mappings", m[:, mi].sum(axis=1) if len(m) else total))
+    mappings = np.zeros(len(m), dtype=np.int64)  # [measured steps], summed column by column (no [n, 4] copy)
+    for i in mi:
+        mappings += m[:, i]
+    rows.append(("mappings", mappings))
     rows.append(("step", total))
     return rows
 
@@ -149,23 +153,27 @@ class SlowSteps:
 
 def slow_steps(ns: np.ndarray, num_tokens: np.ndarray, num_reqs: np.ndarray) -> SlowSteps:
     """The steps whose time `ns` [n] the cost model a + b * num_tokens + c * num_reqs does not explain (the module's
-    rule); none where the times' spread is nil."""
+    rule); none where the times' spread is nil. The model is fitted on at most `FIT_SAMPLE` evenly spaced steps
+    (every step below that), so memory stays flat on long traces; every step is judged."""
     y = np.maximum(ns.astype(np.float64), 1.0)
-    x = np.column_stack([np.ones(len(y)), num_tokens.astype(np.float64), num_reqs.astype(np.float64)])
-    keep = np.ones(len(y), dtype=bool)
+    t, q = num_tokens.astype(np.float64), num_reqs.astype(np.float64)
+    fit = np.arange(0, len(y), max(1, -(-len(y) // FIT_SAMPLE)))  # [<= FIT_SAMPLE] the steps the model is fitted on
+    keep = np.ones(len(fit), dtype=bool)
     flagged = np.zeros(len(y), dtype=bool)
     model = y
     for _ in range(FIT_PASSES):
-        coef = np.linalg.lstsq(x[keep] / y[keep, None], np.ones(int(keep.sum())), rcond=None)[0]
-        model = np.maximum(x @ coef, 1.0)
+        f = fit[keep]
+        x = np.column_stack([np.ones(len(f)), t[f], q[f]]) / y[f, None]
+        coef = np.linalg.lstsq(x, np.ones(len(f)), rcond=None)[0]
+        model = np.maximum(coef[0] + coef[1] * t + coef[2] * q, 1.0)
         excess = np.log(y / model)
-        med = median(excess[keep])
-        mad = median(np.abs(excess[keep] - med))
+        med = median(excess[f])
+        mad = median(np.abs(excess[f] - med))
         if not mad:
             break
         z = 0.6745 * (excess - med) / mad
         flagged = z > OUTLIER_Z
-        keep = np.abs(z) <= OUTLIER_Z
+        keep = np.abs(z[fit]) <= OUTLIER_Z
     index = np.flatnonzero(flagged)
     return SlowSteps(index, ns[index], model[index])
 
