@@ -71,3 +71,14 @@ def test_replay_verify_kv_bar_is_early_and_on_stderr():
     assert first is not None and first < total, (first, total)
     assert "replaying" in terminal or "kernels" in terminal or "starting" in terminal, terminal
     assert "\x1b" not in stdout and "phase" in stdout
+
+
+def test_nproc_start_up_is_shown_on_the_terminal_only():
+    """`--nproc` spends seconds starting torchrun and its ranks before any step: a spinner says so, at once."""
+    trace = str(TRACES / "dcp2.jsonl")
+    first, total, terminal, stdout = _at_terminal(["replay", trace, "--nproc", "2", "-q"])
+    assert "starting 2 ranks under torchrun" in terminal, terminal
+    assert first is not None and first < total
+    piped = subprocess.run([sys.executable, "-m", "kvmap", "replay", trace, "--nproc", "2", "-q"],
+                           capture_output=True, text=True, env=_env(), timeout=300)
+    assert piped.returncode == 0 and "torchrun" not in piped.stderr, piped.stderr

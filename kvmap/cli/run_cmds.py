@@ -135,8 +135,8 @@ def replay(
         if runs > 1:
             raise KvmapError("--runs repeats a replay in this process; with --nproc, run the command again",
                              field="--runs")
-        _finish(_launch(trace, cp, nproc, rank, config, dump_mappings), None if quiet else out, json_out, csv_out,
-                trace_out, qs)
+        _finish(_launch(trace, cp, nproc, rank, config, dump_mappings, progress), None if quiet else out, json_out,
+                csv_out, trace_out, qs)
         return
     result = _replay_runs(t, config, dump_mappings, progress, runs)
     _finish(result, None if quiet else (err if to_stdout else out), json_out, csv_out, trace_out, qs)
@@ -154,8 +154,11 @@ def _check_replay_options(no_kv: bool, verify_kv: bool, batch_order: str) -> Non
                          field="--batch-order")
 
 
-def _launch(trace: Path, cp: int, nproc: int, rank: int | None, config, dump_mappings: Path | None):
-    """`--nproc`: one process per rank under torchrun; its options checked before any process starts."""
+def _launch(trace: Path, cp: int, nproc: int, rank: int | None, config, dump_mappings: Path | None,
+            progress: bool = True):
+    """`--nproc`: one process per rank under torchrun; its options checked before any process starts; a spinner
+    on a terminal while the ranks start and replay (seconds before the first step)."""
+    from kvmap.cli.console import Spinner
     from kvmap.run.distributed import launch
 
     if rank is not None:
@@ -164,10 +167,11 @@ def _launch(trace: Path, cp: int, nproc: int, rank: int | None, config, dump_map
     if nproc % cp:  # said before any process starts (each rank would say it again after seconds)
         raise KvmapError(f"{nproc} processes cannot form DCP groups of {cp}: use a multiple of {cp}",
                          field="--nproc")
-    return launch(trace, nproc, backend=config.backend, device=config.device, verify_kv=config.verify_kv,
-                  write_kv=config.write_kv, kv_geometry=config.kv_geometry, dump_mappings=dump_mappings,
-                  start=config.start, stop=config.stop, warmup=config.warmup, batch_order=config.batch_order,
-                  reorder_batch_threshold=config.reorder_batch_threshold)
+    with Spinner(progress, f"starting {nproc} ranks under torchrun, then replaying"):
+        return launch(trace, nproc, backend=config.backend, device=config.device, verify_kv=config.verify_kv,
+                      write_kv=config.write_kv, kv_geometry=config.kv_geometry, dump_mappings=dump_mappings,
+                      start=config.start, stop=config.stop, warmup=config.warmup, batch_order=config.batch_order,
+                      reorder_batch_threshold=config.reorder_batch_threshold)
 
 
 def _replay_runs(t, config, dump_mappings: Path | None, progress: bool, runs: int):
