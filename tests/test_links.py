@@ -146,3 +146,13 @@ def test_the_checker_sees_a_broken_link_and_a_missing_section(tmp_path):
     assert check_citations("docs/recording.md#the-workload-file", "t") == []
     assert check_citations("docs/recording.md#nowhere", "t") == ["t: docs/recording.md has no section #nowhere"]
     assert check_citations("notes.md", "t") == ["t: cites notes.md, which is not in the repository"]
+
+
+def test_the_readme_counts_validates_kinds():
+    """The command table's count of problem kinds is `len(KINDS)` (it said 24 when there were 32)."""
+    import re
+
+    from kvmap.validate.problems import KINDS
+
+    counts = re.findall(r"\((\d+) kinds:", (ROOT / "README.md").read_text())
+    assert counts == [str(len(KINDS))], counts
