@@ -59,7 +59,7 @@ def test_csv_opens_with_comment_lines_then_the_same_rows(tmp_path):
     assert invoke("replay", WORKED, "-q", "--no-progress", "--csv", c).exit_code == 0
     lines = c.read_text().splitlines()
     assert [x.split(": ")[0] for x in lines[:4]] == ["# kvmap", "# date", "# command", "# host"]
-    assert lines[2].startswith("# command: kvmap ")
+    assert lines[2].startswith("# command: kvmap")  # then the arguments (here pytest's: CliRunner keeps sys.argv)
     assert lines[4] == "step,warmup,num_reqs,num_tokens,phase,ns"
     assert not any(x.startswith("#") for x in lines[5:])
 
