@@ -150,6 +150,11 @@ class SlowSteps:
     ns: np.ndarray  # [k] measured
     model_ns: np.ndarray  # [k] the cost model's
 
+    def worst(self) -> tuple[int, int]:
+        """(its index among the slow steps, its index into the measured steps) of the step furthest over the model."""
+        w = int(np.argmax(self.ns - self.model_ns))
+        return w, int(self.index[w])
+
 
 def slow_steps(ns: np.ndarray, num_tokens: np.ndarray, num_reqs: np.ndarray) -> SlowSteps:
     """The steps whose time `ns` [n] the cost model a + b * num_tokens + c * num_reqs does not explain (the module's
@@ -187,8 +192,7 @@ def _slow_step_warnings(r: ReplayResult, m: np.ndarray) -> list[str]:
     work = m.sum(axis=1) - (m[:, read] if read is not None else 0)
     slow = slow_steps(work, nt, nr)
     if len(slow.index):
-        w = int(np.argmax(slow.ns - slow.model_ns))
-        i = int(slow.index[w])
+        w, i = slow.worst()
         out.append(f"{len(slow.index)} step(s) slower than their scheduled tokens and requests explain (a per-step "
                    f"cost model, read_step apart): the worst step {int(steps[i])} at {slow.ns[w] / 1e3:.0f} us vs "
                    f"{slow.model_ns[w] / 1e3:.0f} us for its {int(nt[i])} tokens and {int(nr[i])} requests (a busy "
@@ -196,8 +200,7 @@ def _slow_step_warnings(r: ReplayResult, m: np.ndarray) -> list[str]:
     if read is not None:
         slow = slow_steps(m[:, read], nt, nr)
         if len(slow.index):
-            w = int(np.argmax(slow.ns - slow.model_ns))
-            i = int(slow.index[w])
+            w, i = slow.worst()
             out.append(f"{len(slow.index)} step(s) slower in read_step than their size explains: I/O, not the "
                        f"mappings (the worst step {int(steps[i])} at {slow.ns[w] / 1e3:.0f} us reading vs "
                        f"{slow.model_ns[w] / 1e3:.0f} us; a gzip trace inflates 64 KiB chunks, each paid by the step "
