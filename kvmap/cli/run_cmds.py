@@ -144,14 +144,12 @@ def replay(
 
 def _check_replay_options(no_kv: bool, verify_kv: bool, batch_order: str) -> None:
     """The option combinations a replay refuses before it reads anything, each naming its option."""
-    from kvmap.workers.order import BATCH_ORDERS
+    from kvmap.workers.order import check_batch_order
 
     if no_kv and verify_kv:  # nothing written, nothing to read back
         raise KvmapError("--no-kv and --verify-kv exclude each other: --verify-kv reads back what the replay writes "
                          "into the KV cache, and --no-kv writes nothing", field="--verify-kv")
-    if batch_order not in BATCH_ORDERS:  # said here: the worker would blame --reorder-threshold
-        raise KvmapError(f"unknown batch order {batch_order!r}; choose one of {', '.join(BATCH_ORDERS)}",
-                         field="--batch-order")
+    check_batch_order(batch_order)  # before the trace is read or any rank starts
 
 
 def _launch(trace: Path, cp: int, nproc: int, rank: int | None, config, dump_mappings: Path | None,

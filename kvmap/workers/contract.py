@@ -21,11 +21,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvmap.errors import KvmapError
 from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers.mappings import BatchMappings, BatchReqIds
-from kvmap.workers.order import BATCH_ORDERS, V1PersistentBatch
+from kvmap.workers.order import V1PersistentBatch, check_batch_order
 
 
 @dataclass(slots=True)
@@ -79,9 +78,7 @@ class Worker(ABC):
     def use_batch_order(self, name: str, reorder_batch_threshold: int | None = None) -> None:
         """`mrv2` (the default) or `v1`: V1's persistent batch, with the 4-region reorder when the attention
         backend sets `reorder_batch_threshold` (workers/order.py)."""
-        if name not in BATCH_ORDERS:
-            raise KvmapError(f"unknown batch order {name!r}; choose one of {', '.join(BATCH_ORDERS)}",
-                             field="--batch-order")
+        check_batch_order(name)
         self.v1_batch = V1PersistentBatch(reorder_batch_threshold) if name == "v1" else None
 
     def v1_order(self, step: Step) -> list[str]:

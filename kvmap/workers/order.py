@@ -17,9 +17,18 @@ Rules:
 
 from __future__ import annotations
 
+from kvmap.errors import KvmapError
 from kvmap.trace import Step
 
 BATCH_ORDERS = ("mrv2", "v1")
+
+
+def check_batch_order(name: str) -> str:
+    """`name` if it is a batch order kvmap knows, else the error naming `--batch-order`."""
+    if name not in BATCH_ORDERS:
+        raise KvmapError(f"unknown batch order {name!r}; choose one of {', '.join(BATCH_ORDERS)}",
+                         field="--batch-order")
+    return name
 
 
 def mrv2_key(num_scheduled_tokens: int, num_drafts: int, num_speculative_tokens: int) -> tuple[bool, bool, int]:
