@@ -13,6 +13,15 @@ Rules:
   and is what the attention kernel sees.
 - `readable_start` is the one window rule (vLLM's skipped-token rule): the first position a step starting at
   `num_computed_tokens` may read; `readable_lo` is the same rule for a batch.
+- `null_history_blocks` is Model Runner V2's sliding-window rule for the *gathered* (forward-pass) block table
+  (vllm/v1/worker/gpu/block_table.py `_gather_block_tables_kernel`): a sliding-window group's entries
+  `[0, max(num_computed_tokens - R, 0) // block_size)` are the null block 0, `R = num_retained_tokens =
+  sliding_window - 1 + extra_retained_tokens`; 0 (nothing nulled) for other kinds. `block_size` is the manager
+  block size (vLLM nulls manager ids; a kernel split expands the nulled row). Off under decode context
+  parallelism and under V1: `null_history_groups` gives the groups it applies to. The entries it nulls hold
+  positions below `num_computed_tokens - R <= readable_start`, so no read goes through them. Its forms: numpy
+  `null_history_lens` (here), numba `kernels_cpu.null_history`, torch `torch_worker.null_history`, Triton
+  `triton_worker._null_history_kernel`; the reference calls the spec.
 - Padding and tokens another rank holds are `PAD_SLOT_ID` (-1), never slot 0; so is every token of a group
   without a slot mapping (`uses_slot_mapping` false: Mamba state groups, whose rows hold state indices).
 - The scalar spec needs no numpy (validate's multi-rank rules use it); the batch forms import it on first use.
@@ -57,6 +66,7 @@ class GroupLayout:
     cp_rank: int = 0  # this rank, 0 .. cp_size - 1
     interleave: int = 1  # cp_kv_cache_interleave_size: consecutive tokens per rank
     uses_slot_mapping: bool = True  # False: a state group (slots all PAD_SLOT_ID, rows hold state indices)
+    extra_retained_tokens: int = 0  # tokens kept below the window (vLLM's SlidingWindowSpec.extra_retained_tokens)
     # derived: log2 of the block span when a power of two, of the block size when that and cp = 1 (else -1)
     _span_shift: int = field(init=False, repr=False, compare=False)
     _slot_shift: int = field(init=False, repr=False, compare=False)
@@ -76,7 +86,8 @@ class GroupLayout:
                    kernel_block_size=getattr(group, "kernel_block_size", None),
                    cp_size=cp_size if sharded else 1, cp_rank=cp_rank if sharded else 0,
                    interleave=interleave if sharded else 1,
-                   uses_slot_mapping=getattr(group, "uses_slot_mapping", group.kind != "mamba"))
+                   uses_slot_mapping=getattr(group, "uses_slot_mapping", group.kind != "mamba"),
+                   extra_retained_tokens=getattr(group, "extra_retained_tokens", 0))
 
     @property
     def kernel_size(self) -> int:
@@ -155,7 +166,34 @@ class GroupLayout:
             return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
         return 0
 
+    @property
+    def num_retained_tokens(self) -> int:
+        """R: tokens below a request's first scheduled position the forward-pass table keeps (vLLM's
+        `SlidingWindowSpec.num_retained_tokens`, sliding_window - 1 + extra_retained_tokens); 0 for other kinds."""
+        if self.kind != "sliding_window":
+            return 0
+        assert self.sliding_window is not None
+        return self.sliding_window - 1 + self.extra_retained_tokens
+
+    def null_history_blocks(self, num_computed_tokens: int) -> int:
+        """Model Runner V2: how many leading entries of the gathered row are the null block 0,
+        `max(num_computed_tokens - R, 0) // block_size` (0 when R is 0)."""
+        R = self.num_retained_tokens
+        return max(num_computed_tokens - R, 0) // self.block_size if R > 0 else 0
+
     # --------------------------------------------------------------------------------- batch forms
+
+    def null_history_lens(self, num_computed_tokens: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Vectorized `null_history_blocks`: [n] num_computed_tokens -> out [n] int64 leading null entries."""
+        np = _np or _numpy()
+        R = self.num_retained_tokens
+        if R <= 0:
+            out[:] = 0
+            return out
+        np.subtract(num_computed_tokens, R, out=out)
+        np.maximum(out, 0, out=out)
+        out //= self.block_size
+        return out
 
     def readable_lo(self, num_computed_tokens: np.ndarray) -> np.ndarray:
         """`readable_start` for a batch: [num_reqs] int64 -> [num_reqs] first readable position."""
@@ -242,6 +280,15 @@ def group_layouts(header, cp_rank: int = 0) -> list[GroupLayout]:
     cp = getattr(header, "decode_context_parallel_size", 1)
     interleave = getattr(header, "cp_kv_cache_interleave_size", 1)
     return [GroupLayout.of(g, cp, cp_rank, interleave) for g in header.kv_cache_groups]
+
+
+def null_history_groups(header) -> tuple[int, ...]:
+    """The groups whose gathered rows Model Runner V2 nulls below the window (vLLM's
+    `BlockTables.sliding_window_reach` > 0): every sliding-window group with R > 0, none under decode context
+    parallelism (a block-table column is then no contiguous token range)."""
+    if getattr(header, "decode_context_parallel_size", 1) > 1:
+        return ()
+    return tuple(g for g, lay in enumerate(group_layouts(header)) if lay.num_retained_tokens > 0)
 
 
 def rank_layouts(header, ranks: Sequence[int]) -> list[list[GroupLayout]]:

@@ -218,7 +218,8 @@ MULTIRANK_KEYS = ("decode_context_parallel_size", "cp_kv_cache_interleave_size",
 
 def _multirank_fields(obj: dict, where: Where, groups: list[KVCacheGroup]) -> tuple[list[KVCacheGroup], dict]:
     """docs/trace-format.md, "Extensions for vLLM as deployed today": DCP, interleave, TP and per-group kernel
-    block sizes, `dcp_sharded`, `uses_slot_mapping`. Every key defaults to today's behaviour."""
+    block sizes, `dcp_sharded`, `uses_slot_mapping`, a sliding-window group's `extra_retained_tokens`. Every key
+    defaults to today's behaviour."""
     fields = {k: int_field(obj.get(k, 1), where, k, minimum=1) for k in MULTIRANK_KEYS}
     interleave = fields["cp_kv_cache_interleave_size"]
     out = []
@@ -240,6 +241,10 @@ def _multirank_fields(obj: dict, where: Where, groups: list[KVCacheGroup]) -> tu
         if flags["dcp_sharded"] and fields["decode_context_parallel_size"] > 1 and g.block_size % interleave:
             raise where.error(f"cp_kv_cache_interleave_size {interleave} must divide the block_size "
                               f"{g.block_size} of group {i}", field="cp_kv_cache_interleave_size")
+        extra = int_field(raw.get("extra_retained_tokens", 0), where, f"{name}.extra_retained_tokens", minimum=0,
+                          maximum=LIMITS["max_model_len"][0])
+        if g.kind != "sliding_window":
+            extra = 0  # vLLM sets it on SlidingWindowSpec only
         out.append(KVCacheGroup(g.group_id, g.kind, g.block_size, g.sliding_window, g.attention_chunk_size,
-                                kbs, **flags))
+                                kbs, **flags, extra_retained_tokens=extra))
     return out, fields

@@ -26,6 +26,7 @@ class KVCacheGroup:
     kernel_block_size: int | None = None  # tokens per attention-kernel block; None: block_size (no split)
     dcp_sharded: bool = True  # False: replicated on every DCP rank (cp = 1 for this group)
     uses_slot_mapping: bool = True  # False (mamba): slots all PAD_SLOT_ID, rows hold state indices
+    extra_retained_tokens: int = 0  # tokens kept below the window (sliding_window groups; vLLM's SlidingWindowSpec)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvmap.layout import PAD_SLOT_ID, group_layouts
+from kvmap.layout import PAD_SLOT_ID, group_layouts, null_history_groups
 from kvmap.workers.mappings import BatchTables, Inputs, RankSlots
 from kvmap.workers.state import WorkerState
 
@@ -72,6 +72,10 @@ class InputBuffers:
         self.tmp_req = np.zeros(N, dtype=np.int64)  # [N]
         self.tmp_req2 = np.zeros(N, dtype=np.int64)  # [N]
         self.tmp_blk = np.zeros(T, dtype=np.int32)  # [T] gathered block ids
+        # [N, max W_g] entries nulled below the window (Model Runner V2, sliding-window groups only)
+        W = max((state.max_num_blocks[g] for g in null_history_groups(h)), default=0)
+        self.null_mask = np.zeros((N, W), dtype=bool)
+        self.null_cols = np.arange(W, dtype=np.int64)  # [max W_g] 0, 1, 2, ... (column indices)
         self.order = np.zeros(N, dtype=np.int32)  # [N] batch_idx -> scheduler entry (compiled workers)
         self.sort_keys = np.zeros(N, dtype=np.int64)  # [N] sort key per scheduler entry
         self.sort_tmp = np.zeros(N, dtype=np.int32)  # [N] merge scratch
@@ -175,6 +179,22 @@ def gather_block_tables(state: WorkerState, buf: InputBuffers, B: int) -> BatchT
         np.take(state.num_blocks[g], idx, out=buf.num_blocks[g, :B])
         np.take(table, idx, axis=0, out=buf.block_tables[g][:B], mode="clip")
     return buf.tables(B)
+
+
+def null_history(buf: InputBuffers, tables: BatchTables, num_computed_tokens: np.ndarray,
+                 groups: tuple[int, ...]) -> BatchTables:
+    """Model Runner V2's sliding-window rule on the gathered rows, in place: row b's entries
+    `[0, null_history_blocks(num_computed_tokens[b]))` become the null block 0, in each listed group
+    (`GroupLayout.null_history_lens`); returns the tables."""
+    B = len(num_computed_tokens)
+    n0 = buf.tmp_req[:B]
+    for g in groups:
+        t = tables.block_tables[g]
+        buf.layouts[g].null_history_lens(num_computed_tokens, out=n0)
+        mask = buf.null_mask[:B, : t.shape[1]]
+        np.less(buf.null_cols[: t.shape[1]], n0[:, None], out=mask)
+        np.putmask(t, mask, 0)
+    return tables
 
 
 def compute_slot_mappings(state: WorkerState, buf: InputBuffers, B: int, T: int) -> np.ndarray:

@@ -81,6 +81,12 @@ class Worker(ABC):
         check_batch_order(name)
         self.v1_batch = V1PersistentBatch(reorder_batch_threshold) if name == "v1" else None
 
+    @property
+    def is_mrv2(self) -> bool:
+        """Model Runner V2's rules apply: its batch order and its gathered table's sliding-window nulling
+        (layout.GroupLayout.null_history_blocks). The one runner flag: today `--batch-order` sets it."""
+        return self.v1_batch is None
+
     def v1_order(self, step: Step) -> list[str]:
         """This step's batch order (req ids) under V1's persistent batch."""
         assert self.v1_batch is not None

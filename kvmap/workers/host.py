@@ -8,6 +8,8 @@ Rules:
   `NumpyWorker` here, `NumbaWorker`, `TorchWorker`, `TritonWorker`, or a user's file. Nothing deeper.
 - Host vs device is a copy step: device ops bring a `DeviceMirror` (workers/device.py), whose staged copy is
   the `h2d` phase and whose `to_host` brings the results back for `mappings()`.
+- Under Model Runner V2 (`is_mrv2`) the gathered rows of sliding-window groups are nulled below the window
+  (`ops.null_history`, layout.py's rule) after the gather; slots are read from the un-nulled state rows.
 - Each mapping phase keeps what its ops function returns (`inputs`, `tables`, `kernel_tables`, `slots` or
   `rank_slots`); `mappings()` assembles them, copied to the host when the ops live on a device.
 - The numpy phases are whole-array operations (workers/buffers.py): no per-token Python.
@@ -23,7 +25,7 @@ import numpy as np
 
 from kvmap.errors import TraceError
 from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
-from kvmap.layout import rank_layouts, seq_layouts
+from kvmap.layout import null_history_groups, rank_layouts, seq_layouts
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers import buffers as B
 from kvmap.workers.contract import StepBatch, Worker, make_rank_caches
@@ -66,6 +68,7 @@ class HostWorker(Worker):
         h = self.header
         self.rank_layouts = rank_layouts(h, self.ranks)  # [num_ranks][G]
         self.layouts = self.rank_layouts[0]  # the first computed rank's (the only one when cp = 1)
+        self.null_groups = null_history_groups(h)  # groups whose gathered rows MRV2 nulls below the window
         # dcp_local_seq_lens: one sharded layout per computed rank
         self.seq_layouts = seq_layouts(h, self.ranks)
 
@@ -119,7 +122,10 @@ class HostWorker(Worker):
         b.num_tokens = len(i.positions)
 
     def gather_block_tables(self) -> None:
-        self.tables = t = self.ops.gather_block_tables(self.inputs)
+        t = self.ops.gather_block_tables(self.inputs)
+        if self.null_groups and self.is_mrv2:  # Model Runner V2 nulls sliding-window history (V1 does not)
+            t = self.ops.null_history(t, self.inputs, self.null_groups)
+        self.tables = t
         if self.kernel_split:
             self.kernel_tables = self.ops.kernel_block_tables(t, self.layouts)
 

@@ -8,7 +8,8 @@ Rules:
   step's slices, as Model Runner V2's `BlockTables.compute_slot_mappings` returns `slot_mapping[:, :T]`), and
   the worker keeps them for `mappings()`.
 - Required: `prepare_inputs`, `gather_block_tables`, `compute_slot_mappings` (cp = 1). Everything else has a
-  host default here: Model Runner V2's batch order in numpy (`buffers.batch_order`, its one numpy form), the
+  host default here: Model Runner V2's batch order in numpy (`buffers.batch_order`, its one numpy form), its
+  sliding-window nulling of the gathered rows (`buffers.null_history`; device ops give their own), the
   kernel-row expansion, a host KV cache written and read back with vectorized numpy. Multi-rank slots (cp > 1)
   are the backend's to give; the default refuses with one clear message.
 - Device ops (torch, Triton) hold a `DeviceMirror` (workers/device.py) as `mirror`: host vs device is its copy
@@ -23,7 +24,7 @@ import numpy as np
 
 from kvmap.errors import KvmapError
 from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
-from kvmap.workers.buffers import InputBuffers, batch_order
+from kvmap.workers.buffers import InputBuffers, batch_order, null_history
 from kvmap.workers.mappings import BatchTables, Inputs, RankSlots
 from kvmap.workers.state import WorkerState
 
@@ -68,6 +69,11 @@ class MappingOps:
         """Every computed DCP rank's slots and local lengths (cp > 1; rank_layouts: [num_ranks][G])."""
         raise KvmapError(f"the {type(self).__name__} backend computes cp = 1 slot mappings only; this trace has "
                          "decode context parallelism", field="--backend")
+
+    def null_history(self, tables: BatchTables, inputs: Inputs, groups: tuple[int, ...]) -> BatchTables:
+        """Model Runner V2: each listed sliding-window group's gathered rows nulled below the window, in place
+        (layout.GroupLayout.null_history_blocks). The host default is numpy; device ops give their own."""
+        return null_history(self.buffers, tables, inputs.num_computed_tokens, groups)
 
     def kernel_block_tables(self, tables: BatchTables, layouts) -> list:
         """The gathered rows expanded to kernel block ids (a kernel split): [G] x [num_reqs, W_g * k_g]."""

@@ -5,7 +5,9 @@ with the vectorized workers except the parsed trace records), applies each step 
 mapping by walking request -> row -> position -> logical block -> physical block -> slot. It owns every rule it
 judges: it refuses what the host workers refuse (workers/state.py), in the same order, with the same located
 `TraceError` (kind, step, request, group, field, message); a scheduled position without a block is `no_block`,
-never a silent PAD_SLOT_ID. Outputs are the
+never a silent PAD_SLOT_ID. Under Model Runner V2 the gathered (dumped) rows of sliding-window groups start with
+the null block 0 below the window (`GroupLayout.null_history_blocks`); slots walk the un-nulled rows, as
+vLLM's slot kernel reads the persistent table. Outputs are the
 plain-list `--dump-mappings` record, so they compare bit for bit with any other worker's `to_dict()`.
 """
 
@@ -16,7 +18,7 @@ import numpy as np
 from kvmap.defaults import STANDIN_TOKEN_ID
 from kvmap.errors import TraceError
 from kvmap.kv.cache import KVCheckResult, PagedKVCache, RankedKVCache
-from kvmap.layout import rank_layouts, seq_layouts
+from kvmap.layout import null_history_groups, rank_layouts, seq_layouts
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers.contract import Worker
 from kvmap.workers.mappings import DUMP_KEYS, BatchMappings, mappings_from_dict
@@ -262,6 +264,7 @@ class ReferenceWorker(Worker):
                      "kernel_block_tables": [[] for _ in range(G)]}
         slots = [[[] for _ in range(G)] for _ in self.ranks]  # [num_ranks][G][T]
         kernel_rows: list[list[int]] = [[] for _ in range(G)]  # this request's kernel rows
+        nulled = null_history_groups(self.header) if self.is_mrv2 else ()
         for req_id, n in batch:
             req = self.requests[req_id]
             drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
@@ -271,9 +274,13 @@ class ReferenceWorker(Worker):
             out["query_start_loc"].append(out["query_start_loc"][-1] + n)
             out["seq_lens"].append(start + n)
             for g in range(G):
-                out["block_tables"][g].append(list(req.block_ids[g]))
-                kernel_rows[g] = self.layouts[g].kernel_row(req.block_ids[g])
-                out["kernel_block_tables"][g].append(kernel_rows[g])
+                gathered = list(req.block_ids[g])  # the forward-pass row
+                if g in nulled:  # Model Runner V2: the null block 0 below the window
+                    n0 = self.layouts[g].null_history_blocks(start)
+                    gathered[:n0] = [0] * n0
+                out["block_tables"][g].append(gathered)
+                out["kernel_block_tables"][g].append(self.layouts[g].kernel_row(gathered))
+                kernel_rows[g] = self.layouts[g].kernel_row(req.block_ids[g])  # slots: the un-nulled row
             real = n - len(drafts)
             first_input = len(out["input_ids"])
             for i in range(n):
