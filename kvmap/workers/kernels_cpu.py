@@ -132,6 +132,16 @@ def gather_block_table(idx_mapping, num_blocks, table, out, out_num_blocks):
 
 
 @_jit
+def null_history(num_computed_tokens, num_retained_tokens, block_size, out):
+    """Model Runner V2's sliding-window rule on the gathered rows: out[b, :max(nc - R, 0) // block_size] = 0, the
+    null block (`GroupLayout.null_history_blocks`; R = num_retained_tokens > 0)."""
+    for b in range(num_computed_tokens.shape[0]):
+        n0 = max(np.int64(num_computed_tokens[b]) - num_retained_tokens, 0) // block_size
+        for k in range(n0):
+            out[b, k] = 0
+
+
+@_jit
 def slot_mapping(idx_mapping, num_scheduled_tokens, num_computed_tokens, table, block_size, out):
     """cp = 1: `slot_of` block by block: the slot of a block's first scheduled position, then a run of
     consecutive slots to the block's end (a vector loop; one table read and one division per block)."""
@@ -220,6 +230,7 @@ AOT_EXPORTS = {
     "prepare_inputs": ("prepare_inputs", "i8(i4[::1], i4[::1], i4[::1], i4[::1], i4[:, ::1], i4[::1], i4[::1], "
                                          "i4[::1], i4[::1], i4[::1], i8[::1], i4[::1])"),
     "gather_block_table": ("gather_block_table", "void(i4[::1], i4[::1], i4[:, ::1], i4[:, ::1], i4[::1])"),
+    "null_history": ("null_history", "void(i4[::1], i8, i8, i4[:, ::1])"),
     "slot_mapping": ("slot_mapping", "void(i4[::1], i4[::1], i4[::1], i4[:, ::1], i8, i8[::1])"),
     "slot_mapping_dcp": ("slot_mapping_dcp", "void(i4[::1], i4[::1], i4[::1], i4[:, ::1], i8, i8, i8, i8, b1, "
                                              "i8[::1])"),

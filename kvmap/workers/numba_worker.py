@@ -57,6 +57,13 @@ class NumbaOps(MappingOps):
             self.k.gather_block_table(idx, st.num_blocks[g], table, buf.block_tables[g], buf.num_blocks[g])
         return buf.tables(len(idx))
 
+    def null_history(self, tables: BatchTables, inputs: Inputs, groups: tuple[int, ...]) -> BatchTables:
+        nc = inputs.num_computed_tokens
+        for g in groups:
+            lay = self.buffers.layouts[g]
+            self.k.null_history(nc, lay.num_retained_tokens, lay.block_size, tables.block_tables[g])
+        return tables
+
     def kernel_block_tables(self, tables: BatchTables, layouts) -> list:
         return kernel_block_tables(self.buffers, layouts, len(tables.num_blocks[0]))
 
