@@ -5,7 +5,8 @@ Rules:
   of the mirror's preallocated device buffers, and `HostWorker.mappings()` copies them back (for dumps and
   checks only). It runs on CPU tensors too, for checking; `TritonWorker` (triton_worker.py) replaces the
   mapping phases with Triton kernels over the same mirror. Both are checked bit for bit against the reference.
-- `slots` is the torch form of the slot rule (cp = 1, DCP and the read-back), held against `GroupLayout.slot`.
+- `slots` is the torch form of the slot rule (cp = 1, DCP and the read-back), held against `GroupLayout.slot`;
+  `null_history` the torch form of Model Runner V2's sliding-window nulling (`GroupLayout.null_history_blocks`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,16 @@ def local_seq_lens(seq, lay: GroupLayout, out):
     I, cp = lay.interleave, lay.cp_size
     rem = (seq % (cp * I) - lay.cp_rank * I).clamp(0, I)
     return out.copy_(torch().div(seq, cp * I, rounding_mode="floor") * I + rem)
+
+
+def null_history(table, num_computed_tokens, lay: GroupLayout):
+    """`layout.GroupLayout.null_history_blocks` for tensors, in place: row b of the gathered `table` [B, W] gets
+    the null block 0 in its first `max(num_computed_tokens[b] - R, 0) // block_size` entries."""
+    t = torch()
+    n0 = t.div((num_computed_tokens.to(t.int64) - lay.num_retained_tokens).clamp_(min=0), lay.block_size,
+               rounding_mode="floor")
+    cols = t.arange(table.shape[1], device=table.device)
+    return table.masked_fill_(cols[None, :] < n0[:, None], 0)
 
 
 def device_kernel_block_tables(d: DeviceMirror, tables: BatchTables, layouts) -> list:
@@ -106,6 +117,11 @@ class TorchOps(MappingOps):
             t.index_select(table, 0, idx, out=d.o_block_tables[g][:B])
             t.index_select(d.d_num_blocks[g], 0, idx, out=d.o_num_blocks[g, :B])
         return d.tables(B)
+
+    def null_history(self, tables: BatchTables, inputs: Inputs, groups: tuple[int, ...]) -> BatchTables:
+        for g in groups:
+            null_history(tables.block_tables[g], inputs.num_computed_tokens, self.buffers.layouts[g])
+        return tables
 
     def compute_slot_mappings(self, inputs: Inputs) -> object:
         d = self.mirror
