@@ -1,6 +1,7 @@
 """Triton kernels for the per-step work, one program per request as in Model Runner V2: inputs (positions,
-`seq_lens`, `input_ids`), block-table gather, slot mappings (padding with -1 from the actual token count), and
-the KV canary write and read-back. `TritonOps` runs them over a `DeviceMirror` (workers/device.py), each
+`seq_lens`, `input_ids`), block-table gather and Model Runner V2's sliding-window nulling of the gathered rows
+(`_null_history_kernel`), slot mappings (padding with -1 from the actual token count), and the KV canary write
+and read-back. `TritonOps` runs them over a `DeviceMirror` (workers/device.py), each
 phase returning its slices of the mirror's buffers.
 
 Rules: kernels read the persistent row-indexed state through `idx_mapping` and write preallocated buffers;
@@ -63,6 +64,18 @@ def _gather_block_table_kernel(idx_ptr, num_blocks_ptr, table_ptr, table_stride,
         mask = offs < nb
         v = tl.load(table_ptr + row * table_stride + offs, mask=mask, other=0)
         tl.store(out_ptr + b * out_stride + offs, v, mask=mask)
+
+
+@triton.jit
+def _null_history_kernel(nc_ptr, out_ptr, out_stride, num_retained_tokens, block_size, BLOCK: tl.constexpr):
+    """Program b: Model Runner V2's sliding-window rule on gathered row b, the null block 0 in its first
+    `max(nc - R, 0) // block_size` entries (`GroupLayout.null_history_blocks`; R = num_retained_tokens > 0)."""
+    b = tl.program_id(0)
+    nc = tl.load(nc_ptr + b)
+    n0 = tl.maximum(nc - num_retained_tokens, 0) // block_size
+    for k in range(0, n0, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        tl.store(out_ptr + b * out_stride + offs, tl.zeros((BLOCK,), tl.int32), mask=offs < n0)
 
 
 @triton.jit
@@ -226,6 +239,14 @@ class TritonOps(MappingOps):
             _gather_block_table_kernel[(B,)](d.o_idx_mapping, d.d_num_blocks[g], table, table.stride(0), out,
                                              out.stride(0), d.o_num_blocks[g], BLOCK=BLOCK)
         return d.tables(B)
+
+    def null_history(self, tables: BatchTables, inputs: Inputs, groups: tuple[int, ...]) -> BatchTables:
+        B = len(inputs.idx_mapping)
+        for g in groups if B else ():
+            lay, out = self.buffers.layouts[g], tables.block_tables[g]
+            _null_history_kernel[(B,)](inputs.num_computed_tokens, out, out.stride(0), lay.num_retained_tokens,
+                                       lay.block_size, BLOCK=BLOCK)
+        return tables
 
     def kernel_block_tables(self, tables: BatchTables, layouts) -> list:
         return device_kernel_block_tables(self.mirror, tables, layouts)
