@@ -56,10 +56,15 @@ def test_hybrid_shows_null_and_out_of_window_blocks():
     assert sw["kind"] == "sliding_window"
     states = [e["state"] for e in sw["entries"]]
     assert states[:2] == ["null", "null"]  # prefix hit: positions 0..31 fell out of the window
-    assert "out of window (stale: never read or written again)" in states
+    # Model Runner V2 nulls the forward-pass row below the window: max(123 - (32 - 1), 0) // 16 = 5 entries
+    nulled = "out of window (block 0 in the forward-pass table: Model Runner V2 nulls it)"
+    assert states[2:5] == [nulled] * 3 and states[5] == "read"
+    assert sw["null_history_blocks"] == (123 - (32 - 1)) // 16
     assert all(e["state"] != "null" for e in req["block_tables"][0]["entries"])
+    assert "null_history_blocks" not in req["block_tables"][0]
     code, text, _ = explain(TRACES / "hybrid_sliding_window.jsonl", "--step", 30, "--req", "long-b")
-    assert "[0]null [1]null [2]9~" in text
+    assert "[0]null [1]null [2]9~0 [3]10~0 [4]24~0 [5]25 " in text
+    assert "max(123 - R, 0) // 16 = 5, R = 32 - 1 + 0 = 31" in text
 
 
 @pytest.mark.parametrize("args, fragment", [

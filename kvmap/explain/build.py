@@ -4,9 +4,9 @@ Rules: replay (numpy worker, no KV cache) up to the step, then describe it as pl
 order, batch order, `idx_mapping`, `query_start_loc`, `seq_lens`, what changed; a streaming-input
 continuation is a "continued session", with its held and new token count, computed tokens and blocks), a
 request (row, batch row, token range, positions, block-table rows per group with the blocks this step
-touches), and a token (the whole chain, each link with its arithmetic, for every KV cache group, and the
-bytes it occupies). Renderers (kvmap/render/explain.py) draw it; `--json` prints it. Nothing here formats for
-a terminal.
+touches, and the sliding-window entries Model Runner V2's forward-pass table holds as block 0), and a token
+(the whole chain, each link with its arithmetic, for every KV cache group, and the bytes it occupies).
+Renderers (kvmap/render/explain.py) draw it; `--json` prints it. Nothing here formats for a terminal.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from kvmap.kv.cache import KVGeometry
 from kvmap.layout import PAD_SLOT_ID, GroupLayout, rank_layouts
 from kvmap.trace import Trace
 from kvmap.workers.host import NumpyWorker
+
+NULLED = "out of window (block 0 in the forward-pass table: Model Runner V2 nulls it)"
 
 
 def _list(items: list[str], limit: int = 12) -> str:
@@ -193,12 +195,16 @@ def _request_dict(worker: NumpyWorker, target, m, req_id: str, origin, groups: l
         bs = st.block_spans[g]  # positions one block id spans: block_size * cp
         nb = int(st.num_blocks[g, row])
         ids = st.block_tables[g][row, :nb].tolist()
-        lo = GroupLayout.of(grp).readable_start(nc) // bs
+        layout = GroupLayout.of(grp)
+        lo = layout.readable_start(nc) // bs
+        n0 = layout.null_history_blocks(nc) if g in worker.null_groups and worker.is_mrv2 else 0
         touched = list(range(nc // bs, (nc + n - 1) // bs + 1))
         entries = []
         for j, blk in enumerate(ids):
             if blk == (h.null_block_id if h.null_block_id is not None else 0) and grp.kind != "full_attention":
                 state = "null"
+            elif j < n0:
+                state = NULLED
             elif j < lo:
                 state = "out of window (stale: never read or written again)"
             elif j in touched:
@@ -210,7 +216,15 @@ def _request_dict(worker: NumpyWorker, target, m, req_id: str, origin, groups: l
             entries.append({"logical_block": j, "block": blk, "state": state})
         if not grp.uses_slot_mapping:
             entries = [dict(e, state="state index") for e in entries]
-        req["block_tables"].append({"group": g, "kind": grp.kind, "block_size": grp.block_size, "entries": entries})
+        bt = {"group": g, "kind": grp.kind, "block_size": grp.block_size, "entries": entries}
+        if n0 or (g in worker.null_groups and worker.is_mrv2):
+            R = layout.num_retained_tokens
+            bt["null_history_blocks"] = n0  # leading entries the forward-pass table holds as block 0
+            bt["null_history"] = (f"Model Runner V2: entries 0..{n0 - 1} of the forward-pass row are block 0: "
+                                  if n0 else "Model Runner V2 nulls no entry of this row: ") + \
+                f"max({nc} - R, 0) // {grp.block_size} = {n0}, R = {grp.sliding_window} - 1 + " \
+                f"{layout.extra_retained_tokens} = {R} (sliding_window - 1 + extra_retained_tokens)"
+        req["block_tables"].append(bt)
     return req
 
 

@@ -12,12 +12,13 @@ from rich.table import Table  # noqa: F401  (the type of _order_table)
 from rich.text import Text
 from rich.tree import Tree
 
+from kvmap.explain.build import NULLED
 from kvmap.render.text import fit_table, safe, say
 
 STATE_MARK = {"written this step": "*", "read": "", "allocated ahead": "+", "null": "",
-              "out of window (stale: never read or written again)": "~"}
+              "out of window (stale: never read or written again)": "~", NULLED: "~0"}
 STATE_STYLE = {"written this step": "bold green", "read": "", "allocated ahead": "dim",
-               "null": "magenta", "out of window (stale: never read or written again)": "yellow"}
+               "null": "magenta", "out of window (stale: never read or written again)": "yellow", NULLED: "yellow"}
 
 
 ORDER_COLUMNS = ("sched", "req_id", "tokens", "origin", "->", "batch", "row", "computed", "flat", "seq_len")
@@ -71,6 +72,8 @@ def render_explain(d: dict, console: Console) -> None:
                 label = "null" if e["state"] == "null" else f"{e['block']}{STATE_MARK.get(e['state'], '')}"
                 row.append(f"[{e['logical_block']}]{label} ", style=STATE_STYLE.get(e["state"], ""))
             console.print(row)
+            if "null_history" in bt:
+                say(console, f"    {bt['null_history']}")
         states = sorted({e["state"] for bt in req["block_tables"] for e in bt["entries"]})
         legend = Text("  legend: ")
         for s in states:
