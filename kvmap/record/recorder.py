@@ -91,6 +91,8 @@ def header_from_config(vllm_config: Any, kv_cache_config: Any,
             grp["kernel_block_size"] = kbs
         if not getattr(spec, "dcp_sharded", True):  # vLLM: Mamba state and draft groups are replicated
             grp["dcp_sharded"] = False
+        if kind == "sliding_window" and getattr(spec, "extra_retained_tokens", 0):  # multi-module MTP drafting
+            grp["extra_retained_tokens"] = spec.extra_retained_tokens
         if kind == "mamba":  # vLLM: the V1 runner gives Mamba groups SlotMappingMode.NONE
             grp["uses_slot_mapping"] = False
         groups.append(grp)
