@@ -15,7 +15,7 @@ from kvmap.layout import GroupLayout, null_history_groups
 from kvmap.trace import KVCacheGroup, Trace, TraceHeader
 from kvmap.workers.registry import make_worker
 
-from .conftest import TRACES
+from .conftest import TRACES, read_lines, write_lines
 
 HYBRID = TRACES / "hybrid_sliding_window.jsonl"
 BACKENDS = ["numpy", "numba", "torch", "reference"]
@@ -124,6 +124,31 @@ def test_triton_is_the_spec_on_the_hybrid_trace():
 
 def test_v1_nulls_nothing():
     replay_against_spec(["numpy", "numba", "reference"], "v1")
+
+
+def test_the_header_key_extra_retained_tokens_widens_the_reach(tmp_path):
+    lines = read_lines(HYBRID)
+    lines[0]["kv_cache_groups"][1]["extra_retained_tokens"] = 40
+    lines[0]["kv_cache_groups"][0]["extra_retained_tokens"] = 7  # full attention: ignored (vLLM's is SWA-only)
+    h = Trace(write_lines(tmp_path / "t.jsonl", lines)).header
+    assert [g.extra_retained_tokens for g in h.kv_cache_groups] == [0, 40]
+    assert GroupLayout.of(h.kv_cache_groups[1]).num_retained_tokens == 32 - 1 + 40
+    past, changed = replay_against_spec(["numpy", "numba", "reference"], "mrv2", header=h)
+    assert past > 0 and changed < replay_against_spec(["numpy"], "mrv2")[1]  # fewer entries nulled
+
+
+@pytest.mark.parametrize("value, fragment", [(-1, "must be >= 0, got -1"), ("3", "expected an integer")])
+def test_a_bad_extra_retained_tokens_is_one_located_line(tmp_path, value, fragment):
+    from typer.testing import CliRunner
+
+    from kvmap.cli.app import app
+
+    lines = read_lines(HYBRID)
+    lines[0]["kv_cache_groups"][1]["extra_retained_tokens"] = value
+    path = write_lines(tmp_path / "bad.jsonl", lines)
+    r = CliRunner().invoke(app, ["replay", str(path), "--quiet", "--no-progress"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert f"{path}:1, field kv_cache_groups[1].extra_retained_tokens: {fragment}" in r.output, r.output
 
 
 def test_dcp_nulls_nothing():
