@@ -1,0 +1,122 @@
+"""The backends that run vLLM's own code (vllm-mrv2, vllm-v1): every bundled trace replays with dumps identical to
+the reference's in that runner's batch order; a broken copy of one vLLM kernel is named at its step, request and
+DCP rank; without vLLM, one clear line. The vLLM tests run in CI's vLLM environments and skip elsewhere."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from dataclasses import replace
+import sys
+
+import pytest
+
+from kvmap import vllm_compat
+from kvmap.errors import KvmapError
+from kvmap.run.config import ReplayConfig
+from kvmap.run.replay import replay
+from kvmap.trace import Trace
+from kvmap.validate import validate
+
+from .conftest import ROOT, TRACES
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+MRV2 = vllm_compat.installed("vllm") in vllm_compat.SUPPORTED["vllm-mrv2"]["vllm"]
+needs_mrv2 = pytest.mark.skipif(not MRV2, reason="vLLM 0.33 is not installed here (CI: .venv-record)")
+LONG_SLICE = 40  # steps of long_mixed through the interpreted kernels (about 0.1 s a step here)
+# v1-protocol traces that resume a preempted request: Model Runner V2 never receives one (-> the step named)
+V1_RESUMES = {"preemption_v1": (48, "req-3"), "dcp4_interleave8": (38, "req-3")}
+
+
+def dumps(trace: Trace, backend: str, stop: int | None = None, batch_order: str = "mrv2") -> list[dict]:
+    out: list[dict] = []
+    replay(trace, ReplayConfig(backend=backend, write_kv=False, nvtx=False, warmup=0, stop=stop,
+                               batch_order=batch_order), on_mappings=out.append)
+    return out
+
+
+def _traces():
+    return sorted(p for p in TRACES.iterdir() if p.name.endswith((".jsonl", ".jsonl.gz")))
+
+
+@needs_mrv2
+@pytest.mark.parametrize("path", _traces(), ids=lambda p: p.name.split(".")[0])
+def test_mrv2_dumps_equal_the_reference(path):
+    name = path.name.split(".")[0]
+    stop = LONG_SLICE if name == "long_mixed" else None
+    if name in V1_RESUMES:
+        with pytest.raises(KvmapError) as e:
+            dumps(Trace(path), "vllm-mrv2")
+        assert (e.value.step, e.value.req_id) == V1_RESUMES[name] and "--backend vllm-v1" in e.value.message
+        return
+    got = dumps(Trace(path), "vllm-mrv2", stop)
+    want = dumps(Trace(path), "reference", stop)
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        assert g == w, f"step {w['step']}"
+
+
+def planted_51031_slot(row: list[int], pos: int, block_size: int, kbs: int, cp: int, rank: int, interleave: int):
+    """The planted rule in plain Python: the virtual block from kbs * cp (vLLM: block_size * cp)."""
+    vb, off = divmod(pos, kbs * cp)
+    if off // interleave % cp != rank:
+        return -1
+    local = vb * block_size + off // (interleave * cp) * interleave + off % interleave
+    i = local // block_size
+    return (row[i] if i < len(row) else 0) * block_size + local % block_size  # past the row: the kernel reads 0s
+
+
+@needs_mrv2
+def test_broken_mrv2_slot_kernel_is_named_at_its_step_request_and_rank():
+    trace = Trace(TRACES / "vllm51031.jsonl")
+    h = trace.header
+    g = h.kv_cache_groups[0]
+    first = None  # (step, req_id, rank) where the planted rule first departs from the reference dump
+    for d in dumps(trace, "reference"):
+        for b, req_id in enumerate(d["req_ids"]):
+            row = d["block_tables"][0][b]
+            for t in range(d["query_start_loc"][b], d["query_start_loc"][b + 1]):
+                for rank in range(h.decode_context_parallel_size):
+                    bad = planted_51031_slot(row, d["positions"][t], g.block_size, g.kernel_block_size,
+                                             h.decode_context_parallel_size, rank, h.cp_kv_cache_interleave_size)
+                    if first is None and bad != d["slot_mapping"][rank][0][t]:
+                        first = (d["step"], req_id, rank)
+    assert first is not None
+    bug = str(ROOT / "tests" / "backends" / "vllm51031_mrv2_backend.py") + ":MRV2VirtualBlockFromKernelSize"
+    r = validate(trace, deep=True, backends=[bug])
+    conf = [p for p in r.problems if p.kind == "conformance"]
+    assert conf and (conf[0].step, conf[0].req_id, conf[0].field) == (first[0], first[1], "slot_mapping")
+    assert f"on DCP rank {first[2]}" in conf[0].message and "the reference chain" in conf[0].message
+    assert any(p.kind == "kv_mismatch" for p in r.problems)
+
+
+@needs_mrv2
+def test_mrv2_refuses_the_v1_batch_order():
+    with pytest.raises(KvmapError, match="vllm-v1"):
+        dumps(Trace(TRACES / "chunked_prefill.jsonl"), "vllm-mrv2", batch_order="v1")
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
+@pytest.mark.parametrize("backend", ["vllm-mrv2", "vllm-v1"])
+def test_without_vllm_one_clear_line(backend):
+    p = subprocess.run([sys.executable, "-m", "kvmap", "replay", str(TRACES / "chunked_prefill.jsonl"),
+                        "--backend", backend], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "vLLM is not installed: pip install --no-deps vllm==0.33.0" in p.stderr
+
+
+def test_version_rules_decide_cross_version_replays():
+    header = Trace(TRACES / "dcp2.jsonl").header
+    vllm_compat.check_trace_version(header, "0.33.0")  # same version
+    vllm_compat.check_trace_version(replace(header, vllm_version="0.32.0"), "0.33.0")
+    with pytest.raises(KvmapError, match="does not know"):
+        vllm_compat.check_trace_version(replace(header, vllm_version="0.20.0"), "0.33.0")
+    rules = vllm_compat.RULES
+    saved = rules["0.32.0"]["virtual_block"]
+    try:
+        rules["0.32.0"]["virtual_block"] = "before #51031"
+        with pytest.raises(KvmapError, match="virtual_block"):
+            vllm_compat.check_trace_version(replace(header, vllm_version="0.32.0"),
+                                            "0.33.0")
+    finally:
+        rules["0.32.0"]["virtual_block"] = saved
