@@ -30,10 +30,11 @@ LONG_SLICE = 40  # steps of long_mixed through the interpreted kernels (about 0.
 V1_RESUMES = {"preemption_v1": (48, "req-3"), "dcp4_interleave8": (38, "req-3")}
 
 
-def dumps(trace: Trace, backend: str, stop: int | None = None, batch_order: str = "mrv2") -> list[dict]:
+def dumps(trace: Trace, backend: str, stop: int | None = None, batch_order: str = "mrv2",
+          threshold: int | None = None) -> list[dict]:
     out: list[dict] = []
     replay(trace, ReplayConfig(backend=backend, write_kv=False, nvtx=False, warmup=0, stop=stop,
-                               batch_order=batch_order), on_mappings=out.append)
+                               batch_order=batch_order, reorder_batch_threshold=threshold), on_mappings=out.append)
     return out
 
 
@@ -73,6 +74,16 @@ def test_v1_dumps_equal_the_reference_in_v1_order(path):
     assert len(got) == len(want) > 0
     for g, w in zip(got, want):
         assert g == w, f"step {w['step']}"
+
+
+@needs_v1
+def test_v1_reorder_is_vllms_own_and_validate_deep_compares_in_v1_order():
+    path = TRACES / "preemption_v2.jsonl"  # a trace whose order the 4-region reorder changes
+    want = dumps(Trace(path), "reference", batch_order="v1", threshold=4)
+    assert want != dumps(Trace(path), "reference", batch_order="v1")
+    assert dumps(Trace(path), "vllm-v1", batch_order="v1", threshold=4) == want
+    r = validate(Trace(path), deep=True, backends=["vllm-v1"])
+    assert r.valid and not r.problems, [p.message for p in r.problems[:3]]
 
 
 def planted_51031_slot(row: list[int], pos: int, block_size: int, kbs: int, cp: int, rank: int, interleave: int):

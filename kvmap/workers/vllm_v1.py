@@ -57,7 +57,7 @@ def _load(header: TraceHeader, device: str):
     return v, torch.device(device)
 
 
-def make_runner(header: TraceHeader, max_num_tokens: int, max_num_blocks: list[int], device, threshold):
+def make_runner(header: TraceHeader, max_num_tokens: int, max_num_blocks: list[int], device):
     """A V1 runner with the state `_update_states` and `_prepare_inputs` read (object.__new__, no model)."""
     import torch
 
@@ -73,7 +73,7 @@ def make_runner(header: TraceHeader, max_num_tokens: int, max_num_blocks: list[i
         device=device, pin_memory=False, max_num_reqs=R, max_num_tokens=max_num_tokens, max_model_len=max_model_len,
         requests={}, num_prompt_logprobs={}, encoder_cache={}, late_interaction_runner=_Off(), speculative_config=spec,
         num_spec_tokens=k, is_pooling_model=False, uses_mrope=False, use_async_scheduling=False,
-        use_async_spec_decode=False, enable_prompt_embeds=False, reorder_batch_threshold=threshold,
+        use_async_spec_decode=False, enable_prompt_embeds=False, reorder_batch_threshold=None,
         kv_cache_config=SimpleNamespace(kv_cache_groups=header.kv_cache_groups), num_accepted_tokens_event=None,
         valid_sampled_token_count_gpu=None, lora_config=None, cache_config=SimpleNamespace(mamba_cache_mode="none"),
         dcp_world_size=header.decode_context_parallel_size, dcp_rank=0, _pp_recv_work=None,
@@ -155,19 +155,14 @@ class V1Ops(MappingOps):
     def __init__(self, state, buffers, device: str = "cpu") -> None:
         super().__init__(state, buffers, device)
         self.version, self.torch_device = _load(state.header, device)
-        self.threshold: int | None = None
-        self.runner = None  # made on the first step (the reorder threshold is known by then)
+        self.runner = make_runner(state.header, buffers.max_num_tokens, state.max_num_blocks, self.torch_device)
         self.so = None  # this step's scheduler output, as the runner reads it
         self.nst = None  # [num_reqs] int32 scheduled tokens in V1's batch order
         self.detail = f"vLLM {self.version} V1 model runner on {self.torch_device}"
 
     def update(self, step: Step) -> None:
-        h = self.state.header
-        if self.runner is None:
-            self.runner = make_runner(h, self.buffers.max_num_tokens, self.state.max_num_blocks, self.torch_device,
-                                      self.threshold)
         r = self.runner
-        self.so = so = scheduler_output(step, h, r.requests)
+        self.so = so = scheduler_output(step, self.state.header, r.requests)
         r._update_states(so)
 
     def order(self, req_ids: list[str]) -> np.ndarray:
@@ -254,10 +249,11 @@ class VllmV1Worker(HostWorker):
 
     name = "vllm-v1"
     ops_class = V1Ops
+    native_batch_order = "v1"
 
     def use_batch_order(self, name: str, reorder_batch_threshold: int | None = None) -> None:
         check_batch_order(name)  # V1's own order either way; the threshold reaches _may_reorder_batch
-        self.ops.threshold = reorder_batch_threshold
+        self.ops.runner.reorder_batch_threshold = reorder_batch_threshold
 
     def update_states(self, step: Step) -> None:
         super().update_states(step)  # kvmap's checks: one located error for bad input
