@@ -35,6 +35,9 @@ from kvmap.workers.ops import MappingOps
 from kvmap.workers.order import check_batch_order
 
 
+_SLOT_KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
+
+
 def _load(header: TraceHeader, device: str):
     v = vllm_compat.require("vllm-v1")
     vllm_compat.check_trace_version(header, v)
@@ -46,9 +49,12 @@ def _load(header: TraceHeader, device: str):
             raise KvmapError("vLLM's CPU build computes no DCP slot mappings (its C++ slot kernel asserts cp = 1): "
                              "replay DCP traces through vllm-v1 with vLLM 0.33 (a GPU or the Triton interpreter)",
                              field="--backend")
-        from vllm.platforms import current_platform
+        from vllm.triton_utils import dispatcher
 
-        current_platform.register_triton_kernel_overrides()  # its C++ kernels stand in for Triton ones
+        if _SLOT_KERNEL not in dispatcher._registry:  # once per process
+            from vllm.platforms import current_platform
+
+            current_platform.register_triton_kernel_overrides()  # its C++ kernels stand in for Triton ones
     elif device == "cpu" and not torch.cuda.is_available():
         vllm_compat.prepare_cpu()
     import vllm.v1.worker.gpu_model_runner as gmr
