@@ -102,8 +102,6 @@ def prepare_cpu() -> None:
                              "TRITON_INTERPRET=1 before kvmap starts", field="--backend")
         os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    import torch
-
     import vllm.utils.torch_utils as tu
 
     tu.PIN_MEMORY = False
@@ -113,7 +111,6 @@ def prepare_cpu() -> None:
     for name, mod in list(sys.modules.items()):  # every imported vLLM module's own copy of the flag
         if name.startswith("vllm") and getattr(mod, "PIN_MEMORY", None) is True:
             mod.PIN_MEMORY = False
-    torch.set_num_threads(1)
 
 
 class HostUvaBuffer:

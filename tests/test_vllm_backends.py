@@ -86,6 +86,17 @@ def test_v1_reorder_is_vllms_own_and_validate_deep_compares_in_v1_order():
     assert r.valid and not r.problems, [p.message for p in r.problems[:3]]
 
 
+# recorded by tests/real_engine/run_engine.py (workload "preemption") on vLLM's CPU build 0.32.0: a real engine
+REAL_032 = ROOT / "tests" / "data" / "real_engine_preemption_vllm032.jsonl.gz"
+
+
+@needs_v1
+def test_a_trace_recorded_by_another_vllm_replays_when_its_rules_did_not_change():
+    trace = Trace(REAL_032)
+    assert trace.header.vllm_version == "0.32.0"
+    assert dumps(trace, "vllm-v1", batch_order="v1") == dumps(Trace(REAL_032), "reference", batch_order="v1")
+
+
 def planted_51031_slot(row: list[int], pos: int, block_size: int, kbs: int, cp: int, rank: int, interleave: int):
     """The planted rule in plain Python: the virtual block from kbs * cp (vLLM: block_size * cp)."""
     vb, off = divmod(pos, kbs * cp)

@@ -30,6 +30,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from kvmap import vllm_compat
+from kvmap._torch import torch as kvmap_torch
 from kvmap.errors import KvmapError, TraceError
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers.host import HostWorker
@@ -41,7 +42,7 @@ def load_vllm(backend: str, header: TraceHeader, device: str):
     """Check the installed vLLM and the trace's version; prepare the CPU path; return the torch device."""
     v = vllm_compat.require(backend)
     vllm_compat.check_trace_version(header, v)
-    import torch
+    torch = kvmap_torch()  # one intra-op thread (vLLM's CPU kernels too: OpenMP)
 
     if device == "cpu" and not torch.cuda.is_available():
         vllm_compat.prepare_cpu()

