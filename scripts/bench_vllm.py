@@ -1,8 +1,8 @@
 """kvmap's default worker beside vLLM's own V1 input preparation (the `vllm-v1` backend), same traces, one run.
 
     python scripts/bench_vllm.py [TRACE ...] [--warmup 20] [--json out.json]
-    (default traces: traces/long_mixed.jsonl.gz and traces/preemption_v2.jsonl; run it where vLLM is installed:
-    vLLM's CPU build natively, or vLLM 0.33)
+    (default traces: traces/long_mixed.jsonl.gz and a real CPU engine's, tests/data/real_engine_preemption_vllm032
+    .jsonl.gz; run it where vLLM is installed: vLLM's CPU build natively, or vLLM 0.33)
 
 Per trace: kvmap's default worker replayed by kvmap's loop (KV write off), then the vllm-v1 backend replayed by
 the same loop with the V1 runner's own `_update_states` and `_prepare_inputs` timed call by call
@@ -37,7 +37,8 @@ from kvmap.run.result import MAPPING_PHASES  # noqa: E402
 from kvmap.trace import Trace  # noqa: E402
 from kvmap.workers.registry import default_backend, make_worker  # noqa: E402
 
-TRACES = [ROOT / "traces" / "long_mixed.jsonl.gz", ROOT / "traces" / "preemption_v2.jsonl"]
+# the long bundled trace, and a real engine's (vLLM 0.32's CPU build, tests/real_engine/run_engine.py preemption)
+TRACES = [ROOT / "traces" / "long_mixed.jsonl.gz", ROOT / "tests" / "data" / "real_engine_preemption_vllm032.jsonl.gz"]
 GPU_BACKENDS = ("vllm-mrv2", "torch", "triton")
 
 
