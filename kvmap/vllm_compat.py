@@ -10,7 +10,8 @@ Rules:
 - On a machine without a GPU, Model Runner V2's Triton kernels run under the Triton interpreter: the
   environment variable must be set before triton is imported; kvmap sets it when nothing has imported triton
   yet, else refuses. vLLM's UVA buffers become host views of host tensors (on a CPU the device is the host),
-  and pinned memory is turned off (`prepare_cpu`). Nothing else of vLLM is changed.
+  and pinned memory is turned off (`prepare_cpu`). On a GPU without vLLM's compiled extension, vLLM's own
+  explicit-copy buffers replace the UVA views (`prepare_gpu`). Nothing else of vLLM is changed.
 """
 
 from __future__ import annotations
@@ -111,6 +112,17 @@ def prepare_cpu() -> None:
     for name, mod in list(sys.modules.items()):  # every imported vLLM module's own copy of the flag
         if name.startswith("vllm") and getattr(mod, "PIN_MEMORY", None) is True:
             mod.PIN_MEMORY = False
+
+
+def prepare_gpu() -> None:
+    """On a GPU: when vLLM's compiled extension did not load (a `--no-deps` vLLM beside another torch), its UVA
+    view op is missing; use vLLM's own explicit-copy fallback (`NonUvaBuffer`) instead."""
+    import torch
+
+    import vllm.v1.worker.gpu.buffer_utils as bu
+
+    if not hasattr(torch.ops._C, "get_cuda_view_from_cpu_tensor"):
+        bu.is_uva_available = lambda: False
 
 
 class HostUvaBuffer:

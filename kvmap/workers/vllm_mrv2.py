@@ -44,8 +44,10 @@ def load_vllm(backend: str, header: TraceHeader, device: str):
     vllm_compat.check_trace_version(header, v)
     torch = kvmap_torch()  # one intra-op thread (vLLM's CPU kernels too: OpenMP)
 
-    if device == "cpu" and not torch.cuda.is_available():
+    if device == "cpu":  # host tensors: the Triton interpreter (also on a GPU machine)
         vllm_compat.prepare_cpu()
+    elif device.startswith("cuda"):
+        vllm_compat.prepare_gpu()
     return torch.device(device)
 
 

@@ -58,6 +58,8 @@ def _load(header: TraceHeader, device: str):
             current_platform.register_triton_kernel_overrides()  # its C++ kernels stand in for Triton ones
     elif device == "cpu" and not torch.cuda.is_available():
         vllm_compat.prepare_cpu()
+    elif device.startswith("cuda"):
+        vllm_compat.prepare_gpu()
     import vllm.v1.worker.gpu_model_runner as gmr
 
     gmr.get_pp_group = lambda: SimpleNamespace(is_last_rank=True)  # one pipeline stage

@@ -6,13 +6,10 @@ its step, request and DCP rank."""
 
 from __future__ import annotations
 
-import torch
-
 from kvmap.vllm_compat import prepare_cpu
 from kvmap.workers.vllm_mrv2 import VllmMRV2Worker
 
-if not torch.cuda.is_available():
-    prepare_cpu()  # the interpreter must be on before triton is imported
+prepare_cpu()  # validate --deep runs backends on host tensors: the interpreter, on before triton is imported
 
 from vllm.triton_utils import tl, triton  # noqa: E402
 from vllm.v1.attention.backends.utils import PAD_SLOT_ID  # noqa: E402
