@@ -40,6 +40,8 @@ _SAME_032_033 = {
     "streaming_input": "resumable",  # a live id in scheduled_new_reqs replaces the request
 }
 RULES: dict[str, dict[str, str]] = {"0.32.0": dict(_SAME_032_033), "0.33.0": dict(_SAME_032_033)}
+# Triton versions whose interpreter runs Model Runner V2's DCP slot kernel (3.9.0's rejects its bool mask)
+INTERPRETER_MRV2_DCP = ("3.7.1",)
 
 
 def installed(dist: str) -> str | None:
@@ -88,10 +90,13 @@ def check_trace_version(header, installed_version: str) -> None:
                              f"({rec.get(rule)} vs {have.get(rule)})", field="vllm_version")
 
 
-def has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+def check_interpreter_mrv2(header) -> None:
+    """Refuse, in one line, an interpreted Model Runner V2 replay of a DCP trace on a Triton that cannot run it."""
+    v = installed("triton")
+    if header.decode_context_parallel_size > 1 and v not in INTERPRETER_MRV2_DCP:
+        raise KvmapError(f"the Triton {v} interpreter rejects Model Runner V2's DCP slot-mapping kernel (\"mask has "
+                         f"unsupported dtype\"); pip install triton=={INTERPRETER_MRV2_DCP[0]} "
+                         "(requirements-record.txt), or run it on a GPU", field="--backend")
 
 
 def prepare_cpu() -> None:

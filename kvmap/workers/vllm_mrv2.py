@@ -45,6 +45,7 @@ def load_vllm(backend: str, header: TraceHeader, device: str):
     torch = kvmap_torch()  # one intra-op thread (vLLM's CPU kernels too: OpenMP)
 
     if device == "cpu":  # host tensors: the Triton interpreter (also on a GPU machine)
+        vllm_compat.check_interpreter_mrv2(header)
         vllm_compat.prepare_cpu()
     elif device.startswith("cuda"):
         vllm_compat.prepare_gpu()
