@@ -7,6 +7,9 @@
    on: median host time per step and for the mapping phases, median device time per phase (CUDA events), and
    bytes copied host-to-device per step.
 3. Synthetic steps at 8 / 64 / 256 / 1024 requests (the bench's workload): host and device time per step.
+4. vLLM's own Model Runner V2 code natively (the `vllm-mrv2` backend, when vLLM 0.33 is installed): its dumps
+   equal the reference's on the bundled MRV2-protocol traces, then CUDA-event device times per phase of
+   vllm-mrv2 beside kvmap's torch and triton workers on the long trace (scripts/bench_vllm.py `gpu_phases`).
 Prints one table. `--device cpu` runs the same on CPU tensors (Triton under TRITON_INTERPRET=1, tiny sizes),
 to check the script itself.
 """
@@ -22,6 +25,44 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+VLLM_TRACES = ("chunked_prefill", "spec_decode", "async_spec_decode", "prefix_caching", "preemption_v2",
+               "hybrid_sliding_window", "kernel_block_split", "dcp2", "dcp2_mamba", "vllm51031")
+
+
+def vllm_section(device: str, trace: str) -> list[str]:
+    """Section 4: vllm-mrv2 on the GPU against the reference, and its CUDA-event phase times beside kvmap's GPU
+    workers. One line saying why when there is no GPU or no vLLM 0.33."""
+    from kvmap import vllm_compat
+
+    if not device.startswith("cuda"):
+        return ["vLLM section: skipped (no GPU: vllm-mrv2 natively needs --device cuda; on CPU the tests run it "
+                "under the Triton interpreter)"]
+    if vllm_compat.installed("vllm") not in vllm_compat.SUPPORTED["vllm-mrv2"]["vllm"]:
+        return ["vLLM section: skipped (vLLM 0.33 is not installed: pip install --no-deps vllm==0.33.0 and "
+                "requirements-record.txt)"]
+    from kvmap.run.config import ReplayConfig
+    from kvmap.run.replay import replay
+    from kvmap.trace import Trace
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_vllm
+
+    lines = []
+    for name in VLLM_TRACES:
+        got, want = [], []
+        for backend, dev, out in (("vllm-mrv2", device, got), ("reference", "cpu", want)):
+            replay(Trace(ROOT / "traces" / f"{name}.jsonl"), ReplayConfig(backend=backend, device=dev, write_kv=False,
+                                                                          nvtx=False, warmup=0), on_mappings=out.append)
+        diff = next((w["step"] for g, w in zip(got, want) if g != w), None)
+        same = diff is None and len(got) == len(want)
+        lines.append(f"vllm-mrv2 on {device}, {name}: {len(got)} steps, "
+                     + ("equal to the reference" if same else f"DIFFERS at step {diff}"))
+    for backend, ph in bench_vllm.gpu_phases(Path(trace), 20).items():
+        lines.append(f"CUDA events, {Path(trace).name}, {backend}: "
+                     + ", ".join(f"{p} {x:.1f} us" for p, x in ph.items()))
+    return lines
 
 
 def main() -> None:
@@ -118,6 +159,10 @@ def main() -> None:
                     devt.append(d)
             cell = f"{np.median(host):8.1f}" + ("" if b == "numba" else f" / {np.median(devt):8.1f}")
             line += f" {cell:^23} |"
+        print(line)
+
+    print()
+    for line in vllm_section(args.device, args.trace):
         print(line)
 
 

@@ -73,6 +73,11 @@ def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: i
     from kvmap.workers.registry import make_worker
 
     worker = make_worker(backend, trace.header)
+    if worker.native_batch_order != "mrv2":  # a runner with its own batch order: the reference in that order
+        worker.use_batch_order(worker.native_batch_order)
+        ref = []
+        replay(trace, ReplayConfig(backend="reference", write_kv=False, nvtx=False, warmup=0,
+                                   batch_order=worker.native_batch_order), on_mappings=ref.append)
     got: list[dict] = []
     problems: list[dict] = []
     try:

@@ -56,6 +56,7 @@ class Worker(ABC):
 
     name: ClassVar[str] = "worker"
     has_h2d: ClassVar[bool] = False  # has a timed host-to-device phase (`copy_to_device`)
+    native_batch_order: ClassVar[str] = "mrv2"  # the order it computes whatever is asked (vllm-v1: "v1")
     backend_detail: str = ""  # how this worker runs, shown beside its name in a replay's summary
 
     def __init__(self, header: TraceHeader, device: str = "cpu") -> None:

@@ -36,6 +36,7 @@ class Backend:
     summary: str
     device_backend: bool = False  # runs on a torch device (cpu or cuda); host backends run on the host only
     needs: str | None = None  # pip package that the import needs, for the error message
+    optional: bool = False  # runs an installed vLLM's own code: only when named (never in the default deep check)
 
 
 BUILTIN: dict[str, Backend] = {b.name: b for b in (
@@ -46,8 +47,13 @@ BUILTIN: dict[str, Backend] = {b.name: b for b in (
             device_backend=True, needs="torch"),
     Backend("triton", "kvmap.workers.triton_worker:TritonWorker", "the torch worker with Triton kernels",
             device_backend=True, needs="triton"),
+    Backend("vllm-mrv2", "kvmap.workers.vllm_mrv2:VllmMRV2Worker", "vLLM's own Model Runner V2 code (needs vLLM)",
+            device_backend=True, optional=True),
+    Backend("vllm-v1", "kvmap.workers.vllm_v1:VllmV1Worker", "vLLM's own V1 runner code (needs vLLM)",
+            device_backend=True, optional=True),
 )}
-BACKENDS = tuple(BUILTIN)  # built-in names, in the order they are listed and checked
+BACKENDS = tuple(b.name for b in BUILTIN.values() if not b.optional)  # the listed and checked ones, in order
+OPTIONAL_BACKENDS = tuple(b.name for b in BUILTIN.values() if b.optional)  # run an installed vLLM: named only
 
 
 def default_backend() -> str:
@@ -69,7 +75,7 @@ def _load_class(target: str):
     """Import "module:Class" or "path/to/file.py:Class"."""
     mod_name, sep, cls_name = target.rpartition(":")
     if not sep or not mod_name or not cls_name:
-        raise KvmapError(f"unknown backend {target!r}; choose one of {', '.join(BACKENDS)}, or give "
+        raise KvmapError(f"unknown backend {target!r}; choose one of {', '.join(BUILTIN)}, or give "
                          "module:Class", field="--backend")
     try:
         if mod_name.endswith(".py"):

@@ -1,0 +1,265 @@
+"""The `vllm-mrv2` backend: Model Runner V2's own input preparation (vLLM's code, not kvmap's) run on a trace.
+
+Rules:
+- Every index is computed by vLLM: the runner's own methods on a runner built with `object.__new__`
+  (`finish_requests`, `add_requests`, `update_requests`, `gather_batch_req_state` with its batch sort,
+  `prepare_inputs` with `prepare_prefill_inputs`, `prepare_pos_seq_lens`, `combine_sampled_and_draft_tokens`,
+  `expand_idx_mapping`, `postprocess_sampled` with `post_update`), its `RequestState` (free-row LIFO, staged
+  writes) and `BlockTables` (`append_block_ids`, the gather and slot-mapping kernels), and
+  `prepare_dcp_local_seq_lens`. Features the trace does not use stay off (`None`: pooling, LoRA, encoder,
+  pipeline, PCP, adaptive verification, fast prefill, sampler state).
+- kvmap's own `WorkerState` runs beside it only to check the trace (one located error for bad input) and to
+  read back the KV cache (`--verify-kv`); it feeds vLLM nothing.
+- What the model would have produced comes from the trace: sampled tokens go through `postprocess_sampled`
+  after each step (`num_rejected` by vLLM's `get_num_sampled_and_rejected`), drafts into
+  `req_states.draft_tokens` before it (what the speculator writes), the real drafts under async scheduling.
+- Differences from a serving runner, none of which moves an index: no request padding (eager batch
+  descriptor); the gathered block tables are the manager's rows (no sliding-window nulling: the dump compares
+  block ids, the forward-pass table is the forward-pass dump's); kernel-block rows (a kernel split) are
+  kvmap's layout rule; token rows are `max_model_len + k + 1` wide (sampled tokens never run off a row).
+- DCP: one `BlockTables`; each computed rank's slots by the same kernel with that `cp_rank`.
+- Runs natively on a GPU (`--device cuda`), else on host tensors under the Triton interpreter
+  (`vllm_compat.prepare_cpu`). Model Runner V2 gets the v2 protocol; a v1-protocol trace replays until a
+  request is preempted (V1 keeps its state for a resume Model Runner V2 never receives), then stops with one
+  located error.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from kvmap import vllm_compat
+from kvmap._torch import torch as kvmap_torch
+from kvmap.errors import KvmapError, TraceError
+from kvmap.trace import Step, TraceHeader
+from kvmap.workers.host import HostWorker
+from kvmap.workers.mappings import BatchTables, Inputs, RankSlots
+from kvmap.workers.ops import MappingOps
+
+
+def load_vllm(backend: str, header: TraceHeader, device: str):
+    """Check the installed vLLM and the trace's version; prepare the CPU path; return the torch device."""
+    v = vllm_compat.require(backend)
+    vllm_compat.check_trace_version(header, v)
+    torch = kvmap_torch()  # one intra-op thread (vLLM's CPU kernels too: OpenMP)
+
+    if device == "cpu":  # host tensors: the Triton interpreter (also on a GPU machine)
+        vllm_compat.check_interpreter_mrv2(header)
+        vllm_compat.prepare_cpu()
+    elif device.startswith("cuda"):
+        vllm_compat.prepare_gpu()
+    return torch.device(device)
+
+
+class _Off:
+    """A runner part the trace does not use: every hook is a no-op."""
+
+    num_new_sampled_tokens_per_step = 1
+
+    def __getattr__(self, name):
+        return _noop
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+def make_runner(header: TraceHeader, max_num_tokens: int, max_num_blocks: list[int], device):
+    """A Model Runner V2 with only the state input preparation reads (object.__new__, no model, no CUDA graph)."""
+    from vllm.v1.worker.gpu.block_table import BlockTables
+    from vllm.v1.worker.gpu.input_batch import InputBuffers
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu.states import RequestState
+
+    k = header.num_speculative_tokens
+    R = header.max_num_seqs
+    r = object.__new__(GPUModelRunner)
+    groups = header.kv_cache_groups
+    r.__dict__.update(
+        device=device, max_num_reqs=R, max_num_tokens=max_num_tokens, max_model_len=header.max_model_len,
+        decode_query_len=1 + k, use_pp=False, is_last_pp_rank=False, sampler=None, pooling_runner=None,
+        pp_handler=None, encoder_cache=None, prompt_logprobs_worker=None, adaptive_verification=None,
+        pcp_manager=None, fast_prefill=None, kv_block_zeroer=None, model_config=SimpleNamespace(rswa_window=None),
+        model_state=_Off(), lora_state=_Off(),
+        dcp_size=header.decode_context_parallel_size, dcp_rank=0, cp_interleave=header.cp_kv_cache_interleave_size,
+        req_states=RequestState(R, header.max_model_len + k + 1, max_num_tokens, k, 1, device),
+        input_buffers=InputBuffers(R, max_num_tokens, device),
+        block_tables=BlockTables(
+            block_sizes=[g.block_size for g in groups], max_num_reqs=R, max_num_batched_tokens=max_num_tokens,
+            max_num_blocks_per_group=list(max_num_blocks), device=device,
+            slot_mapping_enabled=[g.uses_slot_mapping for g in groups], dcp_sharded=[g.dcp_sharded for g in groups],
+            cp_size=header.decode_context_parallel_size, cp_rank=0, cp_interleave=header.cp_kv_cache_interleave_size),
+    )
+    return r
+
+
+def scheduler_output(step: Step, protocol: str):
+    """The trace's scheduler output in the shape the runner reads (vLLM's SchedulerOutput fields)."""
+    so = step.scheduler_output
+    c = so.scheduled_cached_reqs
+    if protocol == "v1" and so.preempted_req_ids:  # V1 keeps a preempted request's state for its resume
+        raise TraceError("preempted under the V1 runner protocol: Model Runner V2 frees the request and never "
+                         "receives its resume (replay this trace with --backend vllm-v1)", line=step.line,
+                         step=step.step, req_id=sorted(so.preempted_req_ids)[0], field="preempted_req_ids",
+                         kind="protocol")
+    new = [SimpleNamespace(
+        req_id=nr.req_id, prompt_token_ids=nr.prompt_token_ids, prompt_len=len(nr.prompt_token_ids),
+        prefill_token_ids=nr.prefill_token_ids if nr.prefill_token_ids is not None else nr.prompt_token_ids,
+        num_computed_tokens=nr.num_computed_tokens, block_ids=tuple(nr.block_ids), sampling_params=None,
+        pooling_params=None, mm_features=[], lora_request=None) for nr in so.scheduled_new_reqs]
+    cached = SimpleNamespace(req_ids=c.req_ids, num_computed_tokens=c.num_computed_tokens,
+                             new_block_ids=[None if b is None else tuple(b) for b in c.new_block_ids])
+    return SimpleNamespace(
+        scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=so.num_scheduled_tokens,
+        total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+        scheduled_spec_decode_tokens=so.scheduled_spec_decode_tokens, finished_req_ids=set(so.finished_req_ids),
+        preempted_req_ids=set(so.preempted_req_ids), new_block_ids_to_zero=None, kv_cache_block_copies=None,
+        has_structured_output_requests=False, free_encoder_mm_hashes=[])
+
+
+class MRV2Ops(MappingOps):
+    """The mapping phases, each one call into Model Runner V2 (results copied to host numpy for the dump)."""
+
+    detail = "vLLM Model Runner V2"
+
+    def __init__(self, state, buffers, device: str = "cpu") -> None:
+        super().__init__(state, buffers, device)
+        h = state.header
+        self.torch_device = load_vllm("vllm-mrv2", h, device)
+        import torch
+
+        self.torch = torch
+        self.runner = make_runner(h, buffers.max_num_tokens, state.max_num_blocks, self.torch_device)
+        self.detail = f"vLLM {vllm_compat.require('vllm-mrv2')} Model Runner V2 on {self.torch_device}" + (
+            " (Triton interpreter)" if self.torch_device.type == "cpu" else "")
+        self.so = None  # this step's scheduler output, as the runner reads it
+        self.batch_state = None  # the runner's BatchReqState (batch order)
+        self.input_batch = None  # the runner's InputBatch
+
+    def update(self, step: Step) -> None:
+        """The runner's own state update (execute_model's first lines), then the drafts the speculator wrote."""
+        r = self.runner
+        self.so = so = scheduler_output(step, self.state.header.model_runner_protocol)
+        r.finish_requests(so)
+        r.add_requests(so)
+        r.update_requests(so)
+        r.block_tables.apply_staged_writes()
+        spec = so.scheduled_spec_decode_tokens
+        if spec:
+            real = step.async_spec.spec_draft_token_ids if step.async_spec is not None else {}
+            drafts = r.req_states.draft_tokens
+            for req_id, d in spec.items():
+                d = real.get(req_id, d)
+                drafts[r.req_states.req_id_to_index[req_id], : len(d)] = self.torch.tensor(d, dtype=drafts.dtype)
+
+    def order(self, req_ids: list[str]) -> np.ndarray:
+        """[num_reqs] batch_idx -> scheduler entry, by the runner's `sort_batch_req_ids`."""
+        if not req_ids:
+            self.batch_state = None
+            return np.zeros(0, dtype=np.int32)
+        self.batch_state, _ = self.runner.gather_batch_req_state(self.so, dummy_run=False)
+        entry = {r: i for i, r in enumerate(req_ids)}
+        return np.fromiter(map(entry.__getitem__, self.batch_state.req_ids), np.int32, len(req_ids))
+
+    def prepare_inputs(self, batch) -> Inputs:
+        if self.batch_state is None:
+            z32, z64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
+            self.input_batch = None
+            return Inputs(z32, z32, z32, np.zeros(1, np.int32), z32, z64, z32)
+        T = self.batch_state.num_tokens
+        desc = SimpleNamespace(num_tokens=T, num_reqs=None)  # eager: no padding
+        self.input_batch = ib = self.runner.prepare_inputs(self.so, self.batch_state, desc, 0)
+        n = ib.num_reqs
+        seq_lens = _host(ib.seq_lens[:n])
+        nst = ib.num_scheduled_tokens.astype(np.int32)
+        return Inputs(ib.idx_mapping_np.astype(np.int32), nst, seq_lens - nst, _host(ib.query_start_loc[: n + 1]),
+                      seq_lens, _host(ib.positions[:T]), _host(ib.input_ids[:T]))
+
+    def gather_block_tables(self, inputs: Inputs) -> BatchTables:
+        n = len(inputs.idx_mapping)
+        bt = self.runner.block_tables
+        if self.input_batch is None:
+            return BatchTables([np.zeros((0, t.gpu.shape[1]), np.int32) for t in bt.block_tables],
+                               np.zeros((bt.num_kv_cache_groups, 0), np.int32))
+        tables = bt.gather_block_tables(self.input_batch.idx_mapping, num_reqs_padded=n)
+        return BatchTables([_host(t) for t in tables], bt.num_blocks.np[:, self.input_batch.idx_mapping_np].copy())
+
+    def _slots(self, T: int):
+        ib = self.input_batch
+        return self.runner.block_tables.compute_slot_mappings(ib.idx_mapping, ib.query_start_loc, ib.positions,
+                                                              num_tokens_padded=T)
+
+    def compute_slot_mappings(self, inputs: Inputs) -> np.ndarray:
+        T = len(inputs.positions)
+        if self.input_batch is None:
+            return np.zeros((self.runner.block_tables.num_kv_cache_groups, 0), np.int64)
+        return _host(self._slots(T))
+
+    def compute_rank_slot_mappings(self, inputs: Inputs, rank_layouts, seq_layouts) -> RankSlots:
+        from vllm.v1.worker.gpu.cp_utils import prepare_dcp_local_seq_lens
+
+        r, ranks = self.runner, [max(lay.cp_rank for lay in lays) for lays in rank_layouts]  # a sharded group's rank
+        n, T, G = len(inputs.idx_mapping), len(inputs.positions), r.block_tables.num_kv_cache_groups
+        slots = np.zeros((len(ranks), G, T), np.int64)
+        local = np.zeros((len(ranks), n), np.int32)
+        ib = self.input_batch
+        for i, rank in enumerate(ranks):
+            if ib is None:
+                continue
+            r.block_tables.cp_rank = rank
+            slots[i] = _host(self._slots(T))
+            local[i] = _host(prepare_dcp_local_seq_lens(r.input_buffers.dcp_local_seq_lens, ib.seq_lens, n,
+                                                        r.dcp_size, rank, r.cp_interleave, num_reqs_padded=n))
+        r.block_tables.cp_rank = 0
+        return RankSlots(slots, local)
+
+    def postprocess(self, step: Step) -> None:
+        """After the model: the sampled tokens through the runner's `postprocess_sampled` (post_update)."""
+        from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+
+        ib, torch = self.input_batch, self.torch
+        if ib is None:
+            return
+        sampled = step.sampled_token_ids or {}
+        width = 1 + self.state.header.num_speculative_tokens
+        toks = np.zeros((ib.num_reqs, width), np.int64)
+        num = np.zeros(ib.num_reqs, np.int32)
+        for b, req_id in enumerate(ib.req_ids):
+            s = sampled.get(req_id, [])
+            toks[b, : len(s)] = s
+            num[b] = len(s)
+        dev = self.torch_device
+        num_sampled, num_rejected = get_num_sampled_and_rejected(
+            torch.from_numpy(num).to(dev), ib.seq_lens, ib.cu_num_logits, ib.idx_mapping,
+            self.runner.req_states.prefill_len.gpu)
+        self.runner.postprocess_sampled(ib.idx_mapping, torch.from_numpy(toks).to(dev), num_sampled, num_rejected,
+                                        ib.query_start_loc)
+
+
+def _host(t) -> np.ndarray:
+    return t.cpu().numpy().copy()
+
+
+class VllmMRV2Worker(HostWorker):
+    """kvmap's worker shell (trace checks, phase order, KV read-back) around Model Runner V2's own code."""
+
+    name = "vllm-mrv2"
+    ops_class = MRV2Ops
+
+    def use_batch_order(self, name: str, reorder_batch_threshold: int | None = None) -> None:
+        if name != "mrv2":
+            raise KvmapError("the vllm-mrv2 backend runs Model Runner V2's own batch order; --batch-order v1 is "
+                             "the vllm-v1 backend's", field="--batch-order")
+
+    def update_states(self, step: Step) -> None:
+        super().update_states(step)  # kvmap's checks: one located error for bad input
+        self.ops.update(step)
+
+    def prepare_batch(self) -> None:
+        self.batch.order = self.ops.order(self.batch.req_ids)
+
+    def append_sampled(self) -> None:
+        super().append_sampled()
+        self.ops.postprocess(self.batch.step)

