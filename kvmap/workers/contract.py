@@ -86,7 +86,7 @@ class Worker(ABC):
     def is_mrv2(self) -> bool:
         """Model Runner V2's rules apply: its batch order and its gathered table's sliding-window nulling
         (layout.GroupLayout.null_history_blocks). The one runner flag: today `--batch-order` sets it."""
-        return self.v1_batch is None
+        return self.v1_batch is None and self.native_batch_order == "mrv2"
 
     def v1_order(self, step: Step) -> list[str]:
         """This step's batch order (req ids) under V1's persistent batch."""

@@ -90,9 +90,28 @@ def make_runner(header: TraceHeader, max_num_tokens: int, max_num_blocks: list[i
             block_sizes=[g.block_size for g in groups], max_num_reqs=R, max_num_batched_tokens=max_num_tokens,
             max_num_blocks_per_group=list(max_num_blocks), device=device,
             slot_mapping_enabled=[g.uses_slot_mapping for g in groups], dcp_sharded=[g.dcp_sharded for g in groups],
-            cp_size=header.decode_context_parallel_size, cp_rank=0, cp_interleave=header.cp_kv_cache_interleave_size),
+            cp_size=header.decode_context_parallel_size, cp_rank=0, cp_interleave=header.cp_kv_cache_interleave_size,
+            sliding_window_reach=_sliding_window_reach(groups)),
     )
     return r
+
+
+def _sliding_window_reach(groups) -> list[int]:
+    """Per group, vLLM's own `SlidingWindowSpec.num_retained_tokens` (0 for other kinds), as model_runner.py
+    builds `sliding_window_reach`: the gather then nulls the history itself (BlockTables disables it when cp > 1)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    import torch
+
+    reach = []
+    for g in groups:
+        if g.kind != "sliding_window":
+            reach.append(0)
+            continue
+        spec = SlidingWindowSpec(block_size=g.block_size, num_kv_heads=1, head_size=1, dtype=torch.float16,
+                                 sliding_window=g.sliding_window, extra_retained_tokens=g.extra_retained_tokens)
+        reach.append(spec.num_retained_tokens)
+    return reach
 
 
 def scheduler_output(step: Step, protocol: str):
@@ -183,8 +202,12 @@ class MRV2Ops(MappingOps):
         if self.input_batch is None:
             return BatchTables([np.zeros((0, t.gpu.shape[1]), np.int32) for t in bt.block_tables],
                                np.zeros((bt.num_kv_cache_groups, 0), np.int32))
-        tables = bt.gather_block_tables(self.input_batch.idx_mapping, num_reqs_padded=n)
+        tables = bt.gather_block_tables(self.input_batch.idx_mapping, num_reqs_padded=n,
+                                        num_computed_tokens=self.runner.req_states.num_computed_tokens.gpu)
         return BatchTables([_host(t) for t in tables], bt.num_blocks.np[:, self.input_batch.idx_mapping_np].copy())
+
+    def null_history(self, tables: BatchTables, inputs: Inputs, groups) -> BatchTables:
+        return tables  # vLLM's own gather nulled the sliding-window history (num_computed_tokens given)
 
     def _slots(self, T: int):
         ib = self.input_batch
