@@ -22,6 +22,8 @@ from typing import ClassVar
 import numpy as np
 
 from kvmap.errors import TraceError
+from kvmap.forward.inputs import ForwardBuilder, ForwardStep
+from kvmap.forward.sampler import SamplerRows
 from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
 from kvmap.layout import rank_layouts, seq_layouts
 from kvmap.trace import Step, TraceHeader
@@ -87,6 +89,7 @@ class HostWorker(Worker):
         """Start a step from a batch directly (benchmarks: synthetic batches over state they wrote)."""
         self.batch = batch
         self._mappings = None
+        self.forward = None
 
     def schedule(self, rows: list[int], counts: list[int], req_ids: list[str] | None = None) -> StepBatch:
         """A synthetic batch without drafts, in scheduler order (benchmarks)."""
@@ -128,6 +131,24 @@ class HostWorker(Worker):
             self.rank_slots = self.ops.compute_rank_slot_mappings(self.inputs, self.rank_layouts, self.seq_layouts)
         else:
             self.slots = self.ops.compute_slot_mappings(self.inputs)
+
+    def use_forward(self, config) -> None:
+        super().use_forward(config)
+        self.forward_builder = ForwardBuilder(config, self.buffers.max_num_tokens)
+
+    def prepare_forward(self) -> None:
+        """The forward inputs by the numpy forms on the host mappings (device backends: host copies of theirs,
+        as `mappings()` makes them; device forms are not written yet)."""
+        self.forward = self.forward_builder.host(self.forward_step())
+
+    def forward_step(self) -> ForwardStep:
+        """This step's rows as the forward parts read them: the mappings and the per-row state in batch order."""
+        m, st, b = self.mappings(), self.state, self.batch
+        idx = m.idx_mapping
+        rows = SamplerRows(m.idx_mapping, m.query_start_loc, m.seq_lens, m.num_computed_tokens,
+                           b.num_draft_tokens[b.order], st.prefill_len[idx], st.num_prompt_tokens[idx],
+                           st.token_ids[idx, st.total_len[idx] - 1], m.input_ids)
+        return ForwardStep(rows, m, self.header.num_speculative_tokens)
 
     def append_sampled(self) -> None:
         b = self.batch
