@@ -160,3 +160,29 @@ def test_dump_without_forward_unchanged(tmp_path):
     line = json.loads(dump_line({**got[0], "logits_indices": [1]}))
     assert list(line)[-1] == "logits_indices"
     assert list(itertools.islice(line, 3)) == ["step", "req_ids", "idx_mapping"]
+
+
+WRONG_BONUS = '''
+from kvmap.workers.host import NumpyWorker
+
+
+class LastRowLogits(NumpyWorker):
+    """Samples every request's first scheduled token instead of its last (a wrong logits_indices)."""
+
+    def prepare_forward(self):
+        super().prepare_forward()
+        s = self.forward.sampler
+        s.logits_indices[: len(s.logits_indices)] = self.mappings().query_start_loc[:-1][: len(s.logits_indices)]
+'''
+
+
+def test_deep_validate_compares_forward_inputs(tmp_path):
+    from kvmap.validate.deep import deep_check
+
+    path = tmp_path / "wrong_logits.py"
+    path.write_text(WRONG_BONUS)
+    r = deep_check(Trace(TRACES / "chunked_prefill.jsonl"), [f"{path}:LastRowLogits", "numpy"])
+    bad, good = r["backends"][f"{path}:LastRowLogits"], r["backends"]["numpy"]
+    assert good["differing_steps"] == 0 and bad["differing_steps"] > 0
+    first = next(p for p in r["problems"] if p["kind"] == "conformance")
+    assert first["field"] == "logits_indices", first

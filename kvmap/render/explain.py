@@ -39,6 +39,25 @@ def _order_table(d: dict, console: Console) -> Table:
     return t
 
 
+def _forward(f: dict | None, console: Console) -> None:
+    """The forward-pass section: the runner, the sampler indices and each request's arithmetic."""
+    if not f:
+        return
+    console.print()
+    say(console, f"forward pass ({f['runner']} runner, cudagraph mode {f['cudagraph_mode']}): sampler indices",
+        style="bold")
+    for key, value in f["sampler"].items():
+        if key not in ("rows", "stale_input_ids"):
+            say(console, f"  {key} {value}")
+    for line in f["sampler"]["rows"]:
+        say(console, f"  {safe(line)}")
+    if f["sampler"].get("stale_input_ids"):
+        say(console, f"  flat tokens MRV2 would read stale input ids at: {f['sampler']['stale_input_ids']}",
+            style="yellow")
+    for line in f["skipped"]:
+        say(console, f"  skipped: {line}", style="dim")
+
+
 def render_explain(d: dict, console: Console) -> None:
     say(console, f"step {d['step']} of {d['trace']} (line {d['line']}, {d['protocol']} protocol): "
                  f"{len(d['batch'])} requests, {d['num_tokens']} tokens", style="bold")
@@ -58,6 +77,7 @@ def render_explain(d: dict, console: Console) -> None:
     say(console, f"idx_mapping     {d['idx_mapping']}   (batch_idx -> req_state_idx)")
     say(console, f"query_start_loc {d['query_start_loc']}")
     say(console, f"seq_lens        {d['seq_lens']}")
+    _forward(d.get("forward"), console)
     req = d.get("request")
     if req:
         console.print()

@@ -1,7 +1,8 @@
 """`kvmap validate --deep`: replay through the backends against the reference, with the KV canary read back.
 
 Rules: the reference replays first; any other backend that loads is compared step by step on the dump record
-and its KV cache is read back every step. Problems name the step, request, token and group of the first
+(the core mappings and the forward inputs, kvmap/forward, by the header's runner: the reference's scalar specs
+against the backend's forms) and its KV cache is read back every step. Problems name the step, request, token and group of the first
 difference, with the chain `kvmap explain` prints for it. Each pass runs inside `progress(label, backend)`, a
 context giving the pass's `on_step` (the CLI's progress bar at a terminal; None: nothing drawn).
 """
@@ -72,12 +73,13 @@ def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: i
     from kvmap.run.replay import replay
     from kvmap.workers.registry import make_worker
 
-    worker = make_worker(backend, trace.header)
+    worker = make_worker(backend, trace.header, batch_order=trace.header.runner or "mrv2")
     got: list[dict] = []
     problems: list[dict] = []
     try:
-        kv = replay(trace, ReplayConfig(verify_kv=True, nvtx=False, warmup=0), worker=worker, on_mappings=got.append,
-                    on_step=on_step)
+        kv = replay(trace, ReplayConfig(verify_kv=True, nvtx=False, warmup=0, forward=True,
+                                        batch_order=trace.header.runner or "mrv2"), worker=worker,
+                    on_mappings=got.append, on_step=on_step)
     except KvmapError as e:
         problems.append(asdict(Problem("conformance", f"{backend} failed: {e.message}", e.line, e.step, e.req_id,
                                        e.group, e.field)))
@@ -126,7 +128,8 @@ def deep_check(trace: Trace, backends: list[str] | None = None, progress: Progre
     ref: list[dict] = []
     try:
         with progress("reference", "reference") as on_step:
-            r = replay(trace, ReplayConfig(backend="reference", write_kv=False, nvtx=False, warmup=0),
+            r = replay(trace, ReplayConfig(backend="reference", write_kv=False, nvtx=False, warmup=0, forward=True,
+                                           batch_order=trace.header.runner or "mrv2"),
                        on_mappings=ref.append, on_step=on_step)
     except KvmapError as e:
         return {"backends": {}, "skipped": {}, "problems": [asdict(Problem(
