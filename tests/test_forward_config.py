@@ -62,7 +62,7 @@ def test_header_keys_are_read(tmp_path):
 ])
 def test_bad_header_keys_are_located(tmp_path, keys, field):
     with pytest.raises(TraceError) as e:
-        Trace(with_header(tmp_path, **keys)).header
+        assert Trace(with_header(tmp_path, **keys)).header is None
     assert e.value.line == 1 and e.value.field == field
 
 
@@ -87,7 +87,8 @@ def invoke(*args):
 
 def test_runner_option_and_its_old_name(tmp_path):
     a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
-    assert invoke("replay", SPEC, "-q", "--no-progress", "--no-kv", "--runner", "v1", "--dump-mappings", a).exit_code == 0
+    assert invoke("replay", SPEC, "-q", "--no-progress", "--no-kv", "--runner", "v1", "--dump-mappings",
+                  a).exit_code == 0
     assert invoke("replay", SPEC, "-q", "--no-progress", "--no-kv", "--batch-order", "v1", "--dump-mappings",
                   b).exit_code == 0
     assert invoke("replay", SPEC, "-q", "--no-progress", "--no-kv", "--dump-mappings", c).exit_code == 0
