@@ -3,8 +3,9 @@
 Rules: the reference replays first; any other backend that loads is compared step by step on the dump record
 (the core mappings and the forward inputs, kvmap/forward, by the header's runner: the reference's scalar specs
 against the backend's forms) and its KV cache is read back every step. Problems name the step, request, token
-and group of the first difference, with the chain `kvmap explain` prints for it. Each pass runs inside `progress(label, backend)`, a
-context giving the pass's `on_step` (the CLI's progress bar at a terminal; None: nothing drawn).
+and group of the first difference, with the chain `kvmap explain` prints for it. Each pass runs inside
+`progress(label, backend)`, a context giving the pass's `on_step` (the CLI's progress bar at a terminal; None:
+nothing drawn).
 """
 
 from __future__ import annotations
