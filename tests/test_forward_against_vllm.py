@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from kvmap.forward.config import resolve
-from kvmap.forward.sampler import STALE_INPUT_ID
+from kvmap.forward.sampler import STALE_INPUT_ID, mrv2_input_ids_numpy
 from kvmap.trace import Trace
 from kvmap.workers.registry import make_worker
 
@@ -69,6 +69,7 @@ def _mrv2_vllm(v, step, w):
     torch = v.torch
     fs = w.forward_step()
     r, st = fs.rows, w.state
+    last_sampled = fs.last_sampled_tokens()
     R, T = len(r.idx_mapping), len(r.input_ids)
     k = max(w.header.num_speculative_tokens, 1)
     idx_mapping = torch.from_numpy(r.idx_mapping.astype(np.int64))
@@ -95,11 +96,12 @@ def _mrv2_vllm(v, step, w):
     drafts = torch.zeros(st.max_num_reqs, k, dtype=torch.int64)
     for b in range(R):
         row, d, qe = int(r.idx_mapping[b]), int(r.num_draft_tokens[b]), int(r.query_start_loc[b + 1])
-        last[row, 0] = int(st.token_ids[row, st.total_len[row] - 1])
+        last[row, 0] = int(last_sampled[row])
         drafts[row, :d] = torch.from_numpy(r.input_ids[qe - d: qe].astype(np.int64))  # kvmap stages them there
     logits = v.combine(input_ids, idx_mapping, last, qsl, seq_lens, torch.from_numpy(st.prefill_len.copy()), drafts,
                        torch.from_numpy(cu_num_logits_np), total, 1)
-    return cu_num_logits_np, logits.numpy(), expanded[0].numpy(), expanded[1].numpy(), input_ids.numpy()
+    ours = mrv2_input_ids_numpy(r, last_sampled, w.forward_builder.buffers[0])
+    return cu_num_logits_np, logits.numpy(), expanded[0].numpy(), expanded[1].numpy(), input_ids.numpy(), ours
 
 
 def _same(name, got, want) -> None:
@@ -112,13 +114,13 @@ def test_mrv2_sampler_equals_vllm_kernels(name, vllm_fns):
     n = 0
     for step, w in _steps(name, "mrv2"):
         m = w.forward.sampler
-        cu, logits, exp_idx, exp_pos, ids = _mrv2_vllm(vllm_fns, step, w)
+        cu, logits, exp_idx, exp_pos, ids, ours = _mrv2_vllm(vllm_fns, step, w)
         where = f"{name} step {step.step}"
         _same(f"{where} cu_num_logits", m.cu_num_logits, cu)
         _same(f"{where} logits_indices", m.logits_indices, logits)
         _same(f"{where} expanded_idx_mapping", m.expanded_idx_mapping, exp_idx)
         _same(f"{where} expanded_local_pos", m.expanded_local_pos, exp_pos)
-        _same(f"{where} input_ids", m.input_ids, ids)
+        _same(f"{where} input_ids", ours, ids)
         n += 1
     assert n > 0
 

@@ -22,17 +22,26 @@ TRACES = Path(__file__).resolve().parent.parent / "traces"
 SMALL = sorted(p.name for p in TRACES.glob("*.jsonl"))
 
 
-def rows(qs, nc, d, pre, prompt=None, idx=None, last=None, ids=None) -> S.SamplerRows:
+def rows(qs, nc, d, pre, prompt=None, idx=None, last=None, ids=None) -> tuple[S.SamplerRows, np.ndarray]:
+    """(rows, last_sampled_tokens) of a batch; per-request lists in batch order, spread over request-state rows
+    `idx` (default 0..R-1) of a pool of max(idx) + 1 rows."""
     R = len(qs)
     qsl = np.zeros(R + 1, np.int32)
     np.cumsum(qs, out=qsl[1:])
     T = int(qsl[-1])
     nc = np.array(nc, np.int32)
-    return S.SamplerRows(
-        np.array(idx if idx is not None else range(R), np.int32), qsl, nc + np.array(qs, np.int32), nc,
-        np.array(d, np.int32), np.array(pre, np.int32), np.array(prompt if prompt is not None else pre, np.int32),
-        np.array(last if last is not None else [9000 + b for b in range(R)], np.int32),
-        np.array(ids if ids is not None else range(100, 100 + T), np.int32))
+    idx = np.array(idx if idx is not None else range(R), np.int32)
+    N = int(idx.max()) + 1 if R else 1
+
+    def by_row(values):
+        out = np.zeros(N, np.int32)
+        out[idx] = values
+        return out
+
+    r = S.SamplerRows(idx, qsl, nc + np.array(qs, np.int32), nc, np.array(d, np.int32), by_row(pre),
+                      by_row(prompt if prompt is not None else pre),
+                      np.array(ids if ids is not None else range(100, 100 + T), np.int32), any(d))
+    return r, by_row(last if last is not None else [9000 + b for b in range(R)])
 
 
 def same(a, b) -> None:
@@ -45,16 +54,21 @@ def same(a, b) -> None:
         assert np.array_equal(x, y), (k, x, y)
 
 
-def check_forms(r: S.SamplerRows, k: int) -> None:
+def check_forms(r: S.SamplerRows, k: int, last: np.ndarray) -> np.ndarray:
+    """Both forms of every rule equal, bit for bit; MRV2's input ids (the spec's) returned."""
     R, T = len(r.idx_mapping), len(r.input_ids)
-    buf = S.SamplerBuffers(max(R, 1), k, max(T, 1))
+    buf = S.SamplerBuffers(max(R, len(last)), k, max(T, 1))
     same(S.mrv2_spec(r), S.mrv2_numpy(r, buf))
     same(S.v1_spec(r, k), S.v1_numpy(r, k, buf))
+    ids = S.mrv2_input_ids_spec(r, last)
+    got = S.mrv2_input_ids_numpy(r, last, buf)
+    assert got.dtype == ids.dtype == np.int32 and np.array_equal(got, ids), (got, ids)
+    return ids
 
 
 def test_mrv2_by_hand():
     # forward-pass.md 3.1's probe: B (row 7, 3 tokens, 2 drafts), C (row 5, 1 token), A (row 6, 8-token chunk)
-    r = rows([3, 1, 8], nc=[40, 20, 0], d=[2, 0, 0], pre=[30, 10, 50], idx=[7, 5, 6], last=[1111, 5555, 6666])
+    r, last = rows([3, 1, 8], nc=[40, 20, 0], d=[2, 0, 0], pre=[30, 10, 50], idx=[7, 5, 6], last=[1111, 5555, 6666])
     m = S.mrv2_spec(r)
     assert m.cu_num_logits.tolist() == [0, 3, 4, 4 + 1]
     assert m.logits_indices.tolist() == [3 - 3 + 0, 3 - 3 + 1, 3 - 3 + 2, 4 - 1, 12 - 1]
@@ -62,23 +76,21 @@ def test_mrv2_by_hand():
     assert m.expanded_idx_mapping.tolist() == [7, 7, 7, 5, 6]
     assert m.expanded_local_pos.tolist() == [0, 1, 2, 0, 0]
     # B: last sampled at its first logit row, its drafts (staged ids 101, 102) after; C: last sampled; A: prefill
-    assert m.input_ids.tolist()[:4] == [1111, 101, 102, 5555]
-    assert m.input_ids.tolist()[4:] == list(range(104, 112))
-    check_forms(r, 3)
+    ids = check_forms(r, 3, last)
+    assert ids.tolist()[:4] == [1111, 101, 102, 5555]
+    assert ids.tolist()[4:] == list(range(104, 112))
 
 
 def test_mrv2_prompt_tail_and_stale():
     # one request whose step ends 2 past its prefill without drafts: the first logit row is the last token,
     # position nc + 2 = 12 >= prefill 11, so last_sampled goes there; position 11 is written by nobody (stale)
-    r = rows([3], nc=[10], d=[0], pre=[11])
-    m = S.mrv2_spec(r)
-    assert m.input_ids.tolist() == [100, S.STALE_INPUT_ID, 9000]
-    check_forms(r, 0)
+    r, last = rows([3], nc=[10], d=[0], pre=[11])
+    assert check_forms(r, 0, last).tolist() == [100, S.STALE_INPUT_ID, 9000]
 
 
 def test_v1_docstring_example():
     # vLLM's _calc_spec_decode_metadata docstring: cu_num_scheduled_tokens [4, 104, 107, 207, 209]
-    r = rows([4, 100, 3, 100, 2], nc=[10, 0, 20, 0, 30], d=[3, 0, 2, 0, 1], pre=[10, 200, 20, 200, 30])
+    r, last = rows([4, 100, 3, 100, 2], nc=[10, 0, 20, 0, 30], d=[3, 0, 2, 0, 1], pre=[10, 200, 20, 200, 30])
     v = S.v1_spec(r, 3)
     assert v.logits_indices.tolist() == [0, 1, 2, 3, 103, 104, 105, 106, 206, 207, 208]
     assert v.cu_num_draft_tokens.tolist() == [3, 3, 5, 5, 6]
@@ -89,7 +101,7 @@ def test_v1_docstring_example():
     assert v.num_decode_draft_tokens.tolist() == [3, -1, 2, -1, 1]
     assert S.v1_spec(r, 0).logits_indices.tolist() == [3, 103, 106, 206, 208]
     assert S.v1_spec(r, 0).logits_indices.dtype == np.int32
-    check_forms(r, 3)
+    check_forms(r, 3, last)
 
 
 def test_fuzzed_batches():
@@ -102,10 +114,11 @@ def test_fuzzed_batches():
         qs = d + 1 + rng.integers(0, 3, R) * (rng.random(R) < 0.3) * rng.integers(1, 40, R)
         nc = rng.integers(0, 200, R)
         pre = np.maximum(nc + rng.integers(-30, 30, R), 1)
-        check_forms(rows(qs.tolist(), nc.tolist(), d.tolist(), pre.tolist(),
-                         prompt=np.maximum(pre - rng.integers(0, 5, R), 1).tolist(),
-                         idx=rng.permutation(max(R, 1))[:R].tolist(), last=rng.integers(0, 5000, R).tolist(),
-                         ids=rng.integers(0, 5000, int(qs.sum())).tolist()), k)
+        r, last = rows(qs.tolist(), nc.tolist(), d.tolist(), pre.tolist(),
+                       prompt=np.maximum(pre - rng.integers(0, 5, R), 1).tolist(),
+                       idx=rng.permutation(max(R, 1))[:R].tolist(), last=rng.integers(0, 5000, R).tolist(),
+                       ids=rng.integers(0, 5000, int(qs.sum())).tolist())
+        check_forms(r, k, last)
 
 
 def _forms_on_trace(path: Path, runner: str, stop: int | None = None) -> int:
@@ -117,9 +130,9 @@ def _forms_on_trace(path: Path, runner: str, stop: int | None = None) -> int:
     for step in t.steps(0, stop):
         w.run_step(step)
         fs = w.forward_step()
-        check_forms(fs.rows, k)
+        ids = check_forms(fs.rows, k, fs.last_sampled_tokens())
         # MRV2's input ids after the combine kernel are the token rows' own (no stale position in a vLLM trace)
-        assert np.array_equal(S.mrv2_spec(fs.rows).input_ids, fs.rows.input_ids), step.step
+        assert np.array_equal(ids, fs.rows.input_ids), step.step
         assert cfg.runner == runner
         w.append_sampled()
         n += 1

@@ -54,7 +54,7 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
     groups = [g for g in range(h.num_groups) if group is None or g == group]
     origin = _origins(target.scheduler_output, held)
     out = _step_dict(trace, target, m, origin, geometry, held)
-    out["forward"] = forward_dict(worker.forward_config, worker.forward, m, worker.forward_step().rows)
+    out["forward"] = forward_dict(worker.forward_config, worker.forward, m, worker.forward_step())
     if req_id is None:
         if token is not None:  # a flat token index
             if not 0 <= token < m.num_tokens:

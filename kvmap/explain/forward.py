@@ -8,11 +8,11 @@ keys"); the arrays themselves are the dump's keys under vLLM's names.
 from __future__ import annotations
 
 from kvmap.forward.config import ForwardConfig
-from kvmap.forward.inputs import ForwardInputs
-from kvmap.forward.sampler import NUM_NEW_SAMPLED_TOKENS, STALE_INPUT_ID, SamplerRows
+from kvmap.forward.inputs import ForwardInputs, ForwardStep
+from kvmap.forward.sampler import NUM_NEW_SAMPLED_TOKENS, STALE_INPUT_ID, mrv2_input_ids_spec
 
 
-def forward_dict(config: ForwardConfig, fwd: ForwardInputs, m, r: SamplerRows) -> dict:
+def forward_dict(config: ForwardConfig, fwd: ForwardInputs, m, step: ForwardStep) -> dict:
     """{runner, cudagraph_mode, skipped, sampler: {arrays..., rows: [one line of arithmetic per request]}}."""
     s = fwd.sampler
     qsl = m.query_start_loc.tolist()
@@ -20,24 +20,26 @@ def forward_dict(config: ForwardConfig, fwd: ForwardInputs, m, r: SamplerRows) -
            "attention_backends": [g.attention_backend for g in config.groups], "skipped": list(config.skipped),
            "sampler": s.to_dict()}
     rows = []
+    r = step.rows
     if config.runner == "mrv2":
+        last = step.last_sampled_tokens()
         cu = s.cu_num_logits.tolist()
         for b, req_id in enumerate(m.req_ids):
             n = cu[b + 1] - cu[b]
             line = (f"{req_id}: num_logits = {n - NUM_NEW_SAMPLED_TOKENS} drafts + {NUM_NEW_SAMPLED_TOKENS} = "
                     f"{n}; logits_indices[{cu[b]}:{cu[b + 1]}] = query_start_loc[{b + 1}] - {n} + j = "
                     f"{qsl[b + 1]} - {n} + 0..{n - 1} = {list(range(qsl[b + 1] - n, qsl[b + 1]))}")
-            seq, pre = int(r.seq_lens[b]), int(r.prefill_len[b])
+            row = int(m.idx_mapping[b])
+            seq, pre = int(r.seq_lens[b]), int(r.prefill_len[row])
             if seq <= pre:
                 line += f"; input ids: prefill tokens (seq_len {seq} <= prefill_len {pre})"
             else:
                 if seq - n >= pre:
-                    line += (f"; input_ids[{qsl[b + 1] - n}] = last_sampled_tokens[{int(m.idx_mapping[b])}] = "
-                             f"{int(r.last_sampled_tokens[b])}")
+                    line += f"; input_ids[{qsl[b + 1] - n}] = last_sampled_tokens[{row}] = {int(last[row])}"
                 if n > NUM_NEW_SAMPLED_TOKENS:
                     line += f"; drafts at input_ids[{qsl[b + 1] - n + 1}:{qsl[b + 1]}]"
             rows.append(line)
-        ids = s.input_ids
+        ids = mrv2_input_ids_spec(r, last)
         stale = [int(i) for i in (ids == STALE_INPUT_ID).nonzero()[0]]
         out["sampler"]["stale_input_ids"] = stale  # flat tokens neither MRV2 kernel writes (none in vLLM traces)
     else:

@@ -29,9 +29,9 @@ from kvmap.forward.sampler import SamplerBuffers, SamplerRows
 class ForwardStep:
     """One step as the parts see it."""
 
-    rows: SamplerRows  # per-row extras and the core per-request arrays, batch order
-    mappings: Any  # the step's BatchMappings (workers/mappings.py): block tables, num_blocks, slot_mapping
-    num_speculative_tokens: int = 0
+    rows: SamplerRows  # the core per-request arrays (batch order) and the per-row state the rules read
+    mappings: Callable[[], Any]  # () -> the step's BatchMappings (workers/mappings.py): tables, slot_mapping
+    last_sampled_tokens: Callable[[], Any]  # () -> [max_num_seqs] req_state_idx -> last sampled id (explain)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ Rules (docs/trace-format.md, "Forward-pass dump keys"; the vLLM 0.33 source of e
   request past its prefill (`seq_len > prefill_len`) the first logit row gets `last_sampled_tokens[row]` when
   its position `seq_len - num_logits >= prefill_len`, and the last d_b rows get the drafts. Any other position
   is not written this step: MRV2 would read a stale id there, which the result marks -1 (`STALE_INPUT_ID`).
+  kvmap's token rows already hold what that rewrite writes, so it is not part of the timed phase (nor of the
+  dump): `mrv2_input_ids_*` compute it for `explain` and the tests, which hold it to kvmap's input ids.
 - V1 (`_prepare_inputs`, vllm/v1/worker/gpu_model_runner.py:2188-2235): without a speculative config
   `logits_indices = qsl[1:] - 1` (int32). With one (num_speculative_tokens > 0, drafts this step or not)
   `SpecDecodeMetadata` from `_calc_spec_decode_metadata` (2591-2664): with n_b = d_b + 1,
@@ -42,10 +44,11 @@ class SamplerRows:
     seq_lens: np.ndarray  # [R] int32, num_computed_tokens + num_scheduled_tokens
     num_computed_tokens: np.ndarray  # [R] int32, batch_idx -> position of its first token
     num_draft_tokens: np.ndarray  # [R] int32, batch_idx -> drafts among its scheduled tokens
-    prefill_len: np.ndarray  # [R] int32, batch_idx -> MRV2 req_states.prefill_len (prefill token count)
-    num_prompt_tokens: np.ndarray  # [R] int32, batch_idx -> V1 input_batch.num_prompt_tokens
-    last_sampled_tokens: np.ndarray  # [R] int32, batch_idx -> MRV2 req_states.last_sampled_tokens (last known id)
+    # per request-state row, as vLLM keeps them (indexed through idx_mapping)
+    prefill_len: np.ndarray  # [max_num_seqs] int32, req_state_idx -> MRV2 req_states.prefill_len
+    num_prompt_tokens: np.ndarray  # [max_num_seqs] int32, req_state_idx -> V1 input_batch.num_prompt_tokens
     input_ids: np.ndarray  # [T] int32, flat token -> token id (drafts staged at their positions)
+    has_drafts: bool = True  # the step schedules drafts (scheduled_spec_decode_tokens non-empty): MRV2's test
 
 
 @dataclass(slots=True)
@@ -54,7 +57,6 @@ class MRV2Sampler:
     logits_indices: np.ndarray  # [L] int64, logits row -> flat token index
     expanded_idx_mapping: np.ndarray  # [L] int64, logits row -> req_state_idx
     expanded_local_pos: np.ndarray  # [L] int32, logits row -> its index within the request's rows
-    input_ids: np.ndarray  # [T] int32, MRV2's input ids after the combine kernel (STALE_INPUT_ID: not written)
 
     def to_dict(self) -> dict:
         return {"cu_num_logits": self.cu_num_logits.tolist(), "logits_indices": self.logits_indices.tolist(),
@@ -87,7 +89,7 @@ class V1Sampler:
 
 
 def mrv2_spec(r: SamplerRows) -> MRV2Sampler:
-    """Model Runner V2's sampler indices and input-id rewrite, one request and one row at a time."""
+    """Model Runner V2's sampler indices, one request and one row at a time."""
     R = len(r.idx_mapping)
     qsl = [int(x) for x in r.query_start_loc]
     cu, logits, exp_idx, exp_pos = [0], [], [], []
@@ -99,24 +101,31 @@ def mrv2_spec(r: SamplerRows) -> MRV2Sampler:
             logits.append(qsl[b + 1] - n + j)
             exp_idx.append(int(r.idx_mapping[b]))
             exp_pos.append(j)
+    return MRV2Sampler(np.array(cu, np.int32), np.array(logits, np.int64), np.array(exp_idx, np.int64),
+                       np.array(exp_pos, np.int32))
+
+
+def mrv2_input_ids_spec(r: SamplerRows, last_sampled_tokens: np.ndarray) -> np.ndarray:
+    """[T] int32: MRV2's input ids after `prepare_prefill_inputs` and the combine kernel, STALE_INPUT_ID where
+    neither writes. `last_sampled_tokens`: [max_num_seqs] req_state_idx -> the request's last sampled id."""
+    qsl = [int(x) for x in r.query_start_loc]
     ids = [int(x) for x in r.input_ids]
-    for b in range(R):
-        nc, seq, pre = int(r.num_computed_tokens[b]), int(r.seq_lens[b]), int(r.prefill_len[b])
+    for b in range(len(r.idx_mapping)):
+        row = int(r.idx_mapping[b])
+        nc, seq, pre = int(r.num_computed_tokens[b]), int(r.seq_lens[b]), int(r.prefill_len[row])
         d = int(r.num_draft_tokens[b])
         n = d + NUM_NEW_SAMPLED_TOKENS
         if seq <= pre:
             continue  # every position is a prefill token (copied from the request's prefill tokens)
         for i in range(qsl[b], qsl[b + 1]):
-            pos = nc + i - qsl[b]
-            if pos >= pre:
+            if nc + i - qsl[b] >= pre:
                 ids[i] = STALE_INPUT_ID  # not a prefill token: only the combine kernel may write it
         if seq - n >= pre:
-            ids[qsl[b + 1] - n] = int(r.last_sampled_tokens[b])
+            ids[qsl[b + 1] - n] = int(last_sampled_tokens[row])
         for j in range(d):
             i = qsl[b + 1] - d + j
             ids[i] = int(r.input_ids[i])  # the drafts, which kvmap stages at their positions
-    return MRV2Sampler(np.array(cu, np.int32), np.array(logits, np.int64), np.array(exp_idx, np.int64),
-                       np.array(exp_pos, np.int32), np.array(ids, np.int32))
+    return np.array(ids, np.int32)
 
 
 def v1_spec(r: SamplerRows, num_speculative_tokens: int) -> V1Sampler:
@@ -139,7 +148,7 @@ def v1_spec(r: SamplerRows, num_speculative_tokens: int) -> V1Sampler:
         q = qsl[b + 1] - qsl[b]
         if d[b] and q == d[b] + 1:
             decode.append(d[b])
-        elif q == 1 and int(r.num_computed_tokens[b]) >= int(r.num_prompt_tokens[b]):
+        elif q == 1 and int(r.num_computed_tokens[b]) >= int(r.num_prompt_tokens[int(r.idx_mapping[b])]):
             decode.append(0)
         else:
             decode.append(-1)
@@ -159,6 +168,7 @@ class SamplerBuffers:
     def __init__(self, max_num_reqs: int, num_speculative_tokens: int, max_num_tokens: int) -> None:
         R, L = max_num_reqs, max_num_reqs * (1 + num_speculative_tokens)
         self.arange = np.arange(max(L, R + 1, max_num_tokens), dtype=np.int64)  # 0, 1, 2, ...
+        self.arange_i32 = np.arange(R + 1, dtype=np.int32)  # [R + 1] MRV2's cu_num_logits without drafts
         self.cu_num_logits = np.zeros(R + 1, np.int32)  # [R + 1]
         self.num_logits = np.zeros(R, np.int32)  # [R]
         self.logits_indices = np.zeros(L, np.int64)  # [L]
@@ -182,48 +192,53 @@ def _expand(buf: SamplerBuffers, R: int, counts: np.ndarray, cu: np.ndarray, L: 
 
 def mrv2_numpy(r: SamplerRows, buf: SamplerBuffers) -> MRV2Sampler:
     """`mrv2_spec` as whole-array operations into `buf`."""
-    R, T = len(r.idx_mapping), len(r.input_ids)
+    R = len(r.idx_mapping)
     qsl, d = r.query_start_loc, r.num_draft_tokens
-    cu = buf.cu_num_logits[: R + 1]
-    ids = buf.input_ids[:T]
-    np.copyto(ids, r.input_ids)
-    if not d.any():  # MRV2's fast path: one logit per request (model_runner.py:1414-1421)
-        cu[:] = buf.arange[: R + 1]
-        L = R
+    if not r.has_drafts:  # MRV2's fast path: one logit per request (model_runner.py:1414-1421)
         logits = buf.logits_indices[:R]
         np.subtract(qsl[1:], 1, out=logits)
         exp_idx = buf.expanded_idx_mapping[:R]
         exp_idx[:] = r.idx_mapping
-        exp_pos = buf.zeros[:R]
-        n = None
-    else:
-        n = buf.num_logits[:R]
-        np.add(d, NUM_NEW_SAMPLED_TOKENS, out=n)
-        cu[0] = 0
-        np.cumsum(n, out=cu[1:])
-        L = int(cu[R])
-        j = _expand(buf, R, n, cu, L)
-        logits = buf.logits_indices[:L]
-        np.add(np.repeat(qsl[1:] - n, n), j, out=logits)
-        exp_idx = buf.expanded_idx_mapping[:L]
-        exp_idx[:] = np.repeat(r.idx_mapping, n)
-        exp_pos = buf.expanded_local_pos[:L]
-        exp_pos[:] = j
-    past = np.flatnonzero(r.seq_lens > r.prefill_len)  # requests the combine kernel rewrites
-    if len(past):
-        nl = NUM_NEW_SAMPLED_TOKENS if n is None else n[past]
-        nc, qe = r.num_computed_tokens[past], qsl[past + 1]
-        start = qsl[past] + np.maximum(r.prefill_len[past] - nc, 0)  # first flat index at or past prefill_len
-        width = qe - start
-        rows = np.repeat(np.arange(len(past)), width)
-        ids[buf.arange[: len(rows)] - np.repeat(np.cumsum(width) - width, width) + start[rows]] = STALE_INPUT_ID
-        first = qe - nl
-        keep = r.seq_lens[past] - nl >= r.prefill_len[past]
-        ids[first[keep]] = r.last_sampled_tokens[past[keep]]
-        if n is not None:  # the drafts: every logits row after the first of each request
-            at = logits[exp_pos >= NUM_NEW_SAMPLED_TOKENS]
-            ids[at] = r.input_ids[at]
-    return MRV2Sampler(cu, logits, exp_idx, exp_pos, ids)
+        return MRV2Sampler(buf.arange_i32[: R + 1], logits, exp_idx, buf.zeros[:R])
+    cu = buf.cu_num_logits[: R + 1]
+    n = buf.num_logits[:R]
+    np.add(d, NUM_NEW_SAMPLED_TOKENS, out=n)
+    cu[0] = 0
+    np.cumsum(n, out=cu[1:])
+    L = int(cu[R])
+    j = _expand(buf, R, n, cu, L)
+    logits = buf.logits_indices[:L]
+    np.add(np.repeat(qsl[1:] - n, n), j, out=logits)
+    exp_idx = buf.expanded_idx_mapping[:L]
+    exp_idx[:] = np.repeat(r.idx_mapping, n)
+    exp_pos = buf.expanded_local_pos[:L]
+    exp_pos[:] = j
+    return MRV2Sampler(cu, logits, exp_idx, exp_pos)
+
+
+def mrv2_input_ids_numpy(r: SamplerRows, last_sampled_tokens: np.ndarray, buf: SamplerBuffers) -> np.ndarray:
+    """`mrv2_input_ids_spec` as whole-array operations into `buf`."""
+    T = len(r.input_ids)
+    qsl, d, idx = r.query_start_loc, r.num_draft_tokens, r.idx_mapping
+    ids = buf.input_ids[:T]
+    np.copyto(ids, r.input_ids)
+    pre = r.prefill_len[idx]
+    past = np.flatnonzero(r.seq_lens > pre)  # requests the combine kernel rewrites
+    if not len(past):
+        return ids
+    nl = d[past] + NUM_NEW_SAMPLED_TOKENS
+    nc, qe = r.num_computed_tokens[past], qsl[past + 1]
+    start = qsl[past] + np.maximum(pre[past] - nc, 0)  # first flat index at or past prefill_len
+    width = qe - start
+    rows = np.repeat(np.arange(len(past)), width)
+    ids[buf.arange[: len(rows)] - np.repeat(np.cumsum(width) - width, width) + start[rows]] = STALE_INPUT_ID
+    keep = r.seq_lens[past] - nl >= pre[past]
+    ids[(qe - nl)[keep]] = last_sampled_tokens[idx[past[keep]]]
+    nd = d[past]
+    if nd.any():  # the drafts: the last d_b flat tokens of each request
+        at = np.repeat(qe - nd, nd) + buf.arange[: int(nd.sum())] - np.repeat(np.cumsum(nd) - nd, nd)
+        ids[at] = r.input_ids[at]
+    return ids
 
 
 def v1_numpy(r: SamplerRows, num_speculative_tokens: int, buf: SamplerBuffers) -> V1Sampler:
@@ -255,7 +270,7 @@ def v1_numpy(r: SamplerRows, num_speculative_tokens: int, buf: SamplerBuffers) -
     q = np.diff(qsl)
     dec = buf.num_decode_draft_tokens[:R]
     dec.fill(-1)
-    dec[(q == 1) & (r.num_computed_tokens >= r.num_prompt_tokens)] = 0
+    dec[(q == 1) & (r.num_computed_tokens >= r.num_prompt_tokens[r.idx_mapping])] = 0
     full = (d > 0) & (q == d + 1)
     dec[full] = d[full]
     return V1Sampler(logits, d, cu_d, cu_s, target, bonus, drafts, dec)

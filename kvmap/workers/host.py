@@ -142,13 +142,20 @@ class HostWorker(Worker):
         self.forward = self.forward_builder.host(self.forward_step())
 
     def forward_step(self) -> ForwardStep:
-        """This step's rows as the forward parts read them: the mappings and the per-row state in batch order."""
-        m, st, b = self.mappings(), self.state, self.batch
-        idx = m.idx_mapping
-        rows = SamplerRows(m.idx_mapping, m.query_start_loc, m.seq_lens, m.num_computed_tokens,
-                           b.num_draft_tokens[b.order], st.prefill_len[idx], st.num_prompt_tokens[idx],
-                           st.token_ids[idx, st.total_len[idx] - 1], m.input_ids)
-        return ForwardStep(rows, m, self.header.num_speculative_tokens)
+        """This step's rows as the forward parts read them: the inputs (host arrays: this worker's own, or the
+        mappings' host copies on a device) and the request-state rows the rules read."""
+        st, b = self.state, self.batch
+        i = self.inputs if self.mirror is None else self.mappings()
+        spec = b.step is None or b.step.scheduler_output.scheduled_spec_decode_tokens
+        drafts = b.num_draft_tokens[b.order] if spec else b.num_draft_tokens  # no drafts: zeros in any order
+        rows = SamplerRows(i.idx_mapping, i.query_start_loc, i.seq_lens, i.num_computed_tokens, drafts,
+                           st.prefill_len, st.num_prompt_tokens, i.input_ids, bool(spec))
+        return ForwardStep(rows, self.mappings, self.last_sampled_tokens)
+
+    def last_sampled_tokens(self) -> np.ndarray:
+        """[max_num_seqs] int32, req_state_idx -> the last known token of its row (MRV2's last_sampled_tokens)."""
+        st = self.state
+        return st.token_ids[np.arange(st.max_num_reqs), np.maximum(st.total_len - 1, 0)]
 
     def append_sampled(self) -> None:
         b = self.batch

@@ -323,14 +323,19 @@ class ReferenceWorker(Worker):
     def forward_step(self) -> ForwardStep:
         """This step's rows as the forward parts read them, from the reference's own request records."""
         m = self.mappings()
-        reqs = [self.requests[r] for r in self._out["req_ids"]]
         spec = self._step.scheduler_output.scheduled_spec_decode_tokens
-        rows = SamplerRows(
-            m.idx_mapping, m.query_start_loc, m.seq_lens, m.num_computed_tokens,
-            np.array([len(spec.get(r, ())) for r in self._out["req_ids"]], np.int32),
-            np.array([q.prefill_len for q in reqs], np.int32), np.array([q.num_prompt_tokens for q in reqs], np.int32),
-            np.array([q.tokens[-1] for q in reqs], np.int32), m.input_ids)
-        return ForwardStep(rows, m, self.header.num_speculative_tokens)
+        rows = SamplerRows(m.idx_mapping, m.query_start_loc, m.seq_lens, m.num_computed_tokens,
+                           np.array([len(spec.get(r, ())) for r in self._out["req_ids"]], np.int32),
+                           self._by_row(lambda q: q.prefill_len), self._by_row(lambda q: q.num_prompt_tokens),
+                           m.input_ids, bool(spec))
+        return ForwardStep(rows, lambda: m, lambda: self._by_row(lambda q: q.tokens[-1]))
+
+    def _by_row(self, value) -> np.ndarray:
+        """[max_num_seqs] int32: value(request) at each live request's row, 0 elsewhere."""
+        out = [0] * self.header.max_num_seqs
+        for q in self.requests.values():
+            out[q.row] = value(q)
+        return np.array(out, np.int32)
 
     def prepare_forward(self) -> None:
         """The forward inputs by the scalar specs (kvmap/forward)."""
