@@ -152,13 +152,15 @@ def test_forms_on_long_trace_slice():
 @pytest.mark.parametrize("runner", ["mrv2", "v1"])
 @pytest.mark.parametrize("name", ["spec_decode.jsonl", "async_spec_decode.jsonl", "chunked_prefill.jsonl"])
 def test_forward_dump_backends_agree(name, runner):
+    """Every host worker (the torch worker: on host copies of its tensors) dumps the reference's forward keys."""
+    pytest.importorskip("torch")
     dumps = {}
-    for b in ("reference", "numpy", "numba"):
+    for b in ("reference", "numpy", "numba", "torch"):
         got: list[dict] = []
         replay(Trace(TRACES / name), ReplayConfig(backend=b, forward=True, batch_order=runner, nvtx=False, warmup=0,
                                                   write_kv=False), on_mappings=got.append)
         dumps[b] = got
-    assert dumps["numpy"] == dumps["reference"] == dumps["numba"]
+    assert dumps["numpy"] == dumps["reference"] == dumps["numba"] == dumps["torch"]
     keys = {"cu_num_logits", "expanded_local_pos"} if runner == "mrv2" else {"logits_indices"}
     assert keys <= set(dumps["numpy"][0])
 
@@ -199,3 +201,15 @@ def test_deep_validate_compares_forward_inputs(tmp_path):
     assert good["differing_steps"] == 0 and bad["differing_steps"] > 0
     first = next(p for p in r["problems"] if p["kind"] == "conformance")
     assert first["field"] == "logits_indices", first
+
+
+def test_triton_worker_forward_on_host_copies():
+    """The Triton worker (CPU tensors under TRITON_INTERPRET=1) computes the forward keys on host copies."""
+    pytest.importorskip("triton")
+    dumps = {}
+    for b in ("reference", "triton"):
+        got: list[dict] = []
+        replay(Trace(TRACES / "worked_example.jsonl"), ReplayConfig(backend=b, forward=True, nvtx=False, warmup=0,
+                                                                    write_kv=False), on_mappings=got.append)
+        dumps[b] = got
+    assert dumps["triton"] == dumps["reference"] and "logits_indices" in dumps["triton"][1]

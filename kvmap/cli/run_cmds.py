@@ -157,9 +157,11 @@ def replay(
     if forward or attention_backend or cudagraph_mode or cudagraph_capture_sizes:
         from kvmap.run.replay import forward_config
 
-        forward_config(t.header, config)  # a bad override is said before anything runs
+        fcfg = forward_config(t.header, config)  # a bad override is said before anything runs
         if not forward:
             raise KvmapError("the forward-pass options apply with --forward", field="--forward")
+        for line in () if quiet else fcfg.skipped:  # an older trace: what --forward leaves out
+            err.print(f"note: {line}", markup=False, highlight=False)
     cp = t.header.decode_context_parallel_size
     if rank is not None and rank >= cp:
         raise KvmapError(f"the trace has {cp} DCP rank(s): --rank must be below that", field="--rank")

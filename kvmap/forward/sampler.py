@@ -183,6 +183,7 @@ class SamplerBuffers:
         self.bonus_logits_indices = np.zeros(R, np.int32)  # [R]
         self.draft_token_ids = np.zeros(max(L - R, 0), np.int32)  # [R * k]
         self.num_decode_draft_tokens = np.zeros(R, np.int32)  # [R]
+        self.arange_i32.flags.writeable = self.zeros.flags.writeable = False  # handed out as results: never written
 
 
 def _expand(buf: SamplerBuffers, R: int, counts: np.ndarray, cu: np.ndarray, L: int) -> np.ndarray:
