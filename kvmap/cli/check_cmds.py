@@ -108,8 +108,7 @@ def explain(
     json_out: Annotated[bool, typer.Option("--json", help="Print the explanation as JSON.",
                                            rich_help_panel="Outputs")] = False,
 ) -> None:
-    """Show how one step's scheduler decisions become rows, flat tokens, positions, blocks and KV slots, and the
-    forward pass's sampler indices."""
+    """Show how one step's scheduler decisions become rows, flat tokens, positions, blocks and KV slots."""
     from kvmap.explain.build import explain as run_explain
     from kvmap.explain.build import first_scheduled_step
     from kvmap.kv.cache import KVGeometry

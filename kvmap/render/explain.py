@@ -40,22 +40,22 @@ def _order_table(d: dict, console: Console) -> Table:
 
 
 def _forward(f: dict | None, console: Console) -> None:
-    """The forward-pass section: the runner, the sampler indices and each request's arithmetic."""
+    """The forward-pass section: the runner, the sampler indices and each request's arithmetic, one message a
+    line starting `forward:` (never wrapped when piped, so grep finds each whole)."""
     if not f:
         return
     console.print()
-    say(console, f"forward pass ({f['runner']} runner, cudagraph mode {f['cudagraph_mode']}): sampler indices",
-        style="bold")
+    say(console, f"forward: {f['runner']} runner, cudagraph mode {f['cudagraph_mode']}; sampler indices", style="bold")
     for key, value in f["sampler"].items():
         if key not in ("rows", "stale_input_ids"):
-            say(console, f"  {key} {value}")
+            say(console, f"forward: {key} {value}")
     for line in f["sampler"]["rows"]:
-        say(console, f"  {safe(line)}")
+        say(console, f"forward: {safe(line)}")
     if f["sampler"].get("stale_input_ids"):
-        say(console, f"  flat tokens MRV2 would read stale input ids at: {f['sampler']['stale_input_ids']}",
+        say(console, f"forward: flat tokens MRV2 would read stale input ids at: {f['sampler']['stale_input_ids']}",
             style="yellow")
     for line in f["skipped"]:
-        say(console, f"  skipped: {line}", style="dim")
+        say(console, f"forward: skipped: {line}", style="dim")
 
 
 def render_explain(d: dict, console: Console) -> None:
