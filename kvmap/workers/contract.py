@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from kvmap.errors import KvmapError
 from kvmap.forward.config import ForwardConfig
 from kvmap.forward.inputs import ForwardInputs
 from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
@@ -59,6 +60,7 @@ class Worker(ABC):
 
     name: ClassVar[str] = "worker"
     has_h2d: ClassVar[bool] = False  # has a timed host-to-device phase (`copy_to_device`)
+    computes_forward: ClassVar[bool] = False  # implements `prepare_forward` (the forward inputs, kvmap/forward)
     backend_detail: str = ""  # how this worker runs, shown beside its name in a replay's summary
 
     def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
@@ -88,6 +90,8 @@ class Worker(ABC):
 
     def use_forward(self, config: ForwardConfig) -> None:
         """Compute the forward pass's other inputs each step (`prepare_forward`), with `config`'s rules."""
+        if not self.computes_forward:
+            raise KvmapError(f"the {self.name} backend does not compute the forward inputs", field="--forward")
         self.forward_config = config
 
     def v1_order(self, step: Step) -> list[str]:
@@ -132,7 +136,7 @@ class Worker(ABC):
     def prepare_forward(self) -> None:
         """This step's `ForwardInputs` (kvmap/forward) into `self.forward`, from the step's mappings; only after
         `use_forward`."""
-        raise NotImplementedError(f"the {self.name} backend does not compute the forward inputs")
+        raise NotImplementedError  # only called after use_forward, which workers without it refuse
 
     @abstractmethod
     def append_sampled(self) -> None: ...

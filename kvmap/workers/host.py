@@ -22,6 +22,7 @@ from typing import ClassVar
 import numpy as np
 
 from kvmap.errors import TraceError
+from kvmap.forward.config import ForwardConfig
 from kvmap.forward.inputs import ForwardBuilder, ForwardStep
 from kvmap.forward.sampler import SamplerRows
 from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
@@ -39,6 +40,7 @@ class HostWorker(Worker):
     """State and buffers in host memory, the phase order, and an `ops_class` for the array work."""
 
     ops_class: ClassVar[type[MappingOps]]  # the backend's array functions, built once per worker
+    computes_forward = True
 
     def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
         super().__init__(header, device)
@@ -58,6 +60,7 @@ class HostWorker(Worker):
         self.slots = None  # [G, num_tokens] int64 (cp = 1)
         self.rank_slots: RankSlots | None = None  # (cp > 1)
         self._mappings: BatchMappings | None = None
+        self.forward_builder: ForwardBuilder | None = None  # the forward parts' host forms (use_forward)
         self._no_drafts = np.zeros(header.max_num_seqs, dtype=np.int32)
 
     def set_ranks(self, ranks) -> None:
@@ -132,7 +135,7 @@ class HostWorker(Worker):
         else:
             self.slots = self.ops.compute_slot_mappings(self.inputs)
 
-    def use_forward(self, config) -> None:
+    def use_forward(self, config: ForwardConfig) -> None:
         super().use_forward(config)
         self.forward_builder = ForwardBuilder(config, self.buffers.max_num_tokens)
 

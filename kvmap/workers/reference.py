@@ -38,6 +38,7 @@ class ReferenceRequest:
 
 class ReferenceWorker(Worker):
     name = "reference"
+    computes_forward = True
 
     def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
         super().__init__(header, device)
