@@ -213,3 +213,28 @@ def test_triton_worker_forward_on_host_copies():
                                                                     write_kv=False), on_mappings=got.append)
         dumps[b] = got
     assert dumps["triton"] == dumps["reference"] and "logits_indices" in dumps["triton"][1]
+
+
+CORE_ONLY = '''
+from kvmap.workers.reference import ReferenceWorker
+
+
+class CoreOnly(ReferenceWorker):
+    """A backend of the core mappings only (as a user's Worker subclass is unless it implements prepare_forward)."""
+
+    name = "core_only"
+    computes_forward = False
+'''
+
+
+def test_a_backend_without_forward_inputs(tmp_path):
+    from kvmap.errors import KvmapError
+    from kvmap.validate.deep import deep_check
+
+    path = tmp_path / "core_only.py"
+    path.write_text(CORE_ONLY)
+    with pytest.raises(KvmapError) as e:
+        replay(Trace(TRACES / "worked_example.jsonl"), ReplayConfig(backend=f"{path}:CoreOnly", forward=True))
+    assert e.value.field == "--forward"
+    r = deep_check(Trace(TRACES / "spec_decode.jsonl"), [f"{path}:CoreOnly"])
+    assert r["backends"][f"{path}:CoreOnly"]["differing_steps"] == 0 and not r["problems"]
