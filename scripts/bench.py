@@ -1,6 +1,11 @@
 """Benchmark kvmap's mapping path against a faithful V1-style numpy baseline, in the same run.
 
     python scripts/bench.py [--reps 200] [--json out.json] [--trace traces/long_mixed.jsonl.gz]
+    python scripts/bench.py --forward [--replay-runs 1]   # part 2 only, with the forward phase
+
+`--forward` runs only part 2, each replay with the forward pass's other inputs (`replay --forward`: the
+`prepare_forward` phase, kvmap/forward), and reports that phase's median against the four mapping phases'
+(issue 26's floor: at most as much).
 
 Part 1, synthetic steps (perf-facts.md section 4): 1024 request rows, token rows of 8192, block-table rows of
 512, block size 16, histories of 100-4000 tokens; each step takes B distinct rows in random order, 10% of them
@@ -205,7 +210,8 @@ class BaselineWorker(HostWorker):
     ops_class = BaselineOps
 
 
-def bench_replay(trace_path: Path, runs: int, backends: list[str], args_device: str = "cpu") -> dict:
+def bench_replay(trace_path: Path, runs: int, backends: list[str], args_device: str = "cpu",
+                 forward: bool = False) -> dict:
     from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
     from kvmap.run.result import MAPPING_PHASES
@@ -217,13 +223,15 @@ def bench_replay(trace_path: Path, runs: int, backends: list[str], args_device: 
     names = list(makers)
     dumps: dict[str, list] = {name: [] for name in names}  # an untimed pass first: every worker agrees
     for name in names:
-        replay(Trace(trace_path), ReplayConfig(nvtx=False), worker=makers[name](), on_mappings=dumps[name].append)
+        replay(Trace(trace_path), ReplayConfig(nvtx=False, forward=forward), worker=makers[name](),
+               on_mappings=dumps[name].append)
     for name, d in dumps.items():
         assert d == dumps["v1_baseline"], f"{name} and the baseline worker disagree on the trace"
     dumps.clear()
     for i in range(runs):
         for name in names[i % len(names):] + names[: i % len(names)]:
-            results[name].append(replay(Trace(trace_path), ReplayConfig(nvtx=False, warmup=20), worker=makers[name]()))
+            results[name].append(replay(Trace(trace_path), ReplayConfig(nvtx=False, warmup=20, forward=forward),
+                                        worker=makers[name]()))
     out = {"trace": str(trace_path), "runs": runs, "steps": results[names[0]][0].steps_replayed, "phases": {}}
     for name, rs in results.items():
         m = np.concatenate([r.measured() for r in rs])
@@ -316,8 +324,13 @@ def main() -> None:
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-RSS and start-up checks")
     ap.add_argument("--process-runs", type=int, default=7,
                     help="runs per command of the whole-process benchmark (scripts/bench_process.py); 0 skips it")
+    ap.add_argument("--forward", action="store_true",
+                    help="only the whole replay, with the forward phase (prepare_forward) against the mapping phases")
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
+    if args.forward:
+        bench_forward(Path(args.trace), args.replay_runs, [b for b in args.backends.split(",") if b], args.json_out)
+        return
     sizes = [int(x) for x in args.sizes.split(",")]
     backends = [b for b in args.backends.split(",") if b]
     syn = bench_synthetic(args.reps, sizes, backends)
@@ -366,6 +379,20 @@ def main() -> None:
                                                                "processor": platform.processor()},
                                                    "synthetic": syn, "replay": rep, "memory": mem,
                                                    "process": proc}, indent=1))
+
+
+def bench_forward(trace: Path, runs: int, backends: list[str], json_out: str | None) -> dict:
+    """Part 2 with `--forward`: each worker's median prepare_forward against its four mapping phases together."""
+    rep = bench_replay(trace, runs, backends, forward=True)
+    print(f"whole replay of {trace.name} with --forward ({rep['steps']} steps, {runs} run(s) each, KV write on): "
+          "median us per step")
+    print(f"{'worker':<14} {'mappings':>10} {'prepare_forward':>16} {'forward / mappings':>19} {'step':>8}")
+    for name, ph in rep["phases"].items():
+        print(f"{name:<14} {ph['mappings']:>10.1f} {ph['prepare_forward']:>16.1f} "
+              f"{ph['prepare_forward'] / ph['mappings']:>18.2f}x {ph['step']:>8.1f}")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"replay_forward": rep}, indent=1))
+    return rep
 
 
 def bench_process(trace: str, runs: int) -> dict:

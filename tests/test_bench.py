@@ -27,6 +27,12 @@ def test_replay_baseline_worker_equals_kvmap(name):
     assert set(out["phases"]) == {"v1_baseline", "numba", "numpy"}
 
 
+def test_replay_with_the_forward_phase():
+    pytest.importorskip("numba")
+    out = bench.bench_forward(TRACES / "spec_decode.jsonl", runs=1, backends=["numba"], json_out=None)
+    assert all(ph["prepare_forward"] > 0 for ph in out["phases"].values())
+
+
 bench_process = pytest.importorskip("bench_process")
 
 

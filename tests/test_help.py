@@ -43,7 +43,7 @@ def test_help_at_80_columns_cuts_no_entry(cmd):
 def test_replay_groups_its_options_in_panels():
     res = runner.invoke(app, ["replay", "--help"], env={"COLUMNS": "80"}, prog_name="kvmap")
     panels = [x.split("─ ")[1].split(" ─")[0] for x in res.stdout.splitlines() if x.startswith("╭─ ")]
-    assert panels == ["Arguments", "Options", "Backend", "Window", "KV cache", "Outputs", "Multi-rank"]
+    assert panels == ["Arguments", "Options", "Backend", "Window", "Forward pass", "KV cache", "Outputs", "Multi-rank"]
     assert "<int" not in res.stdout and "<str>" not in res.stdout  # short value names: N, TEXT, FILE
 
 

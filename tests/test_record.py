@@ -42,6 +42,13 @@ WORKLOADS = TRACES / "workloads"
     ("decode_context_parallel_size: 2\ntensor_parallel_size: 2\nkv_cache_groups: [{kind: sliding_window, "
      "sliding_window: 32}]\nrequests: [{req_id: a, prompt_len: 4, max_tokens: 2}]\n",
      "does not support sliding window"),
+    ("runner: v3\nrequests: [{req_id: a, prompt_len: 4, max_tokens: 2}]\n", "field runner: must be mrv2 or v1"),
+    ("cudagraph_mode: FULL\nrequests: [{req_id: a, prompt_len: 4, max_tokens: 2}]\n",
+     "field cudagraph_capture_sizes: cudagraph_mode FULL needs"),
+    ("cudagraph_capture_sizes: [0, 4]\nrequests: [{req_id: a, prompt_len: 4, max_tokens: 2}]\n",
+     "field cudagraph_capture_sizes: expected a list of token counts"),
+    ("kv_cache_groups: [{attention_backend: flash}]\nrequests: [{req_id: a, prompt_len: 4, max_tokens: 2}]\n",
+     "field kv_cache_groups[0].attention_backend: expected"),
 ])
 def test_bad_workload_is_one_located_line(tmp_path, text, fragment):
     w = tmp_path / "w.yaml"
@@ -102,7 +109,33 @@ def test_live_plugin_records_what_offline_records(tmp_path):
     want = [json.loads(x) for x in (TRACES / "prefix_caching.jsonl").read_text().splitlines()]
     assert got[1:] == want[1:]
     info = {"workload", "description"}
-    assert {k: v for k, v in got[0].items() if k not in info} == {k: v for k, v in want[0].items() if k not in info}
+    forward = {"runner", "cudagraph_mode", "cudagraph_capture_sizes"}  # a live engine's, written live only
+    assert {k: v for k, v in got[0].items() if k not in info | forward} == {k: v for k, v in want[0].items()
+                                                                           if k not in info}
+    assert {k: got[0][k] for k in forward} == {"runner": "mrv2", "cudagraph_mode": "NONE",
+                                               "cudagraph_capture_sizes": []}
+
+
+@needs_vllm
+def test_a_workload_records_its_forward_keys(tmp_path):
+    from kvmap.forward.config import resolve
+    from kvmap.trace import Trace
+
+    text = (WORKLOADS / "spec_decode.yaml").read_text()
+    text += ("runner: v1\ncudagraph_mode: FULL_DECODE_ONLY\ncudagraph_capture_sizes: [8, 1, 2, 4]\n"
+             "kv_cache_groups: [{kind: full_attention, attention_backend: FLASHINFER}]\n")
+    w = tmp_path / "w.yaml"
+    w.write_text(text)
+    out = tmp_path / "t.jsonl"
+    res = runner.invoke(app, ["record", str(w), "-o", str(out), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    head = json.loads(out.read_text().splitlines()[0])
+    assert (head["runner"], head["cudagraph_mode"], head["cudagraph_capture_sizes"]) == ("v1", "FULL_DECODE_ONLY",
+                                                                                       [1, 2, 4, 8])
+    assert head["kv_cache_groups"][0]["attention_backend"] == "FLASHINFER"
+    cfg = resolve(Trace(out).header)
+    assert (cfg.runner, cfg.cudagraph_capture_sizes, cfg.groups[0].attention_backend) == ("v1", (1, 2, 4, 8),
+                                                                                           "FLASHINFER")
 
 
 @needs_vllm

@@ -102,6 +102,9 @@ def explain(
                                            min=1, rich_help_panel="KV cache")] = defaults.KV_HEAD_SIZE,
     kv_dtype: Annotated[str, typer.Option(help="KV dtype, for the bytes a slot occupies.",
                                           rich_help_panel="KV cache")] = defaults.KV_DTYPE,
+    runner: Annotated[Optional[str], typer.Option("--runner", help="mrv2 or v1: the batch order and the "
+                                                  "forward-pass rules (default: the header's runner, else mrv2).",
+                                                  show_default=False, rich_help_panel="What to explain")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the explanation as JSON.",
                                            rich_help_panel="Outputs")] = False,
 ) -> None:
@@ -116,7 +119,7 @@ def explain(
     t = Trace(resolve_trace(trace))
     if step is None:
         step = first_scheduled_step(t, req) if req is not None else 1
-    d = run_explain(t, step, req, token, group, KVGeometry(kv_heads, head_size, kv_dtype))
+    d = run_explain(t, step, req, token, group, KVGeometry(kv_heads, head_size, kv_dtype), runner)
     if json_out:
         print(json.dumps(d, indent=1))
     else:

@@ -48,10 +48,14 @@ Examples:
 
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, or cuda[:N] (state, mappings and KV cache on the GPU; "
                                         "needs --backend torch or triton).", rich_help_panel="Backend")]
-BatchOrderOpt = Annotated[str, typer.Option("--batch-order", help="mrv2 (Model Runner V2: sorted by scheduled "
-                                            "tokens) or v1 (V1's persistent batch: lowest hole, condense), to diff "
-                                            "dumps against either runner.", rich_help_panel="Backend")]
-ReorderOpt = Annotated[Optional[int], typer.Option("--reorder-threshold", help="With --batch-order v1: the attention "
+RunnerOpt = Annotated[Optional[str], typer.Option("--runner", help="mrv2 (Model Runner V2: batch sorted by "
+                                                 "scheduled tokens) or v1 (V1's persistent batch: lowest hole, "
+                                                 "condense): the batch order and the --forward rules, to diff dumps "
+                                                 "against either runner. Default: the trace header's runner, else "
+                                                 "mrv2.", show_default=False, rich_help_panel="Backend")]
+BatchOrderOpt = Annotated[Optional[str], typer.Option("--batch-order", hidden=True,
+                                                      help="Deprecated name of --runner.")]
+ReorderOpt = Annotated[Optional[int], typer.Option("--reorder-threshold", help="With --runner v1: the attention "
                                                    "backend's reorder_batch_threshold (decode-first regions; "
                                                    "FlashAttention sets none).", min=1, rich_help_panel="Backend")]
 
@@ -66,10 +70,30 @@ def replay(
     backend: BackendOpt = None,
     device: DeviceOpt = "cpu",
     steps: StepsOpt = None,
-    batch_order: BatchOrderOpt = "mrv2",
+    runner: RunnerOpt = None,
+    batch_order: BatchOrderOpt = None,
     reorder_threshold: ReorderOpt = None,
     warmup: WarmupOpt = defaults.WARMUP,
     runs: RunsOpt = 1,
+    forward: Annotated[bool, typer.Option("--forward", help="Also compute every step's other forward-pass inputs "
+                                          "(sampler indices; docs/trace-format.md, \"Forward-pass dump keys\") as "
+                                          "the timed phase prepare_forward; --dump-mappings then carries them.",
+                                          rich_help_panel="Forward pass")] = False,
+    attention_backend: Annotated[Optional[str], typer.Option("--attention-backend", metavar="NAME",
+                                                             help="The attention backend of every KV cache group "
+                                                             "(vLLM's enum name: FLASH_ATTN, FLASHINFER, "
+                                                             "TRITON_ATTN or another), or g=NAME per group, "
+                                                             "comma-separated; overrides the header's.",
+                                                             rich_help_panel="Forward pass")] = None,
+    cudagraph_mode: Annotated[Optional[str], typer.Option("--cudagraph-mode", metavar="MODE",
+                                                          help="vLLM's CUDAGraphMode (NONE, PIECEWISE, FULL, "
+                                                          "FULL_DECODE_ONLY, FULL_AND_PIECEWISE); overrides the "
+                                                          "header's (none: eager).",
+                                                          rich_help_panel="Forward pass")] = None,
+    cudagraph_capture_sizes: Annotated[Optional[str], typer.Option("--cudagraph-capture-sizes", metavar="SIZES",
+                                                                   help="The captured batch sizes in tokens, "
+                                                                   "comma-separated; override the header's.",
+                                                                   rich_help_panel="Forward pass")] = None,
     verify_kv: Annotated[bool, typer.Option("--verify-kv", help="Read back every scheduled request's "
                                             "readable context from the KV cache each step and check it bit "
                                             "for bit.", rich_help_panel="KV cache")] = False,
@@ -115,7 +139,7 @@ def replay(
     from kvmap.trace import Trace
     from kvmap.workers.registry import default_backend
 
-    _check_replay_options(no_kv, verify_kv, batch_order)
+    runner = _check_replay_options(no_kv, verify_kv, runner, batch_order)
     if device != "cpu" and backend is None:
         backend = "triton"
     backend = backend or default_backend()
@@ -126,8 +150,18 @@ def replay(
     t = Trace(trace)
     config = ReplayConfig(backend=backend, device=device, start=start, stop=stop, warmup=warmup, verify_kv=verify_kv,
                           write_kv=not no_kv, kv_geometry=KVGeometry(kv_heads, head_size, kv_dtype).check(),
-                          nvtx=nvtx, capture=nvtx_capture, batch_order=batch_order,
-                          reorder_batch_threshold=reorder_threshold, ranks=None if rank is None else [rank])
+                          nvtx=nvtx, capture=nvtx_capture, batch_order=runner or t.header.runner or "mrv2",
+                          reorder_batch_threshold=reorder_threshold, ranks=None if rank is None else [rank],
+                          forward=forward, attention_backend=attention_backend, cudagraph_mode=cudagraph_mode,
+                          cudagraph_capture_sizes=cudagraph_capture_sizes)
+    if forward or attention_backend or cudagraph_mode or cudagraph_capture_sizes:
+        from kvmap.run.replay import forward_config
+
+        fcfg = forward_config(t.header, config)  # a bad override is said before anything runs
+        if not forward:
+            raise KvmapError("the forward-pass options apply with --forward", field="--forward")
+        for line in () if quiet else fcfg.skipped:  # an older trace: what --forward leaves out
+            err.print(f"note: {line}", markup=False, highlight=False)
     cp = t.header.decode_context_parallel_size
     if rank is not None and rank >= cp:
         raise KvmapError(f"the trace has {cp} DCP rank(s): --rank must be below that", field="--rank")
@@ -135,6 +169,8 @@ def replay(
         if runs > 1:
             raise KvmapError("--runs repeats a replay in this process; with --nproc, run the command again",
                              field="--runs")
+        if forward:
+            raise KvmapError("--forward runs in one process: leave out --nproc", field="--forward")
         _finish(_launch(trace, cp, nproc, rank, config, dump_mappings, progress), None if quiet else out, json_out,
                 csv_out, trace_out, qs)
         return
@@ -142,14 +178,21 @@ def replay(
     _finish(result, None if quiet else (err if to_stdout else out), json_out, csv_out, trace_out, qs)
 
 
-def _check_replay_options(no_kv: bool, verify_kv: bool, batch_order: str) -> None:
-    """The option combinations a replay refuses before it reads anything, each naming its option."""
+def _check_replay_options(no_kv: bool, verify_kv: bool, runner: str | None, batch_order: str | None) -> str | None:
+    """The option combinations a replay refuses before it reads anything, each naming its option; the runner
+    asked for (None: the header's), `--batch-order` being its deprecated name."""
+    from kvmap.forward.config import check_runner
     from kvmap.workers.order import check_batch_order
 
     if no_kv and verify_kv:  # nothing written, nothing to read back
         raise KvmapError("--no-kv and --verify-kv exclude each other: --verify-kv reads back what the replay writes "
                          "into the KV cache, and --no-kv writes nothing", field="--verify-kv")
-    check_batch_order(batch_order)  # before the trace is read or any rank starts
+    if batch_order is not None:  # before the trace is read or any rank starts
+        check_batch_order(batch_order)
+        if runner is not None and runner != batch_order:
+            raise KvmapError(f"--batch-order is the old name of --runner: {batch_order} contradicts --runner "
+                             f"{runner}", field="--batch-order")
+    return check_runner(runner) if runner is not None else batch_order
 
 
 def _launch(trace: Path, cp: int, nproc: int, rank: int | None, config, dump_mappings: Path | None,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvmap.errors import KvmapError
+from kvmap.explain.forward import forward_dict
+from kvmap.forward.config import ForwardConfig, resolve
 from kvmap.kv.cache import KVGeometry
 from kvmap.layout import PAD_SLOT_ID, GroupLayout, rank_layouts
 from kvmap.trace import Trace
@@ -38,21 +40,23 @@ def first_scheduled_step(trace: Trace, req_id: str) -> int:
 
 
 def explain(trace: Trace, step: int, req_id: str | None = None, token: int | None = None,
-            group: int | None = None, geometry: KVGeometry | None = None) -> dict:
+            group: int | None = None, geometry: KVGeometry | None = None, runner: str | None = None) -> dict:
     """The step as plain data; with `req_id` (or a flat `token` index) its request, with `token` the token's
-    whole chain, in every KV cache group (or only `group`)."""
+    whole chain, in every KV cache group (or only `group`). `runner` (default: the header's, else mrv2) sets the
+    batch order and the forward-pass rules (`forward`: the sampler indices with their arithmetic)."""
     h = trace.header
     geometry = (geometry or KVGeometry()).check()
     if step < 0:
         raise KvmapError(f"step {step} does not exist: steps are numbered from 0", field="--step")
     if group is not None and not 0 <= group < h.num_groups:
         raise KvmapError(f"group {group} does not exist: the trace has groups 0..{h.num_groups - 1}", field="--group")
-    worker, target, held = _replay_to(trace, step)
+    worker, target, held = _replay_to(trace, step, resolve(h, runner))
     m = worker.mappings()
     qsl = m.query_start_loc.tolist()
     groups = [g for g in range(h.num_groups) if group is None or g == group]
     origin = _origins(target.scheduler_output, held)
     out = _step_dict(trace, target, m, origin, geometry, held)
+    out["forward"] = forward_dict(worker.forward_config, worker.forward, m, worker.forward_step())
     if req_id is None:
         if token is not None:  # a flat token index
             if not 0 <= token < m.num_tokens:
@@ -68,10 +72,12 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
     return out
 
 
-def _replay_to(trace: Trace, step: int) -> tuple[NumpyWorker, object, dict]:
-    """A numpy worker (no KV cache) replayed through `step`; (the worker, the step, what each continued session
-    held just before it: `_held`)."""
+def _replay_to(trace: Trace, step: int, config: ForwardConfig) -> tuple[NumpyWorker, object, dict]:
+    """A numpy worker (no KV cache) replayed through `step` under `config`'s runner, computing the forward
+    inputs; (the worker, the step, what each continued session held just before it: `_held`)."""
     worker = NumpyWorker(trace.header)
+    worker.use_batch_order(config.runner)
+    worker.use_forward(config)
     target = None
     last = -1
     held: dict = {}

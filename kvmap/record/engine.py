@@ -165,6 +165,16 @@ def build_scheduler(w: Workload):
     return vc, kvc, scheduler, hasher
 
 
+def workload_forward(w: Workload) -> dict:
+    """The forward-pass header keys a workload sets (none unless it sets them, so the bundled traces keep their
+    bytes)."""
+    out = {"runner": w.runner, "cudagraph_mode": w.cudagraph_mode,
+           "cudagraph_capture_sizes": list(w.cudagraph_capture_sizes) if w.cudagraph_capture_sizes else None}
+    if any(g.attention_backend for g in w.kv_cache_groups):
+        out["attention_backends"] = [g.attention_backend for g in w.kv_cache_groups]
+    return out
+
+
 def record(w: Workload, out_path: str, on_step: Callable[[int], None] | None = None) -> RecordSummary:
     """Record workload `w` to `out_path` through `RecordingScheduler`."""
     vc, kvc, scheduler, hasher = build_scheduler(w)
@@ -173,8 +183,8 @@ def record(w: Workload, out_path: str, on_step: Callable[[int], None] | None = N
         stops["eos_token_id"] = w.eos_token_id
     if w.stop_token_ids:
         stops["stop_token_ids"] = list(w.stop_token_ids)
-    header = header_from_config(vc, kvc, [g.kernel_block_size for g in w.kv_cache_groups], **stops, workload=w.name,
-                                description=w.description)
+    header = header_from_config(vc, kvc, [g.kernel_block_size for g in w.kv_cache_groups], forward=workload_forward(w),
+                                **stops, workload=w.name, description=w.description)
     rec = RecordingScheduler(scheduler, TraceWriter(out_path, header), async_scheduling=w.async_scheduling,
                              num_speculative_tokens=w.num_speculative_tokens)
     try:

@@ -17,7 +17,7 @@ import functools
 import os
 import sys
 
-from kvmap.record.recorder import RecordingScheduler, TraceWriter, eos_of, header_from_config
+from kvmap.record.recorder import RecordingScheduler, TraceWriter, eos_of, forward_keys, header_from_config
 
 ENV = "KVMAP_RECORD_TRACE"
 
@@ -45,7 +45,8 @@ def _wrap(core, vllm_config, path: str) -> None:
         spec = vllm_config.speculative_config
         is_async = bool(sc.async_scheduling) or int(getattr(core, "batch_queue_size", 1) or 1) > 1
         # under async scheduling a validator needs the stop ids to tell a discarded output from a fault
-        header = header_from_config(vllm_config, core.scheduler.kv_cache_config,
+        kvc = core.scheduler.kv_cache_config
+        header = header_from_config(vllm_config, kvc, forward=forward_keys(vllm_config, kvc),
                                     **(eos_of(vllm_config) if is_async else {}))
         writer = TraceWriter(path.replace("{pid}", str(os.getpid())), header)
         core.scheduler = RecordingScheduler(core.scheduler, writer, async_scheduling=is_async,

@@ -64,11 +64,14 @@ def to_plain(value: Any, key: str | None = None) -> Any:
 
 
 def header_from_config(vllm_config: Any, kv_cache_config: Any,
-                       kernel_block_sizes: list[int | None] | None = None, **extra: Any) -> dict:
+                       kernel_block_sizes: list[int | None] | None = None, forward: dict | None = None,
+                       **extra: Any) -> dict:
     """The trace header (docs/trace-format.md) from a running vLLM's configs. `kernel_block_sizes` (one per group, as
     vLLM's worker chose them: `prepare_kernel_block_sizes`; None: no split) is known only on the worker side; the
     scheduler never sees it; attention groups only. Multi-rank keys are written only where they differ from their
-    defaults, so older traces keep their bytes."""
+    defaults, so older traces keep their bytes. `forward`: the forward-pass keys (`forward_keys` for a live
+    engine, the workload's for `kvmap record`; docs/trace-format.md, "Forward-pass keys"), its
+    `attention_backends` (one per group, None: unknown) going into the groups; None: none written."""
     import vllm
     from vllm.v1.kv_cache_interface import AttentionSpec, SlidingWindowSpec
 
@@ -95,6 +98,9 @@ def header_from_config(vllm_config: Any, kv_cache_config: Any,
             grp["extra_retained_tokens"] = spec.extra_retained_tokens
         if kind == "mamba":  # vLLM: the V1 runner gives Mamba groups SlotMappingMode.NONE
             grp["uses_slot_mapping"] = False
+        backends = (forward or {}).get("attention_backends") or []
+        if i < len(backends) and backends[i] is not None and kind != "mamba":
+            grp["attention_backend"] = backends[i]
         groups.append(grp)
         if spec0 is None and isinstance(spec, AttentionSpec):
             spec0 = spec
@@ -126,8 +132,32 @@ def header_from_config(vllm_config: Any, kv_cache_config: Any,
                           "dtype": str(getattr(spec0, "dtype", "")).replace("torch.", "") or None},
         **ranks,
         **_deployed_keys(vllm_config),
+        **{k: v for k, v in (forward or {}).items() if k != "attention_backends" and v is not None},
         **extra,
     }
+
+
+def forward_keys(vllm_config: Any, kv_cache_config: Any) -> dict:
+    """A live engine's forward-pass keys: the runner (`use_v2_model_runner`), the resolved
+    `compilation_config.cudagraph_mode` (its CUDAGraphMode name) and `cudagraph_capture_sizes`, and the attention
+    backend when the engine's `attention_config.backend` names one (the platform picks it in the worker process
+    otherwise, out of the scheduler's reach: then unknown)."""
+    out: dict = {"runner": "mrv2" if getattr(vllm_config, "use_v2_model_runner", False) else "v1"}
+    try:
+        cc = vllm_config.compilation_config
+        mode = cc.cudagraph_mode
+        out["cudagraph_mode"] = getattr(mode, "name", None) or "NONE"
+        out["cudagraph_capture_sizes"] = sorted(int(n) for n in (cc.cudagraph_capture_sizes or []))
+    except Exception:  # noqa: BLE001 - a config without them: not written
+        pass
+    try:
+        backend = vllm_config.attention_config.backend
+    except Exception:  # noqa: BLE001
+        backend = None
+    if backend is not None:
+        num_groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+        out["attention_backends"] = [getattr(backend, "name", str(backend))] * num_groups
+    return out
 
 
 def _deployed_keys(vllm_config: Any) -> dict:

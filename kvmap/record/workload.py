@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from kvmap.errors import KvmapError
+from kvmap.trace.header import CUDAGRAPH_MODES
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,7 @@ class GroupSpec:
     # block size the worker's attention kernel sees (header only: vLLM's scheduler never sees it); must divide
     # block_size. None: the group's block size (no split)
     kernel_block_size: int | None = None
+    attention_backend: str | None = None  # header only: vLLM's AttentionBackendEnum name (FLASH_ATTN, ...)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +104,10 @@ class Workload:
     decode_context_parallel_size: int = 1
     cp_kv_cache_interleave_size: int = 1
     tensor_parallel_size: int = 1
+    # the forward pass (header only: docs/trace-format.md, "Forward-pass keys"); None: not written
+    runner: str | None = None  # mrv2 | v1
+    cudagraph_mode: str | None = None  # vLLM's CUDAGraphMode name
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # token counts
     requests: tuple[RequestSpec, ...] = ()
     generate: GenerateSpec | None = None
 
@@ -198,6 +204,10 @@ def _value(f, v, path: str, key: str):
         if v is not None and (type(v) is not int or v < 0):
             raise _fail(path, key, f"expected a token id (int >= 0) or null, got {v!r}")
         return v
+    if f.name == "cudagraph_capture_sizes":
+        if not (isinstance(v, list) and v and all(type(x) is int and x > 0 for x in v)):
+            raise _fail(path, key, f"expected a list of token counts (ints > 0), got {v!r}")
+        return tuple(sorted(set(v)))
     if f.name == "stop_token_ids":
         if not (isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)):
             raise _fail(path, key, f"expected a list of token ids, got {v!r}")
@@ -237,6 +247,15 @@ def _check(w: Workload, path: str) -> Workload:
          f"must be >= 1 and a multiple of decode_context_parallel_size {cp} (vLLM: DCP reuses the TP ranks)")
     need(inter >= 1 and w.block_size % inter == 0, "cp_kv_cache_interleave_size",
          f"must be >= 1 and divide block_size {w.block_size}")
+    need(w.runner in (None, "mrv2", "v1"), "runner", f"must be mrv2 or v1, got {w.runner!r}")
+    need(w.cudagraph_mode in (None, *CUDAGRAPH_MODES), "cudagraph_mode",
+         f"must be one of {', '.join(CUDAGRAPH_MODES)}, got {w.cudagraph_mode!r}")
+    need(w.cudagraph_mode in (None, "NONE") or bool(w.cudagraph_capture_sizes), "cudagraph_capture_sizes",
+         f"cudagraph_mode {w.cudagraph_mode} needs the capture sizes")
+    for i, g in enumerate(w.kv_cache_groups):
+        b = g.attention_backend
+        need(b is None or (b.isupper() and b.replace("_", "").isalnum()), f"kv_cache_groups[{i}].attention_backend",
+             f"expected vLLM's attention backend enum name (FLASH_ATTN, FLASHINFER, TRITON_ATTN), got {b!r}")
     need(0.0 <= w.stop_rate <= 1.0, "stop_rate", "must be within [0, 1]")
     need(w.stop_rate == 0 or w.eos_token_id is not None or bool(w.stop_token_ids), "stop_rate",
          "needs eos_token_id or stop_token_ids")

@@ -40,6 +40,25 @@ def _order_table(d: dict, console: Console) -> Table:
     return t
 
 
+def _forward(f: dict | None, console: Console) -> None:
+    """The forward-pass section: the runner, the sampler indices and each request's arithmetic, one message a
+    line starting `forward:` (never wrapped when piped, so grep finds each whole)."""
+    if not f:
+        return
+    console.print()
+    say(console, f"forward: {f['runner']} runner, cudagraph mode {f['cudagraph_mode']}; sampler indices", style="bold")
+    for key, value in f["sampler"].items():
+        if key not in ("rows", "stale_input_ids"):
+            say(console, f"forward: {key} {value}")
+    for line in f["sampler"]["rows"]:
+        say(console, f"forward: {safe(line)}")
+    if f["sampler"].get("stale_input_ids"):
+        say(console, f"forward: flat tokens MRV2 would read stale input ids at: {f['sampler']['stale_input_ids']}",
+            style="yellow")
+    for line in f["skipped"]:
+        say(console, f"forward: skipped: {line}", style="dim")
+
+
 def render_explain(d: dict, console: Console) -> None:
     say(console, f"step {d['step']} of {d['trace']} (line {d['line']}, {d['protocol']} protocol): "
                  f"{len(d['batch'])} requests, {d['num_tokens']} tokens", style="bold")
@@ -59,6 +78,7 @@ def render_explain(d: dict, console: Console) -> None:
     say(console, f"idx_mapping     {d['idx_mapping']}   (batch_idx -> req_state_idx)")
     say(console, f"query_start_loc {d['query_start_loc']}")
     say(console, f"seq_lens        {d['seq_lens']}")
+    _forward(d.get("forward"), console)
     req = d.get("request")
     if req:
         console.print()

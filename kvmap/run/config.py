@@ -33,6 +33,12 @@ class ReplayConfig:
     kv_geometry: KVGeometry | None = None  # None: KVGeometry()'s defaults
     nvtx: bool = True  # one NVTX range per phase and step
     capture: bool = False  # wrap the measured steps in the NVTX capture range (for nsys)
-    batch_order: str = "mrv2"  # "mrv2" or "v1" (workers/order.py)
+    batch_order: str = "mrv2"  # the runner, "mrv2" or "v1": its batch order (workers/order.py) and forward rules
     reorder_batch_threshold: int | None = None  # v1: the attention backend's reorder_batch_threshold
     ranks: Sequence[int] | None = None  # the DCP ranks to compute (None: every rank, in this process)
+    # the forward pass's other inputs (kvmap/forward), computed as the `prepare_forward` phase when True; the
+    # overrides of the header's forward keys (None: the header's; forward/config.py `resolve`)
+    forward: bool = False
+    attention_backend: str | None = None  # NAME (every group) or g=NAME,...
+    cudagraph_mode: str | None = None  # vLLM's CUDAGraphMode name
+    cudagraph_capture_sizes: str | None = None  # comma-separated token counts

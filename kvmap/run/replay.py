@@ -67,11 +67,13 @@ def replay(
                                                            c.reorder_batch_threshold)
     if c.ranks is not None:
         worker.set_ranks(c.ranks)
+    if c.forward:
+        worker.use_forward(forward_config(header, c))
     geometry = (c.kv_geometry or KVGeometry()).check()
     kv = worker.make_kv_cache(geometry) if (c.write_kv or c.verify_kv) else None
     phases = [p for p in PHASES if (p != "kv_verify" or c.verify_kv) and (not p.startswith("kv_") or kv)
               and (p != "h2d" or worker.has_h2d) and (p != "broadcast" or source)
-              and (p != "cross_rank" or cross_rank)]
+              and (p != "cross_rank" or cross_rank) and (p != "prepare_forward" or c.forward)]
     result = _new_result(trace, worker, kv, geometry, phases, prewarm_steps=c.warmup if prewarm else 0,
                          warmup=c.warmup, step_window=[c.start, c.stop], kv_verified=c.verify_kv)
     check = KVCheckResult(max_examples=defaults.MAX_KV_EXAMPLES)
@@ -91,6 +93,13 @@ def replay(
     return result
 
 
+def forward_config(header, c: ReplayConfig):
+    """The forward settings of a replay: the header's, with the config's overrides (forward/config.py)."""
+    from kvmap.forward.config import resolve
+
+    return resolve(header, c.batch_order, c.attention_backend, c.cudagraph_mode, c.cudagraph_capture_sizes)
+
+
 def _stages(worker: Worker, kv, check: KVCheckResult, cross_rank, phases: list[str]) -> list[tuple[str, Callable]]:
     """Every phase after update_states, as a call with no arguments (the worker holds the current step)."""
     return [(name, fn) for name, fn in (
@@ -99,6 +108,7 @@ def _stages(worker: Worker, kv, check: KVCheckResult, cross_rank, phases: list[s
         ("prepare_inputs", worker.prepare_inputs),
         ("block_tables", worker.gather_block_tables),
         ("slot_mappings", worker.compute_slot_mappings),
+        ("prepare_forward", worker.prepare_forward),
         ("kv_write", lambda: worker.write_kv(kv)),
         ("kv_verify", lambda: worker.verify_kv(kv, check)),
         ("post_update", worker.append_sampled),

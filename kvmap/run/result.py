@@ -34,6 +34,7 @@ PHASES = (
     "prepare_inputs",  # idx_mapping, query_start_loc, seq_lens, positions, input_ids
     "block_tables",  # gather the batch's block-table rows, every group
     "slot_mappings",  # slot_mapping, every group
+    "prepare_forward",  # --forward: the forward pass's other inputs (sampler indices, ...; kvmap/forward)
     "kv_write",  # write the canary K/V through slot_mapping
     "kv_verify",  # read back the readable context and compare bits (--verify-kv)
     "post_update",  # append sampled tokens to the token rows

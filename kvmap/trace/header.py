@@ -90,7 +90,7 @@ def parse_header(obj: object, where: Where) -> TraceHeader:
              "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_speculative_tokens",
              "null_block_id", "max_num_scheduled_tokens", "vllm_version", "enable_prefix_caching",
              "enable_chunked_prefill", "async_scheduling", "scheduling_policy", "kv_cache_spec",
-             "max_concurrent_batches", "eos_token_id", "stop_token_ids"}
+             "max_concurrent_batches", "eos_token_id", "stop_token_ids", *FORWARD_KEYS}
     null_block_id = obj.get("null_block_id")
     if null_block_id is not None:
         int_field(null_block_id, where, "null_block_id", minimum=0)
@@ -116,6 +116,7 @@ def parse_header(obj: object, where: Where) -> TraceHeader:
         enable_chunked_prefill=obj.get("enable_chunked_prefill"),
         async_scheduling=obj.get("async_scheduling"),
         **_engine_keys(obj, where),
+        **_forward_keys(obj, where),
         scheduling_policy=obj.get("scheduling_policy"),
         kv_cache_spec=spec,
         extra={k: v for k, v in obj.items() if k not in known | set(multirank)},
@@ -246,5 +247,45 @@ def _multirank_fields(obj: dict, where: Where, groups: list[KVCacheGroup]) -> tu
         if g.kind != "sliding_window":
             extra = 0  # vLLM sets it on SlidingWindowSpec only
         out.append(KVCacheGroup(g.group_id, g.kind, g.block_size, g.sliding_window, g.attention_chunk_size,
-                                kbs, **flags, extra_retained_tokens=extra))
+                                kbs, **flags, extra_retained_tokens=extra,
+                                attention_backend=_backend_name(raw, where, name)))
     return out, fields
+
+
+# ---------------------------------------------------------------------------------- forward pass
+
+FORWARD_KEYS = ("runner", "cudagraph_mode", "cudagraph_capture_sizes")
+RUNNERS = ("mrv2", "v1")
+# vLLM 0.33's CUDAGraphMode names (vllm/config/compilation.py:53-63)
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
+def _forward_keys(obj: dict, where: Where) -> dict:
+    """docs/trace-format.md, "Forward-pass keys": the runner, the resolved cudagraph mode and capture sizes. Each
+    is optional (older traces: runner unknown, eager)."""
+    out: dict = {}
+    runner = obj.get("runner")
+    if runner is not None and runner not in RUNNERS:
+        raise where.error(f"must be one of {RUNNERS}, got {runner!r:.40}", field="runner")
+    out["runner"] = runner
+    mode = obj.get("cudagraph_mode")
+    if mode is not None and mode not in CUDAGRAPH_MODES:
+        raise where.error(f"must be one of vLLM's CUDAGraphMode names {CUDAGRAPH_MODES}, got {mode!r:.40}",
+                          field="cudagraph_mode")
+    out["cudagraph_mode"] = mode
+    sizes = obj.get("cudagraph_capture_sizes")
+    if sizes is not None:
+        if not isinstance(sizes, list):
+            raise where.error("expected a list of token counts", field="cudagraph_capture_sizes")
+        sizes = tuple(sorted({int_field(n, where, "cudagraph_capture_sizes", minimum=1, maximum=2**24) for n in sizes}))
+    out["cudagraph_capture_sizes"] = sizes
+    return out
+
+
+def _backend_name(raw: dict, where: Where, name: str) -> str | None:
+    """A group's `attention_backend`: vLLM's AttentionBackendEnum name (FLASH_ATTN, FLASHINFER, TRITON_ATTN...)."""
+    v = raw.get("attention_backend")
+    if v is not None and not (isinstance(v, str) and v.isupper() and v.replace("_", "").isalnum()):
+        raise where.error(f"expected vLLM's attention backend enum name (FLASH_ATTN, FLASHINFER, TRITON_ATTN, "
+                          f"...), got {v!r:.40}", field=f"{name}.attention_backend")
+    return v

@@ -27,6 +27,7 @@ class KVCacheGroup:
     dcp_sharded: bool = True  # False: replicated on every DCP rank (cp = 1 for this group)
     uses_slot_mapping: bool = True  # False (mamba): slots all PAD_SLOT_ID, rows hold state indices
     extra_retained_tokens: int = 0  # tokens kept below the window (sliding_window groups; vLLM's SlidingWindowSpec)
+    attention_backend: str | None = None  # vLLM's AttentionBackendEnum name (FLASH_ATTN, ...); None: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,10 @@ class TraceHeader:
     decode_context_parallel_size: int = 1  # DCP world size: every request's KV spread over cp ranks by token
     cp_kv_cache_interleave_size: int = 1  # consecutive tokens on one DCP rank before the next
     tensor_parallel_size: int = 1  # KV heads split over TP ranks; mappings identical on TP ranks
+    # the forward pass (docs/trace-format.md, "Forward-pass keys"): None when the recorder did not write them
+    runner: str | None = None  # "mrv2" | "v1": the model runner that ran (None: not recorded)
+    cudagraph_mode: str | None = None  # vLLM's resolved CUDAGraphMode name (None: not recorded, eager)
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # resolved capture sizes, ascending
 
     @property
     def num_groups(self) -> int:

@@ -1,9 +1,11 @@
 """`kvmap validate --deep`: replay through the backends against the reference, with the KV canary read back.
 
 Rules: the reference replays first; any other backend that loads is compared step by step on the dump record
-and its KV cache is read back every step. Problems name the step, request, token and group of the first
-difference, with the chain `kvmap explain` prints for it. Each pass runs inside `progress(label, backend)`, a
-context giving the pass's `on_step` (the CLI's progress bar at a terminal; None: nothing drawn).
+(the core mappings and the forward inputs, kvmap/forward, by the header's runner: the reference's scalar specs
+against the backend's forms) and its KV cache is read back every step. Problems name the step, request, token
+and group of the first difference, with the chain `kvmap explain` prints for it. Each pass runs inside
+`progress(label, backend)`, a context giving the pass's `on_step` (the CLI's progress bar at a terminal; None:
+nothing drawn).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from kvmap.errors import KvmapError
 from kvmap.trace import Trace
 from kvmap.validate import multirank
 from kvmap.validate.problems import Problem
+from kvmap.workers.mappings import DUMP_KEYS
 
 Progress = Callable[..., AbstractContextManager]  # (label, backend) -> a context giving on_step or None
 
@@ -72,21 +75,27 @@ def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: i
     from kvmap.run.replay import replay
     from kvmap.workers.registry import make_worker
 
+    order = trace.header.runner or "mrv2"  # the reference `ref` was replayed in this order
     worker = make_worker(backend, trace.header)
     if worker.native_batch_order != "mrv2":  # a runner with its own batch order: the reference in that order
-        worker.use_batch_order(worker.native_batch_order)
-        ref = []
-        replay(trace, ReplayConfig(backend="reference", write_kv=False, nvtx=False, warmup=0,
-                                   batch_order=worker.native_batch_order), on_mappings=ref.append)
+        if worker.native_batch_order != order:
+            order, ref = worker.native_batch_order, []
+            replay(trace, ReplayConfig(backend="reference", write_kv=False, nvtx=False, warmup=0, forward=True,
+                                       batch_order=order), on_mappings=ref.append)
+    if order != "mrv2":
+        worker.use_batch_order(order)
     got: list[dict] = []
     problems: list[dict] = []
     try:
-        kv = replay(trace, ReplayConfig(verify_kv=True, nvtx=False, warmup=0), worker=worker, on_mappings=got.append,
-                    on_step=on_step)
+        kv = replay(trace, ReplayConfig(verify_kv=True, nvtx=False, warmup=0, forward=worker.computes_forward,
+                                        batch_order=order), worker=worker,
+                    on_mappings=got.append, on_step=on_step)
     except KvmapError as e:
         problems.append(asdict(Problem("conformance", f"{backend} failed: {e.message}", e.line, e.step, e.req_id,
                                        e.group, e.field)))
         return {"steps": len(got), "differing_steps": None, "error": e.message}, problems
+    if not worker.computes_forward:  # a backend of the core mappings only: compared on those
+        ref = [{k: w[k] for k in DUMP_KEYS if k in w} for w in ref]
     diffs = 0
     for g, w in zip(got, ref):
         if g == w:
@@ -131,7 +140,8 @@ def deep_check(trace: Trace, backends: list[str] | None = None, progress: Progre
     ref: list[dict] = []
     try:
         with progress("reference", "reference") as on_step:
-            r = replay(trace, ReplayConfig(backend="reference", write_kv=False, nvtx=False, warmup=0),
+            r = replay(trace, ReplayConfig(backend="reference", write_kv=False, nvtx=False, warmup=0, forward=True,
+                                           batch_order=trace.header.runner or "mrv2"),
                        on_mappings=ref.append, on_step=on_step)
     except KvmapError as e:
         return {"backends": {}, "skipped": {}, "problems": [asdict(Problem(

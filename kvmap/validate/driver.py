@@ -95,6 +95,7 @@ class _Pass:
             return
         if isinstance(obj, dict):
             self.unknown_keys.update(k for k in obj if k not in STEP_KEYS)
+            _check_cascade(v, obj, line, step_idx)
         if clean:
             v.step(step)
         else:  # already one problem (not UTF-8): follow it as a line that did not parse
@@ -109,6 +110,19 @@ class _Pass:
             self.i = claimed
         self.i += 1
         return self.i - 1
+
+
+def _check_cascade(v: Validator, obj: dict, line: int, step_idx: int) -> None:
+    """`num_common_prefix_blocks` (one count per KV cache group): vLLM 0.33 always sends [] (cascade attention is
+    removed: vllm/v1/core/sched/output.py:318-320, every builder gets common_prefix_len 0); older vLLM sent one
+    count per group, 0 when no prefix is shared. A positive count is a step whose attention used (or could have
+    used) a cascade prefix that kvmap's forward inputs, vLLM 0.33's, do not model."""
+    so = obj.get("scheduler_output")
+    blocks = so.get("num_common_prefix_blocks") if isinstance(so, dict) else None
+    if isinstance(blocks, list) and any(type(n) is int and n > 0 for n in blocks):
+        v.add("cascade", f"num_common_prefix_blocks {blocks[:8]!r:.80} claims a common prefix for cascade "
+              "attention, which vLLM 0.33 removed (docs/trace-format.md, \"Cascade attention\")", line=line,
+              step_idx=step_idx, field="num_common_prefix_blocks")
 
 
 def validate(trace: Trace, max_problems: int | None = None, deep: bool = False,

@@ -52,6 +52,8 @@ KINDS = {
     "conformance": "a backend's mappings differ from the reference (validate --deep)",
     "kv_mismatch": "a backend's KV read-back found another token's bits (validate --deep)",
     "row_width": "a block-table row wider than cdiv(max_model_len, block_size * cp)",
+    "cascade": "a step claims common prefix blocks (num_common_prefix_blocks): cascade attention, which vLLM 0.33 "
+               "removed; kvmap's forward inputs are those of vLLM 0.33 (common_prefix_len 0)",
     "cross_rank": "a cross-rank invariant fails: a token local on no DCP rank or several, local lengths that do "
                   "not sum to seq_len, a kernel row that is not its manager row expanded (validate --deep)",
 }

@@ -6,7 +6,8 @@ Rules:
 - Phases run in this order, each once per step: `update_states(step)` (finish, preempt, add, update cached
   requests; sets `self.batch`), `prepare_batch` (batch order), `copy_to_device` (only when `has_h2d`),
   `prepare_inputs` (`idx_mapping`, `query_start_loc`, `seq_lens`, `positions`, `input_ids`),
-  `gather_block_tables`, `compute_slot_mappings`, then `write_kv`/`verify_kv`, and after the model
+  `gather_block_tables`, `compute_slot_mappings`, `prepare_forward` (only when `use_forward` was called: the
+  forward pass's other inputs, kvmap/forward), then `write_kv`/`verify_kv`, and after the model
   `append_sampled`. All but `update_states` take no arguments: the worker holds the current step.
 - `mappings()` gives host arrays in batch order; `mappings_dict()` the plain-list dump record that every
   backend must produce bit for bit (and byte for byte once serialized).
@@ -21,6 +22,9 @@ from typing import ClassVar
 
 import numpy as np
 
+from kvmap.errors import KvmapError
+from kvmap.forward.config import ForwardConfig
+from kvmap.forward.inputs import ForwardInputs
 from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers.mappings import BatchMappings, BatchReqIds
@@ -57,6 +61,7 @@ class Worker(ABC):
     name: ClassVar[str] = "worker"
     has_h2d: ClassVar[bool] = False  # has a timed host-to-device phase (`copy_to_device`)
     native_batch_order: ClassVar[str] = "mrv2"  # the order it computes whatever is asked (vllm-v1: "v1")
+    computes_forward: ClassVar[bool] = False  # implements `prepare_forward` (the forward inputs, kvmap/forward)
     backend_detail: str = ""  # how this worker runs, shown beside its name in a replay's summary
 
     def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
@@ -67,6 +72,8 @@ class Worker(ABC):
         # DCP ranks this worker computes (docs/trace-format.md, per-rank slot rule): all of them by default (the
         # one-process emulation), one with `--rank R` or one process per rank
         self.ranks: tuple[int, ...] = tuple(range(header.decode_context_parallel_size))
+        self.forward_config: ForwardConfig | None = None  # set by use_forward: the prepare_forward phase runs
+        self.forward: ForwardInputs | None = None  # this step's forward inputs (after prepare_forward)
 
     def set_ranks(self, ranks) -> None:
         """Compute only these DCP ranks (ascending); call before the first step."""
@@ -82,10 +89,16 @@ class Worker(ABC):
         check_batch_order(name)
         self.v1_batch = V1PersistentBatch(reorder_batch_threshold) if name == "v1" else None
 
+    def use_forward(self, config: ForwardConfig) -> None:
+        """Compute the forward pass's other inputs each step (`prepare_forward`), with `config`'s rules."""
+        if not self.computes_forward:
+            raise KvmapError(f"the {self.name} backend does not compute the forward inputs", field="--forward")
+        self.forward_config = config
+
     @property
     def is_mrv2(self) -> bool:
         """Model Runner V2's rules apply: its batch order and its gathered table's sliding-window nulling
-        (layout.GroupLayout.null_history_blocks). The one runner flag: today `--batch-order` sets it."""
+        (layout.GroupLayout.null_history_blocks). The one runner flag: `--runner` sets it."""
         return self.v1_batch is None and self.native_batch_order == "mrv2"
 
     def v1_order(self, step: Step) -> list[str]:
@@ -127,6 +140,11 @@ class Worker(ABC):
     @abstractmethod
     def compute_slot_mappings(self) -> None: ...
 
+    def prepare_forward(self) -> None:
+        """This step's `ForwardInputs` (kvmap/forward) into `self.forward`, from the step's mappings; only after
+        `use_forward`."""
+        raise NotImplementedError  # only called after use_forward, which workers without it refuse
+
     @abstractmethod
     def append_sampled(self) -> None: ...
 
@@ -138,6 +156,8 @@ class Worker(ABC):
         self.prepare_inputs()
         self.gather_block_tables()
         self.compute_slot_mappings()
+        if self.forward_config is not None:
+            self.prepare_forward()
 
     def run_step(self, step: Step) -> None:
         """Every phase up to the mappings, untimed (explain, tests, scripts); the replay loop times them."""
@@ -174,8 +194,12 @@ class Worker(ABC):
         """This step's mappings as host arrays in batch order (views valid until the next step)."""
 
     def mappings_dict(self) -> dict:
-        """The `--dump-mappings` record."""
-        return self.mappings().to_dict(self.current_step)
+        """The `--dump-mappings` record (with the forward keys after the core ones when `use_forward` was
+        called)."""
+        d = self.mappings().to_dict(self.current_step)
+        if self.forward is not None:
+            d.update(self.forward.to_dict())
+        return d
 
 
 def make_rank_caches(worker: Worker, geometry: KVGeometry, make) -> PagedKVCache | RankedKVCache:

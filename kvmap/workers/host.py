@@ -24,6 +24,9 @@ from typing import ClassVar
 import numpy as np
 
 from kvmap.errors import TraceError
+from kvmap.forward.config import ForwardConfig
+from kvmap.forward.inputs import ForwardBuilder, ForwardStep
+from kvmap.forward.sampler import SamplerRows
 from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
 from kvmap.layout import null_history_groups, rank_layouts, seq_layouts
 from kvmap.trace import Step, TraceHeader
@@ -39,6 +42,7 @@ class HostWorker(Worker):
     """State and buffers in host memory, the phase order, and an `ops_class` for the array work."""
 
     ops_class: ClassVar[type[MappingOps]]  # the backend's array functions, built once per worker
+    computes_forward = True
 
     def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
         super().__init__(header, device)
@@ -58,6 +62,7 @@ class HostWorker(Worker):
         self.slots = None  # [G, num_tokens] int64 (cp = 1)
         self.rank_slots: RankSlots | None = None  # (cp > 1)
         self._mappings: BatchMappings | None = None
+        self.forward_builder: ForwardBuilder | None = None  # the forward parts' host forms (use_forward)
         self._no_drafts = np.zeros(header.max_num_seqs, dtype=np.int32)
 
     def set_ranks(self, ranks) -> None:
@@ -90,6 +95,7 @@ class HostWorker(Worker):
         """Start a step from a batch directly (benchmarks: synthetic batches over state they wrote)."""
         self.batch = batch
         self._mappings = None
+        self.forward = None
 
     def schedule(self, rows: list[int], counts: list[int], req_ids: list[str] | None = None) -> StepBatch:
         """A synthetic batch without drafts, in scheduler order (benchmarks)."""
@@ -134,6 +140,31 @@ class HostWorker(Worker):
             self.rank_slots = self.ops.compute_rank_slot_mappings(self.inputs, self.rank_layouts, self.seq_layouts)
         else:
             self.slots = self.ops.compute_slot_mappings(self.inputs)
+
+    def use_forward(self, config: ForwardConfig) -> None:
+        super().use_forward(config)
+        self.forward_builder = ForwardBuilder(config, self.buffers.max_num_tokens)
+
+    def prepare_forward(self) -> None:
+        """The forward inputs by the numpy forms on the host mappings (device backends: host copies of theirs,
+        as `mappings()` makes them; device forms are not written yet)."""
+        self.forward = self.forward_builder.host(self.forward_step())
+
+    def forward_step(self) -> ForwardStep:
+        """This step's rows as the forward parts read them: the inputs (host arrays: this worker's own, or the
+        mappings' host copies on a device) and the request-state rows the rules read."""
+        st, b = self.state, self.batch
+        i = self.inputs if self.mirror is None else self.mappings()
+        spec = b.step is None or b.step.scheduler_output.scheduled_spec_decode_tokens
+        drafts = b.num_draft_tokens[b.order] if spec else b.num_draft_tokens  # no drafts: zeros in any order
+        rows = SamplerRows(i.idx_mapping, i.query_start_loc, i.seq_lens, i.num_computed_tokens, drafts,
+                           st.prefill_len, st.num_prompt_tokens, i.input_ids, bool(spec))
+        return ForwardStep(rows, self.mappings, self.last_sampled_tokens)
+
+    def last_sampled_tokens(self) -> np.ndarray:
+        """[max_num_seqs] int32, req_state_idx -> the last known token of its row (MRV2's last_sampled_tokens)."""
+        st = self.state
+        return st.token_ids[np.arange(st.max_num_reqs), np.maximum(st.total_len - 1, 0)]
 
     def append_sampled(self) -> None:
         b = self.batch

@@ -81,8 +81,12 @@ class RankSlots:
 
 
 def dump_line(record: dict) -> str:
-    """One `--dump-mappings` line: compact JSON, keys in `DUMP_KEYS` order, newline-terminated."""
-    return json.dumps({k: record[k] for k in DUMP_KEYS if k in record}, separators=(",", ":")) + "\n"
+    """One `--dump-mappings` line: compact JSON, keys in `DUMP_KEYS` order, then the forward keys (`--forward`,
+    kvmap/forward/inputs.py) in the record's order, newline-terminated."""
+    out = {k: record[k] for k in DUMP_KEYS if k in record}
+    if len(out) != len(record):
+        out.update((k, v) for k, v in record.items() if k not in out)
+    return json.dumps(out, separators=(",", ":")) + "\n"
 
 
 @dataclass(slots=True)

@@ -17,6 +17,8 @@ import numpy as np
 
 from kvmap.defaults import STANDIN_TOKEN_ID
 from kvmap.errors import TraceError
+from kvmap.forward.inputs import ForwardStep, forward_spec
+from kvmap.forward.sampler import SamplerRows
 from kvmap.kv.cache import KVCheckResult, PagedKVCache, RankedKVCache
 from kvmap.layout import null_history_groups, rank_layouts, seq_layouts
 from kvmap.trace import Step, TraceHeader
@@ -32,10 +34,13 @@ class ReferenceRequest:
         self.num_computed_tokens = num_computed_tokens
         self.block_ids = [list(b) for b in block_ids]  # per group
         self.preempted = False
+        self.prefill_len = len(tokens)  # MRV2 req_states.prefill_len: the tokens it was added with
+        self.num_prompt_tokens = len(tokens)  # V1 input_batch.num_prompt_tokens (set from the prompt by _add)
 
 
 class ReferenceWorker(Worker):
     name = "reference"
+    computes_forward = True
 
     def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
         super().__init__(header, device)
@@ -80,6 +85,7 @@ class ReferenceWorker(Worker):
     def update_states(self, step: Step) -> None:
         """Apply the step in the host workers' order (workers/state.py), refusing what they refuse."""
         self._step = step
+        self.forward = None
         so = step.scheduler_output
         budget = max(self.header.max_num_batched_tokens, self.header.max_num_scheduled_tokens or 0)
         if so.total_num_scheduled_tokens > budget:
@@ -114,7 +120,8 @@ class ReferenceWorker(Worker):
         self._check_tokens(step, nr.req_id, nr.token_ids,
                            "prefill_token_ids" if nr.prefill_token_ids is not None else "prompt_token_ids")
         self._check_width(step, nr.req_id, nr.block_ids, "block_ids")
-        self.requests[nr.req_id] = ReferenceRequest(row, nr.token_ids, nr.num_computed_tokens, nr.block_ids)
+        self.requests[nr.req_id] = req = ReferenceRequest(row, nr.token_ids, nr.num_computed_tokens, nr.block_ids)
+        req.num_prompt_tokens = len(nr.prompt_token_ids)
 
     def _check_continuation(self, step: Step, nr, held: ReferenceRequest) -> None:
         """num_computed_tokens leaves the held tokens' last one out, the new prompt's first num_computed_tokens
@@ -172,6 +179,8 @@ class ReferenceWorker(Worker):
             req = self._live(step, r, "all_token_ids")
             self._check_tokens(step, r, toks, "all_token_ids")
             req.tokens = list(toks)
+            if r in c.resumed_req_ids:  # v1 protocol: MRV2 would re-add it with every token as prefill tokens
+                req.prefill_len = len(toks)
         for r in c.req_ids:
             if self.requests[r].preempted:
                 raise self._error(step, r, "scheduled after preemption without being resumed",
@@ -317,10 +326,33 @@ class ReferenceWorker(Worker):
 
     def mappings_dict(self) -> dict:
         assert self._out is not None
-        return self._out
+        return self._out if self.forward is None else {**self._out, **self.forward.to_dict()}
+
+    def forward_step(self) -> ForwardStep:
+        """This step's rows as the forward parts read them, from the reference's own request records."""
+        m = self.mappings()
+        spec = self._step.scheduler_output.scheduled_spec_decode_tokens
+        rows = SamplerRows(m.idx_mapping, m.query_start_loc, m.seq_lens, m.num_computed_tokens,
+                           np.array([len(spec.get(r, ())) for r in self._out["req_ids"]], np.int32),
+                           self._by_row(lambda q: q.prefill_len), self._by_row(lambda q: q.num_prompt_tokens),
+                           m.input_ids, bool(spec))
+        return ForwardStep(rows, lambda: m, lambda: self._by_row(lambda q: q.tokens[-1]))
+
+    def _by_row(self, value) -> np.ndarray:
+        """[max_num_seqs] int32: value(request) at each live request's row, 0 elsewhere."""
+        out = [0] * self.header.max_num_seqs
+        for q in self.requests.values():
+            out[q.row] = value(q)
+        return np.array(out, np.int32)
+
+    def prepare_forward(self) -> None:
+        """The forward inputs by the scalar specs (kvmap/forward)."""
+        assert self.forward_config is not None
+        self.forward = forward_spec(self.forward_config, self.forward_step())
 
     def mappings(self) -> BatchMappings:
-        return mappings_from_dict(self.mappings_dict(), len(self.header.kv_cache_groups), self.cp_size,
+        assert self._out is not None
+        return mappings_from_dict(self._out, len(self.header.kv_cache_groups), self.cp_size,
                                   [lay.kernel_blocks_per_block for lay in self.layouts])
 
     def write_kv(self, kv: PagedKVCache | RankedKVCache) -> None:

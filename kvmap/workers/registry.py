@@ -136,7 +136,7 @@ def make_worker(backend: str | None, header: TraceHeader, device: str = "cpu", b
     worker = cls(header, device)
     if batch_order != "mrv2" or reorder_batch_threshold is not None:
         if batch_order == "mrv2":
-            raise KvmapError("--reorder-threshold applies to --batch-order v1", field="--reorder-threshold")
+            raise KvmapError("--reorder-threshold applies to --runner v1", field="--reorder-threshold")
         worker.use_batch_order(batch_order, reorder_batch_threshold)  # an unknown order names --batch-order
     return worker
 

@@ -63,6 +63,8 @@ class WorkerState:
         self.token_ids = np.zeros((R, self.token_width), dtype=np.int32)  # [R, max_model_len + k] row -> tokens
         self.total_len = np.zeros(R, dtype=np.int32)  # [R] known tokens (prompt + sampled) per row
         self.num_computed_tokens = np.zeros(R, dtype=np.int32)  # [R] scheduler's value, before this step
+        self.prefill_len = np.zeros(R, dtype=np.int32)  # [R] MRV2 req_states.prefill_len: tokens it was added with
+        self.num_prompt_tokens = np.zeros(R, dtype=np.int32)  # [R] V1 input_batch.num_prompt_tokens
         self.block_sizes = [g.block_size for g in header.kv_cache_groups]
         # [G] global positions one block id spans: the layout's virtual_block_size (block_size * cp; block_size
         # for a replicated group)
@@ -171,6 +173,8 @@ class WorkerState:
             self._set_tokens(row, nr.token_ids, step, nr.req_id, "prefill_token_ids"
                              if nr.prefill_token_ids is not None else "prompt_token_ids")
             self.num_computed_tokens[row] = nr.num_computed_tokens
+            self.prefill_len[row] = len(nr.token_ids)
+            self.num_prompt_tokens[row] = len(nr.prompt_token_ids)
             self._set_blocks(row, nr.block_ids, step, nr.req_id, "block_ids")
 
         c = so.scheduled_cached_reqs
@@ -195,7 +199,10 @@ class WorkerState:
                                      step=step.step, req_id=r, field="new_block_ids", kind="resumed_no_blocks")
                 self._set_blocks(row, c.new_block_ids[i], step, r, "new_block_ids")
             for r, toks in c.all_token_ids.items():
-                self._set_tokens(self.row_of(r, step, "all_token_ids"), toks, step, r, "all_token_ids")
+                row = self.row_of(r, step, "all_token_ids")
+                self._set_tokens(row, toks, step, r, "all_token_ids")
+                if r in c.resumed_req_ids:  # v1 protocol: MRV2 would re-add it with every token as prefill tokens
+                    self.prefill_len[row] = len(toks)
             for r in (c.req_ids if self.preempted else ()):
                 if r in self.preempted:
                     raise TraceError("scheduled after preemption without being resumed", line=step.line,

@@ -273,8 +273,8 @@ class VllmMRV2Worker(HostWorker):
 
     def use_batch_order(self, name: str, reorder_batch_threshold: int | None = None) -> None:
         if name != "mrv2":
-            raise KvmapError("the vllm-mrv2 backend runs Model Runner V2's own batch order; --batch-order v1 is "
-                             "the vllm-v1 backend's", field="--batch-order")
+            raise KvmapError("the vllm-mrv2 backend runs Model Runner V2's own batch order; --runner v1 is "
+                             "the vllm-v1 backend's", field="--runner")
 
     def update_states(self, step: Step) -> None:
         super().update_states(step)  # kvmap's checks: one located error for bad input

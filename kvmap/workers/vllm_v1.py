@@ -6,8 +6,8 @@ Rules:
   / `add_row`) and `GPUModelRunner._prepare_inputs` (`commit_block_table`, positions, `query_start_loc`,
   `seq_lens`, input ids from `token_ids_cpu`, `compute_slot_mapping`, `_calc_spec_decode_metadata`), called
   on a runner built with `object.__new__` holding only the buffers those methods read (as `__init__` makes
-  them). The batch order is V1's own, whatever `--batch-order` says: compare with the reference's
-  `--batch-order v1`. V1 has no request-state rows: the dump's `idx_mapping` labels are kvmap's rows.
+  them). The batch order is V1's own, whatever `--runner` says: compare with the reference's
+  `--runner v1`. V1 has no request-state rows: the dump's `idx_mapping` labels are kvmap's rows.
 - What the runner is given is the trace's scheduler output; a v2-protocol trace (a preempted request comes back
   new, its outputs in `prefill_token_ids`) reaches V1 as a finished request added again. One pipeline stage:
   vLLM's `get_pp_group` in the runner's module answers "last rank" (no vLLM engine runs in this process).

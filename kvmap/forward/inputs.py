@@ -1,0 +1,99 @@
+"""Every input a vLLM 0.33 forward pass consumes beyond the core mappings, as a list of parts.
+
+Rules:
+- A part is one item of the forward pass (issue 26): a name, a host form (numpy, over preallocated buffers), a
+  scalar spec (plain Python, the reference worker's) and the buffers its host form writes. `PARTS` lists them
+  in dump order; adding a part is one line there. Each part returns an object with `to_dict()`, whose keys are
+  vLLM's own field names (per KV-cache group where vLLM keeps them per group) and go into the dump record.
+- A part reads only `ForwardConfig` (config.py) and the step (`ForwardStep`: the per-row extras in batch order
+  and the step's core `BatchMappings`), never the worker: the parts are pure functions, so a device form can
+  be added beside the host one later (not written yet: device backends compute the forward inputs on host
+  copies of their mappings).
+- Parts to come (the lead wires them here): `cudagraph` (kvmap/forward/cudagraph.py), `attention`
+  (kvmap/forward/attention.py: CommonAttentionMetadata per group and the decode/prefill split), then the
+  backend builders (flash_attn.py, flashinfer.py, local_attention.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmap.forward import sampler
+from kvmap.forward.config import ForwardConfig
+from kvmap.forward.sampler import SamplerBuffers, SamplerRows
+
+
+@dataclass(slots=True)
+class ForwardStep:
+    """One step as the parts see it."""
+
+    rows: SamplerRows  # the core per-request arrays (batch order) and the per-row state the rules read
+    mappings: Callable[[], Any]  # () -> the step's BatchMappings (workers/mappings.py): tables, slot_mapping
+    last_sampled_tokens: Callable[[], Any]  # () -> [max_num_seqs] req_state_idx -> last sampled id (explain)
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    name: str
+    host: Callable[[ForwardConfig, ForwardStep, Any], Any]  # (config, step, buffers) -> result (numpy form)
+    spec: Callable[[ForwardConfig, ForwardStep], Any]  # (config, step) -> result (scalar spec)
+    buffers: Callable[[ForwardConfig, int], Any]  # (config, max_num_tokens) -> the host form's buffers
+
+
+def _sampler_host(cfg: ForwardConfig, step: ForwardStep, buf: SamplerBuffers):
+    if cfg.runner == "mrv2":
+        return sampler.mrv2_numpy(step.rows, buf)
+    return sampler.v1_numpy(step.rows, cfg.num_speculative_tokens, buf)
+
+
+def _sampler_spec(cfg: ForwardConfig, step: ForwardStep):
+    if cfg.runner == "mrv2":
+        return sampler.mrv2_spec(step.rows)
+    return sampler.v1_spec(step.rows, cfg.num_speculative_tokens)
+
+
+PARTS: tuple[Part, ...] = (
+    Part("sampler", _sampler_host, _sampler_spec,
+         lambda cfg, T: SamplerBuffers(cfg.max_num_seqs, cfg.num_speculative_tokens, T)),
+    # the lead adds: Part("cudagraph", ...), Part("attention", ...), Part("flashinfer", ...), ...
+)
+
+
+@dataclass(slots=True)
+class ForwardInputs:
+    """One step's forward inputs: each part's result by name, in `PARTS` order."""
+
+    runner: str
+    parts: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str):  # forward.sampler, forward.cudagraph, ...
+        try:
+            return self.parts[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def to_dict(self) -> dict:
+        """The dump keys of every part, in `PARTS` order (vLLM's names; docs/trace-format.md)."""
+        out: dict = {}
+        for p in self.parts.values():
+            out.update(p.to_dict())
+        return out
+
+
+class ForwardBuilder:
+    """Computes a step's `ForwardInputs` with the host forms, into buffers allocated once."""
+
+    def __init__(self, config: ForwardConfig, max_num_tokens: int) -> None:
+        self.config = config
+        self.buffers = [p.buffers(config, max_num_tokens) for p in PARTS]
+
+    def host(self, step: ForwardStep) -> ForwardInputs:
+        cfg = self.config
+        return ForwardInputs(cfg.runner, {p.name: p.host(cfg, step, b) for p, b in zip(PARTS, self.buffers)})
+
+
+def forward_spec(config: ForwardConfig, step: ForwardStep) -> ForwardInputs:
+    """A step's `ForwardInputs` with the scalar specs (the reference worker)."""
+    return ForwardInputs(config.runner, {p.name: p.spec(config, step) for p in PARTS})
