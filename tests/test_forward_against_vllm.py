@@ -1,0 +1,305 @@
+"""kvmap.forward equals vLLM 0.33's own code, step by step, on every bundled trace and both runners.
+
+Each trace is replayed by the numpy worker in the runner's batch order; each step's mappings (and the
+requests' prompt/prefill lengths and draft counts, read from the trace) feed both kvmap.forward and vLLM's own
+functions: `VllmConfig._set_cudagraph_sizes`, V1 `CudagraphDispatcher`, MRV2 `CudaGraphManager` (built with
+`object.__new__` + `_init_candidates`) + `dispatch_cg_and_sync_dp` after MRV2's own `gather_batch_req_state`,
+`split_decodes_and_prefills`, `split_decodes_prefills_and_extends`, `FlashInferMetadataBuilder.build` (recording
+wrappers), `FlashAttentionMetadataBuilder.build` (`aot_schedule=False`), `make_local_attention_virtual_batches`.
+Runs where vLLM is installed (CI's record environment); skipped elsewhere. vLLM is imported once per module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvmap.forward import attention as fa
+from kvmap.forward import cudagraph as cg
+from kvmap.trace import Trace
+
+from .conftest import TRACES, bundled_traces
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+TRACE_NAMES = [p.name for p in bundled_traces()]
+CONFIGS = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]  # default capture sizes
+RUNNERS = ["mrv2", "v1"]
+LONG_STEPS = 400  # steps of the long trace checked (its first ones: fill-up, preemption, mixed batches)
+
+
+@dataclass
+class Batch:
+    """One step's inputs in the runner's batch order (copies)."""
+
+    step: int
+    req_ids: list
+    num_scheduled_tokens: np.ndarray  # [R] int32
+    num_computed_tokens: np.ndarray  # [R] int32
+    query_start_loc: np.ndarray  # [R + 1] int32
+    seq_lens: np.ndarray  # [R] int32
+    positions: np.ndarray  # [T] int64
+    block_tables: list  # [G] x [R, W] int32 (kernel tables where the trace splits blocks)
+    slot_mapping: np.ndarray  # [G, T] int64
+    num_draft_tokens: np.ndarray  # [R] int32
+    prompt_len: np.ndarray  # [R] int32
+    prefill_len: np.ndarray  # [R] int32
+    sched_order: dict  # req_id -> num_scheduled_tokens, scheduler order
+    spec: dict  # req_id -> draft ids
+
+
+@lru_cache(maxsize=None)
+def batches(name: str, runner: str) -> tuple:
+    from kvmap.workers.registry import make_worker
+
+    trace = Trace(TRACES / name)
+    h = trace.header
+    w = make_worker("numpy", h, "cpu", runner, 1 if runner == "v1" else None)
+    prompt, prefill = {}, {}
+    out = []
+    for i, step in enumerate(trace.steps()):
+        if name.endswith(".gz") and i >= LONG_STEPS:
+            break
+        so = step.scheduler_output
+        for nr in so.scheduled_new_reqs:
+            prompt[nr.req_id], prefill[nr.req_id] = len(nr.prompt_token_ids), len(nr.token_ids)
+        w.run_step(step)
+        m = w.mappings()
+        ids = list(m.req_ids)
+        if ids:
+            tables = m.kernel_block_tables if m.kernel_block_tables is not None else m.block_tables
+            out.append(Batch(
+                step.step, ids, m.num_scheduled_tokens.copy(), m.num_computed_tokens.copy(),
+                m.query_start_loc.copy(), m.seq_lens.copy(), m.positions.copy(), [t.copy() for t in tables],
+                m.slot_mapping.copy(),
+                np.array([len(so.scheduled_spec_decode_tokens.get(r, ())) for r in ids], dtype=np.int32),
+                np.array([prompt[r] for r in ids], dtype=np.int32), np.array([prefill[r] for r in ids], np.int32),
+                dict(so.num_scheduled_tokens), dict(so.scheduled_spec_decode_tokens)))
+        w.append_sampled()
+    return h, tuple(out)
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    from vllm.config import VllmConfig
+    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+    from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as MRV2Runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+
+    for _name, mod in list(sys.modules.items()):
+        if _name.startswith("vllm") and mod is not None and mod.__dict__.get("PIN_MEMORY") is True:
+            mod.PIN_MEMORY = False  # no accelerator: host copies are plain memory
+    return SimpleNamespace(VllmConfig=VllmConfig, CompilationConfig=CompilationConfig, CUDAGraphMode=CUDAGraphMode,
+                           CudagraphDispatcher=CudagraphDispatcher, CudaGraphManager=CudaGraphManager,
+                           dispatch_cg_and_sync_dp=dispatch_cg_and_sync_dp, MRV2Runner=MRV2Runner,
+                           V1Runner=V1Runner)
+
+
+# ---------------------------------------------------------------------------------------- CUDA graphs
+
+def vllm_config(V, h, mode: str, runner: str):
+    k = h.num_speculative_tokens
+    cc = V.CompilationConfig(cudagraph_mode=getattr(V.CUDAGraphMode, mode))
+    spec = SimpleNamespace(num_speculative_tokens=k, uses_dynamic_speculative_decoding=lambda: False,
+                           parallel_drafting=False) if k else None
+    cfg = SimpleNamespace(
+        model_config=SimpleNamespace(enforce_eager=False), compilation_config=cc,
+        scheduler_config=SimpleNamespace(max_num_seqs=h.max_num_seqs, max_num_batched_tokens=h.max_num_batched_tokens),
+        speculative_config=spec, performance_mode="balanced", num_speculative_tokens=k,
+        uniform_decode_query_len=1 + k, lora_config=None,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1),
+        cache_config=SimpleNamespace(use_kda_recoverssm=False))
+    V.VllmConfig._set_cudagraph_sizes(cfg)  # the platform default (not Blackwell) on this machine
+    if runner == "v1" and cc.cudagraph_mode.decode_mode() == V.CUDAGraphMode.FULL and k:
+        cc.adjust_cudagraph_sizes_for_spec_decode(1 + k)
+    return cfg
+
+
+def v1_dispatcher(V, cfg):
+    cc = cfg.compilation_config
+    cc.is_attention_compiled_piecewise = lambda: True
+    d = V.CudagraphDispatcher(cfg)
+    d.initialize_cudagraph_keys(cc.cudagraph_mode, cfg.uniform_decode_query_len)
+    return d
+
+
+def mrv2_manager(V, cfg):
+    m = object.__new__(V.CudaGraphManager)
+    m.vllm_config, m.max_num_reqs = cfg, cfg.scheduler_config.max_num_seqs
+    m.compilation_config, m.cudagraph_mode = cfg.compilation_config, cfg.compilation_config.cudagraph_mode
+    m.decode_query_len, m.varlen_decode, m.ubatch_runner, m.lora_capture_cases = cfg.uniform_decode_query_len, \
+        False, None, [0]
+    m._lora_dispatch_map, m._max_lora_case = m._build_lora_dispatch_map()
+    m.graphs, m._candidates, m._capture_descs = {}, {}, {}
+    m._init_candidates()
+    m._graphs_captured = True  # nothing is captured here; dispatch answers as after capture
+    return m
+
+
+def mrv2_state(V, b: Batch, k: int):
+    """MRV2's own `gather_batch_req_state` on a stand-in runner: its batch order, is_prefilling and uniform token
+    count for this step."""
+    r = object.__new__(V.MRV2Runner)
+    idx = {rid: i for i, rid in enumerate(b.req_ids)}
+    r.req_states = SimpleNamespace(
+        req_id_to_index=idx, prefill_len=SimpleNamespace(np=b.prefill_len.copy()),
+        num_computed_prefill_tokens=np.minimum(b.num_computed_tokens, b.prefill_len).astype(np.int32))
+    r.use_pp, r.adaptive_verification, r.pcp_manager, r.decode_query_len = False, None, None, 1 + k
+    so = SimpleNamespace(num_scheduled_tokens=b.sched_order, total_num_scheduled_tokens=int(b.query_start_loc[-1]),
+                         scheduled_spec_decode_tokens=b.spec)
+    return r.gather_batch_req_state(so, dummy_run=False)
+
+
+def vllm_dispatch(V, runner, disp, b: Batch, k: int):
+    R, T, max_q = len(b.req_ids), int(b.query_start_loc[-1]), int(b.num_scheduled_tokens.max())
+    if runner == "v1":
+        uniform = V.V1Runner._is_uniform_decode(max_q, 1 + k, T, R)
+        mode, desc = disp.dispatch(num_tokens=T, uniform_decode=uniform)
+        return mode.name, desc.num_tokens, desc.num_reqs if desc.num_reqs is not None else R
+    state, utc = mrv2_state(V, b, k)
+    assert state.req_ids == b.req_ids, f"step {b.step}: MRV2's batch order"
+    desc, _ = V.dispatch_cg_and_sync_dp(disp, R, T, utc, dp_size=1, dp_rank=0,
+                                        max_query_len=None if state.has_prefill else max_q)
+    return desc.cg_mode.name, max(T, desc.num_tokens), desc.num_reqs or R
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("name", TRACE_NAMES)
+def test_cudagraph_dispatch_equals_vllms(name, runner, vllm):
+    V = vllm
+    h, bs = batches(name, runner)
+    k = h.num_speculative_tokens
+    counted = 0
+    for mode in CONFIGS:
+        cfg = vllm_config(V, h, mode, runner)
+        sizes = cfg.compilation_config.cudagraph_capture_sizes
+        assert cg.resolve_capture_sizes(runner, mode, None, h.max_num_seqs, h.max_num_batched_tokens, k) == sizes
+        disp = v1_dispatcher(V, cfg) if runner == "v1" else mrv2_manager(V, cfg)
+        mine = cg.Dispatcher(runner, mode, sizes, h.max_num_seqs, k)
+        for b in bs:
+            R, T, max_q = len(b.req_ids), int(b.query_start_loc[-1]), int(b.num_scheduled_tokens.max())
+            elig = cg.decode_graph_eligible(b.num_scheduled_tokens.tolist(), b.num_draft_tokens.tolist(),
+                                            np.minimum(b.num_computed_tokens, b.prefill_len).tolist(),
+                                            b.prefill_len.tolist())
+            want = vllm_dispatch(V, runner, disp, b, k)
+            spec = cg.dispatch_spec(runner, mode, sizes, h.max_num_seqs, k, R, T, max_q, elig)
+            fast = mine.dispatch(R, T, max_q, elig)
+            where = f"{name} {runner} {mode} step {b.step}"
+            assert (spec.cudagraph_mode, spec.num_tokens_padded, spec.num_reqs_padded) == want, where
+            assert fast == spec, where
+            counted += 1
+    assert counted == len(CONFIGS) * len(bs) > 0
+
+
+# ---------------------------------------------------------------------------------------- attention metadata
+
+ATTN_CONFIGS = ["NONE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"]
+
+
+def steps_with_metadata(name: str, runner: str, mode: str, stride: int = 1):
+    """(header, batch, descriptor, padded tails, [group] CommonAttentionMetadata) per step."""
+    h, bs = batches(name, runner)
+    k = h.num_speculative_tokens
+    sizes = cg.resolve_capture_sizes(runner, mode, None, h.max_num_seqs, h.max_num_batched_tokens, k)
+    disp = cg.Dispatcher(runner, mode, sizes, h.max_num_seqs, k)
+    for b in bs[::stride]:
+        R, T, max_q = len(b.req_ids), int(b.query_start_loc[-1]), int(b.num_scheduled_tokens.max())
+        elig = cg.decode_graph_eligible(b.num_scheduled_tokens.tolist(), b.num_draft_tokens.tolist(),
+                                        np.minimum(b.num_computed_tokens, b.prefill_len).tolist(),
+                                        b.prefill_len.tolist())
+        desc = disp.dispatch(R, T, max_q, elig)
+        tails = cg.pad_tails(runner, desc, b.query_start_loc, b.seq_lens, b.slot_mapping, b.block_tables,
+                             b.positions)
+        spec = cg.pad_tails_spec(runner, desc, b.query_start_loc, b.seq_lens, b.slot_mapping, b.block_tables,
+                                 b.positions)
+        assert_same(tails, spec, f"{name} {runner} {mode} step {b.step} tails")
+        lens = b.prefill_len if runner == "mrv2" else b.prompt_len
+        cms = []
+        for g in range(len(b.block_tables)):
+            cm = fa.common_metadata(runner, desc, tails, g, b.num_computed_tokens, lens)
+            assert_same(cm, fa.common_metadata_spec(runner, desc, tails, g, b.num_computed_tokens, lens),
+                        f"{name} {runner} {mode} step {b.step} group {g}")
+            cms.append(cm)
+        yield h, b, desc, tails, cms
+
+
+def assert_same(a, b, where: str) -> None:
+    """Two results field by field: arrays equal in value, dtype and shape."""
+    for f in a.__dataclass_fields__ if hasattr(a, "__dataclass_fields__") else a.__slots__:
+        x, y = getattr(a, f), getattr(b, f)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and x.shape == y.shape and (x == y).all(), f"{where}: {f}"
+        elif isinstance(x, list):
+            assert all((u == v).all() and u.dtype == v.dtype for u, v in zip(x, y)), f"{where}: {f}"
+        elif hasattr(x, "__slots__") and not isinstance(x, (int, str, bool)):
+            assert_same(x, y, f"{where}.{f}")
+        else:
+            assert x == y, f"{where}: {f} {x} != {y}"
+
+
+def vllm_cm(cm, torch, CM):
+    t = torch.from_numpy
+    return CM(query_start_loc=t(cm.query_start_loc.copy()), query_start_loc_cpu=t(cm.query_start_loc.copy()),
+              seq_lens=t(cm.seq_lens.copy()), num_reqs=cm.num_reqs, num_actual_tokens=cm.num_actual_tokens,
+              max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len,
+              block_table_tensor=t(np.ascontiguousarray(cm.block_table_tensor)),
+              slot_mapping=t(cm.slot_mapping.copy()), is_prefilling=t(cm.is_prefilling.copy()),
+              seq_lens_cpu_upper_bound=t(cm.seq_lens_cpu_upper_bound.copy()))
+
+
+@pytest.fixture(scope="module")
+def vllm_attn(vllm):
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends import utils as bu
+
+    return SimpleNamespace(torch=torch, CM=CommonAttentionMetadata, bu=bu)
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("name", TRACE_NAMES)
+def test_split_equals_vllms(name, runner, vllm_attn):
+    A = vllm_attn
+    counted = 0
+    for mode in ATTN_CONFIGS:
+        for h, b, desc, tails, cms in steps_with_metadata(name, runner, mode):
+            k = h.num_speculative_tokens
+            for g, cm in enumerate(cms):
+                vcm = vllm_cm(cm, A.torch, A.CM)
+                where = f"{name} {runner} {mode} step {b.step} group {g}"
+                for backend, fi_decode in (("FLASHINFER", "native"), ("FLASHINFER", "xqa"), ("FLASHMLA", "native"),
+                                           ("TRITON_MLA", "native"), ("FLASH_ATTN_MLA", "native")):
+                    t = fa.reorder_batch_threshold(backend, k, h.cp_size, runner=runner, flashinfer_decode=fi_decode)
+                    u = fa.require_uniform(backend, fi_decode)
+                    want = A.bu.split_decodes_and_prefills(vcm, decode_threshold=t, require_uniform=u)
+                    args = (cm.query_start_loc, cm.num_reqs, cm.num_actual_tokens, cm.max_query_len, t, u)
+                    got = fa.split_decodes_and_prefills(*args)
+                    assert got == fa.split_decodes_and_prefills_spec(*args), where
+                    assert (got.num_decodes, got.num_prefills, got.num_decode_tokens,
+                            got.num_prefill_tokens) == tuple(int(x) for x in want), f"{where} {backend}"
+                if len(cm.is_prefilling) == cm.num_reqs:  # MRV2's is_prefilling has R rows (FULL pads to R_pad)
+                    want = A.bu.split_decodes_and_prefills(vcm, decode_threshold=1 + k,
+                                                           treat_short_extends_as_decodes=False)
+                    args = (cm.query_start_loc, cm.num_reqs, cm.num_actual_tokens, cm.max_query_len, 1 + k, False,
+                            False, cm.is_prefilling)
+                    got = fa.split_decodes_and_prefills(*args)
+                    assert got == fa.split_decodes_and_prefills_spec(*args), where
+                    assert (got.num_decodes, got.num_prefills, got.num_decode_tokens,
+                            got.num_prefill_tokens) == tuple(int(x) for x in want), f"{where} short extends"
+                want = A.bu.split_decodes_prefills_and_extends(vcm, decode_threshold=1 + k)
+                args = (cm.query_start_loc, cm.seq_lens_cpu_upper_bound, cm.num_reqs, cm.num_actual_tokens,
+                        cm.max_query_len, 1 + k)
+                got = fa.split_decodes_prefills_and_extends(*args)
+                assert got == fa.split_decodes_prefills_and_extends_spec(*args), where
+                assert (got.num_decodes, got.num_extends, got.num_prefills, got.num_decode_tokens,
+                        got.num_extend_tokens, got.num_prefill_tokens) == tuple(int(x) for x in want), where
+                counted += 1
+    assert counted > 0
