@@ -270,7 +270,7 @@ def test_split_equals_vllms(name, runner, vllm_attn):
     A = vllm_attn
     counted = 0
     for mode in ATTN_CONFIGS:
-        for h, b, desc, tails, cms in steps_with_metadata(name, runner, mode):
+        for h, b, _desc, _tails, cms in steps_with_metadata(name, runner, mode):
             k = h.num_speculative_tokens
             for g, cm in enumerate(cms):
                 vcm = vllm_cm(cm, A.torch, A.CM)
@@ -303,3 +303,129 @@ def test_split_equals_vllms(name, runner, vllm_attn):
                         got.num_extend_tokens, got.num_prefill_tokens) == tuple(int(x) for x in want), where
                 counted += 1
     assert counted > 0
+
+
+# ---------------------------------------------------------------------------------------- FlashInfer
+
+def flashinfer_builder(A, fi, h, page: int, cp: int, plans: dict):
+    """vLLM's builder without __init__ (which needs a GPU): the native prefill and decode paths, wrappers replaced
+    by recorders of their plan() arguments (forward-pass-probes/probe_attn_metadata.py)."""
+    torch, CpuGpuBuffer = A.torch, A.CpuGpuBuffer
+    B = object.__new__(fi.FlashInferMetadataBuilder)
+    cpu = torch.device("cpu")
+    width = -(-(h.max_model_len + h.num_speculative_tokens) // page) + 1
+    B.__dict__.update(
+        reorder_batch_threshold=1, use_xqa=False, use_trtllm_gen_varlen_decode=False, page_size=page,
+        attention_config=SimpleNamespace(use_trtllm_attention=False), num_qo_heads=8, num_kv_heads=2,
+        dcp_world_size=cp, dcp_rank=0, cache_dtype="auto", q_data_type_prefill=torch.bfloat16,
+        q_data_type_decode=torch.bfloat16, has_sinks=False, use_trtllm_decode_attention=False, use_dcp=cp > 1,
+        global_hyperparameters=SimpleNamespace(has_same_window_lefts=True, has_same_all_params=True),
+        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: "NHD"),
+        _num_speculative_tokens=h.num_speculative_tokens, enable_cuda_graph=False, _decode_cudagraph_max_bs=0,
+        use_fa2_native_decode=False, model_config=SimpleNamespace(dtype=torch.bfloat16), nvfp4_trtllm=False,
+        sm_scale=0.125, window_left=-1, logits_soft_cap=None, kv_cache_dtype=torch.bfloat16,
+        prefill_fixed_split_size=-1, decode_fixed_split_size=-1, disable_split_kv=False, head_dim=64,
+        dcp_kv_cache_interleave_size=h.cp_kv_cache_interleave_size,
+        paged_kv_indptr=CpuGpuBuffer(h.max_num_seqs + 1, dtype=torch.int32, device=cpu, pin_memory=False),
+        paged_kv_indices=torch.zeros(h.max_num_seqs * width, dtype=torch.int32),
+        paged_kv_last_page_len=CpuGpuBuffer(h.max_num_seqs, dtype=torch.int32, device=cpu, pin_memory=False))
+    keep = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "seq_lens", "page_size",
+            "qo_indptr_cpu", "paged_kv_indptr_cpu", "paged_kv_last_page_len_cpu", "kv_lens_cpu",
+            "indptr", "indices", "last_page_len", "q_len_per_req", "num_qo_heads")
+
+    def record(key):
+        def plan(*_a, **kw):
+            plans[key] = {k: (v.numpy().copy() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()
+                          if k in keep}
+        return plan
+
+    prefill_cls = fi.BatchDCPPrefillWrapper if cp > 1 else fi.BatchPrefillWithPagedKVCacheWrapper
+    prefill = type("RecPrefill", (prefill_cls,), {"__init__": lambda self: None, "plan": record("prefill")})
+    B._get_prefill_wrapper = lambda causal=True: prefill()
+    B._get_decode_wrapper = lambda n, use_cg, q_len=1: SimpleNamespace(is_cuda_graph_enabled=False,
+                                                                      plan=record("decode"))
+    return B
+
+
+@pytest.fixture(scope="module")
+def vllm_fi(vllm_attn):
+    import vllm.v1.attention.backends.flashinfer as fi
+    from vllm.v1.utils import CpuGpuBuffer
+
+    vllm_attn.CpuGpuBuffer = CpuGpuBuffer
+    return vllm_attn, fi
+
+
+def _eq(a, b) -> bool:
+    return a.shape == b.shape and (a == b).all()
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("name", TRACE_NAMES)
+def test_flashinfer_equals_vllms(name, runner, vllm_fi):
+    from kvmap.forward import flashinfer as fib
+
+    A, fi = vllm_fi
+    counted = 0
+    stride = 8 if name.endswith(".gz") else 1  # the interpreted page-copy kernel is slow on long batches
+    builders: dict = {}
+    for mode in ATTN_CONFIGS:
+        for h, b, _desc, _tails, cms in steps_with_metadata(name, runner, mode, stride):
+            k, cp = h.num_speculative_tokens, h.cp_size
+            for g, (grp, cm) in enumerate(zip(h.kv_cache_groups, cms)):
+                if grp.kind not in ("full_attention", "sliding_window"):
+                    continue
+                page = grp.kernel_block_size or grp.block_size
+                for rank in range(cp):
+                    plans: dict = {}
+                    B = builders[g, page] = _rebind(builders.get((g, page)), A, fi, h, page, cp, plans)
+                    B.dcp_rank = rank
+                    md = B.build(0, vllm_cm(cm, A.torch, A.CM))
+                    sp = fa.split(cm, "FLASHINFER", k, cp, runner=runner)
+                    args = (cm, sp, page, k, cp, rank, h.cp_kv_cache_interleave_size)
+                    mine = fib.build(*args)
+                    assert_same(mine, fib.build_spec(*args), f"{name} step {b.step} group {g} spec")
+                    where = f"{name} {runner} {mode} step {b.step} group {g} rank {rank}"
+                    assert (md.num_decodes, md.num_prefills, md.num_decode_tokens, md.num_prefill_tokens) == \
+                        (mine.num_decodes, mine.num_prefills, mine.num_decode_tokens, mine.num_prefill_tokens), where
+                    n = cm.num_reqs
+                    assert _eq(B.paged_kv_indptr.np[: n + 1], mine.paged_kv_indptr), where
+                    assert _eq(B.paged_kv_last_page_len.np[:n], mine.paged_kv_last_page_len), where
+                    assert _eq(B.paged_kv_indices[: mine.paged_kv_indptr[-1]].numpy(), mine.paged_kv_indices), where
+                    check_plans(plans, mine, cp, where)
+                    counted += 1
+    assert counted > 0
+
+
+def _rebind(B, A, fi, h, page, cp, plans):
+    """The same builder (its buffers carry over between steps, as vLLM's do) with recorders into `plans`."""
+    fresh = flashinfer_builder(A, fi, h, page, cp, plans)
+    for key in () if B is None else ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"):
+        setattr(fresh, key, getattr(B, key))
+    return fresh
+
+
+def check_plans(plans: dict, mine, cp: int, where: str) -> None:
+    if mine.prefill is None:
+        assert "prefill" not in plans, where
+    else:
+        p = plans["prefill"]
+        if cp > 1:
+            got = (p["qo_indptr_cpu"], p["paged_kv_indptr_cpu"], p["paged_kv_last_page_len_cpu"], p["kv_lens_cpu"])
+        else:
+            got = (p["qo_indptr"], p["paged_kv_indptr"], p["paged_kv_last_page_len"], p["seq_lens"])
+        want = (mine.prefill.qo_indptr, mine.prefill.paged_kv_indptr, mine.prefill.paged_kv_last_page_len,
+                mine.prefill.seq_lens)
+        assert all(_eq(x, y) for x, y in zip(got, want)), f"{where} prefill plan"
+        assert _eq(p["paged_kv_indices"][: mine.paged_kv_indptr[-1]], mine.paged_kv_indices), f"{where} indices"
+        assert p["page_size"] == mine.prefill.page_size, where
+    if mine.decode is None:
+        assert "decode" not in plans, where
+    else:
+        d = plans["decode"]
+        assert _eq(d["indptr"], mine.decode.indptr) and _eq(d["last_page_len"], mine.decode.last_page_len), \
+            f"{where} decode plan"
+        assert _eq(d["seq_lens"], mine.decode.seq_lens), f"{where} decode kv lens"
+        assert _eq(d["indices"][: mine.paged_kv_indptr[-1]], mine.paged_kv_indices), f"{where} indices"
+        assert (d["page_size"], d["q_len_per_req"], d["num_qo_heads"]) == \
+            (mine.decode.page_size, mine.decode.q_len_per_req, 8 * mine.decode.num_qo_heads_factor), where
