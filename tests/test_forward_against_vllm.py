@@ -429,3 +429,97 @@ def check_plans(plans: dict, mine, cp: int, where: str) -> None:
         assert _eq(d["indices"][: mine.paged_kv_indptr[-1]], mine.paged_kv_indices), f"{where} indices"
         assert (d["page_size"], d["q_len_per_req"], d["num_qo_heads"]) == \
             (mine.decode.page_size, mine.decode.q_len_per_req, 8 * mine.decode.num_qo_heads_factor), where
+
+
+# ---------------------------------------------------------------------------------------- FlashAttention
+
+@pytest.fixture(scope="module")
+def vllm_fa(vllm_attn):
+    import vllm.v1.attention.backends.flash_attn as fl
+
+    return vllm_attn, fl
+
+
+def flash_attn_builder(A, fl, h, mode: str, max_size: int, rank: int):
+    """vLLM's builder without __init__, as FA3 would be set up but with `aot_schedule=False`: everything but
+    `get_scheduler_metadata` (a CUDA op) runs."""
+    B = object.__new__(fl.FlashAttentionMetadataBuilder)
+    full = mode in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+    B.__dict__.update(
+        aot_schedule=False, aot_sliding_window=None, use_full_cuda_graph=full, max_cudagraph_size=max_size,
+        max_num_splits=32 if full else 0, dcp_world_size=h.cp_size, dcp_rank=rank,
+        cp_kv_cache_interleave_size=h.cp_kv_cache_interleave_size, rswa_window=None,
+        mm_prefix_query_ranges_np=None, scheduler_metadata=None,
+        _dcp_context_kv_lens=A.torch.zeros(h.max_num_seqs, dtype=A.torch.int32))
+    return B
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("name", TRACE_NAMES)
+def test_flash_attn_equals_vllms(name, runner, vllm_fa):
+    from kvmap.forward import flash_attn as fab
+
+    A, fl = vllm_fa
+    counted = 0
+    for mode in ATTN_CONFIGS:
+        h, _ = batches(name, runner)
+        sizes = cg.resolve_capture_sizes(runner, mode, None, h.max_num_seqs, h.max_num_batched_tokens,
+                                         h.num_speculative_tokens)
+        top = max(sizes, default=0)
+        for h, b, _desc, _tails, cms in steps_with_metadata(name, runner, mode):
+            for g, (grp, cm) in enumerate(zip(h.kv_cache_groups, cms)):
+                if grp.kind not in ("full_attention", "sliding_window"):
+                    continue
+                for rank in range(h.cp_size):
+                    md = flash_attn_builder(A, fl, h, mode, top, rank).build(0, vllm_cm(cm, A.torch, A.CM))
+                    args = (cm, mode, top, 3, h.cp_size, rank, h.cp_kv_cache_interleave_size)
+                    mine = fab.build(*args)
+                    where = f"{name} {runner} {mode} step {b.step} group {g} rank {rank}"
+                    assert_same(mine, fab.build_spec(*args), where)
+                    assert md.scheduler_metadata is None and mine.scheduler_metadata is None
+                    for f in ("num_actual_tokens", "max_query_len", "max_seq_len", "max_dcp_context_kv_len",
+                              "num_decode_reqs", "num_prefill_reqs", "num_decode_tokens", "num_prefill_tokens",
+                              "max_num_splits", "causal"):
+                        assert int(getattr(md, f)) == int(getattr(mine, f)), f"{where}: {f}"
+                    for f in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+                        assert _eq(getattr(md, f).numpy(), getattr(mine, f)), f"{where}: {f}"
+                    if h.cp_size > 1:
+                        assert _eq(md.dcp_context_kv_lens.numpy(), mine.dcp_context_kv_lens), where
+                    else:
+                        assert md.dcp_context_kv_lens is None and mine.dcp_context_kv_lens is None, where
+                    counted += 1
+    assert counted > 0
+
+
+# ---------------------------------------------------------------------------------------- chunked local
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("name", TRACE_NAMES)
+def test_local_virtual_batches_equal_vllms(name, runner, vllm_attn):
+    """No bundled trace has a chunked_local group: every group's batches go through the rule with chunk sizes of
+    one, two and four kernel blocks (the rule is index arithmetic over the common metadata)."""
+    from kvmap.forward import local_attention as la
+
+    A = vllm_attn
+    counted = 0
+    for mode in ATTN_CONFIGS:
+        for h, b, _desc, _tails, cms in steps_with_metadata(name, runner, mode, 4 if name.endswith(".gz") else 1):
+            for g, (grp, cm) in enumerate(zip(h.kv_cache_groups, cms)):
+                if grp.kind == "mamba":
+                    continue
+                bs = grp.kernel_block_size or grp.block_size
+                for chunk in (bs, 2 * bs, 4 * bs):
+                    want, _ = A.bu.make_local_attention_virtual_batches(chunk, vllm_cm(cm, A.torch, A.CM), bs)
+                    mine = la.virtual_batches(cm, chunk, bs)
+                    where = f"{name} {runner} {mode} step {b.step} group {g} chunk {chunk}"
+                    assert_same(mine, la.virtual_batches_spec(cm, chunk, bs), where)
+                    for f in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping",
+                              "seq_lens_cpu_upper_bound"):
+                        got = getattr(mine, f)
+                        assert _eq(getattr(want, f).numpy(), got) and got.dtype == getattr(want, f).numpy().dtype, \
+                            f"{where}: {f}"
+                    assert _eq(want.query_start_loc_cpu.numpy(), mine.query_start_loc), where
+                    for f in ("num_reqs", "num_actual_tokens", "max_query_len", "max_seq_len"):
+                        assert int(getattr(want, f)) == getattr(mine, f), f"{where}: {f}"
+                    counted += 1
+    assert counted > 0

@@ -50,7 +50,7 @@ class CommonAttentionMetadata:
     max_seq_len: int  # max(seq_lens_cpu_upper_bound)
     block_table_tensor: np.ndarray  # [num_reqs, width] int32, batch_idx -> block ids (padded rows 0)
     slot_mapping: np.ndarray  # [num_slots] int64, flat token -> slot (PAD_SLOT_ID tail)
-    is_prefilling: np.ndarray  # [num_reqs] (V1) or [R] (MRV2) bool, the row is still in its prompt
+    is_prefilling: np.ndarray | None  # [num_reqs] (V1) or [R] (MRV2) bool, the row is still in its prompt
     seq_lens_cpu_upper_bound: np.ndarray  # [num_reqs] int32, host bound on seq_lens (padded rows 0)
     causal: bool = True
 
