@@ -86,7 +86,8 @@ def max_num_splits(num_actual_tokens: int, cudagraph_mode: str, max_cudagraph_ca
 
 
 def build_spec(cm: CommonAttentionMetadata, cudagraph_mode: str, max_cudagraph_capture_size: int,
-               fa_version: int = 3, dcp_size: int = 1, dcp_rank: int = 0, interleave: int = 1) -> FlashAttentionMetadata:
+               fa_version: int = 3, dcp_size: int = 1, dcp_rank: int = 0,
+               interleave: int = 1) -> FlashAttentionMetadata:
     """Scalar spec."""
     n, qsl = cm.num_reqs, cm.query_start_loc
     splits = max_num_splits(cm.num_actual_tokens, cudagraph_mode, max_cudagraph_capture_size, fa_version)
