@@ -523,3 +523,55 @@ def test_local_virtual_batches_equal_vllms(name, runner, vllm_attn):
                         assert int(getattr(want, f)) == getattr(mine, f), f"{where}: {f}"
                     counted += 1
     assert counted > 0
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_cudagraph_dispatch_fuzzed_equals_vllms(runner, vllm):
+    """Random batches the bundled traces rarely make: one-token prompt chunks beside decodes (MRV2 runs them as a
+    decode graph, V1 by shape alone), uniform prompt chunks of 1+k tokens, user capture sizes."""
+    V = vllm
+    rng = np.random.default_rng(2026)
+    for trial in range(24):
+        k = int(rng.integers(0, 4))
+        mode = CONFIGS[trial % len(CONFIGS)]
+        max_num_seqs = int(rng.integers(2, 24))
+        h = SimpleNamespace(num_speculative_tokens=k, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+        cfg = vllm_config(V, h, mode, runner)
+        if trial % 3 == 0 and mode != "NONE":  # user sizes, as the engine resolved them
+            user = sorted(set(rng.integers(1, 200, 6).tolist()) | {1 + k})
+            cfg.compilation_config.cudagraph_capture_sizes = cg.resolve_capture_sizes(
+                runner, mode, user, max_num_seqs, 2048, k)
+            cfg.compilation_config.max_cudagraph_capture_size = cfg.compilation_config.cudagraph_capture_sizes[-1]
+        sizes = cfg.compilation_config.cudagraph_capture_sizes
+        disp = v1_dispatcher(V, cfg) if runner == "v1" else mrv2_manager(V, cfg)
+        mine = cg.Dispatcher(runner, mode, sizes, max_num_seqs, k)
+        for _ in range(40):
+            R = int(rng.integers(1, max_num_seqs + 1))
+            ids = [f"r{i}" for i in range(R)]
+            kind = rng.integers(0, 3)
+            prefill = rng.integers(20, 60, R).astype(np.int32)
+            computed = np.where(rng.random(R) < 0.5, prefill + rng.integers(0, 9, R), rng.integers(0, 20, R))
+            drafts = np.where(computed >= prefill, k if kind else rng.integers(0, k + 1, R), 0).astype(np.int32)
+            q = np.where(computed >= prefill, 1 + drafts, 1 if kind != 2 else 1 + k).astype(np.int32)
+            q = np.where(computed < prefill, np.minimum(q, prefill - computed), q).astype(np.int32)
+            order = np.argsort(computed < prefill, kind="stable")  # decodes first (MRV2 sorts its own)
+            qsl = np.zeros(R + 1, dtype=np.int32)
+            np.cumsum(q[order], out=qsl[1:])
+            b = Batch(0, [ids[i] for i in order], q[order], computed[order].astype(np.int32), qsl, None, None, [],
+                      None, drafts[order], prefill[order], prefill[order], {ids[i]: int(q[i]) for i in range(R)},
+                      {ids[i]: [7] * int(drafts[i]) for i in range(R) if drafts[i]})
+            if runner == "mrv2":
+                state, _ = mrv2_state(V, b, k)  # MRV2's own order first, then the same batch in it
+                pos = [b.req_ids.index(r) for r in state.req_ids]
+                b = Batch(0, list(state.req_ids), b.num_scheduled_tokens[pos], b.num_computed_tokens[pos], qsl, None,
+                          None, [], None, b.num_draft_tokens[pos], b.prompt_len[pos], b.prefill_len[pos],
+                          b.sched_order, b.spec)
+            T, max_q = int(q.sum()), int(q.max())
+            elig = cg.decode_graph_eligible(b.num_scheduled_tokens.tolist(), b.num_draft_tokens.tolist(),
+                                            np.minimum(b.num_computed_tokens, b.prefill_len).tolist(),
+                                            b.prefill_len.tolist())
+            want = vllm_dispatch(V, runner, disp, b, k)
+            spec = cg.dispatch_spec(runner, mode, sizes, max_num_seqs, k, R, T, max_q, elig)
+            where = f"{runner} {mode} k={k} seqs={max_num_seqs} sizes={sizes} q={b.num_scheduled_tokens.tolist()}"
+            assert (spec.cudagraph_mode, spec.num_tokens_padded, spec.num_reqs_padded) == want, where
+            assert mine.dispatch(R, T, max_q, elig) == spec, where
