@@ -575,3 +575,106 @@ def test_cudagraph_dispatch_fuzzed_equals_vllms(runner, vllm):
             where = f"{runner} {mode} k={k} seqs={max_num_seqs} sizes={sizes} q={b.num_scheduled_tokens.tolist()}"
             assert (spec.cudagraph_mode, spec.num_tokens_padded, spec.num_reqs_padded) == want, where
             assert mine.dispatch(R, T, max_q, elig) == spec, where
+
+
+# ---------------------------------------------------------------------------------------- common metadata
+
+STALE = 777  # what a padded row of a reused buffer may still hold: vLLM must overwrite or drop it
+
+
+class RecordGroup:
+    """An attention group whose builder returns the CommonAttentionMetadata it is given."""
+
+    def __init__(self, g: int):
+        self.layer_names = [f"layer{g}"]
+
+    def get_metadata_builder(self, _ubatch_idx=0):
+        return SimpleNamespace(supports_update_block_table=False)
+
+    def build_metadata(self, cm, _ubatch_idx=0, **_kw):
+        return cm
+
+
+def v1_common(A, h, b: Batch, desc, tails):
+    """V1's own `_build_attention_metadata` on a stand-in runner whose buffers hold this step (stale past R)."""
+    torch, R, G = A.torch, len(b.req_ids), len(b.block_tables)
+    r = object.__new__(A.V1Runner)
+    rows = h.max_num_seqs + 1
+    stale = lambda x, n, fill=STALE: torch.from_numpy(np.concatenate([x, np.full(n - len(x), fill, x.dtype)]))  # noqa: E731
+    r.kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=object()) for _ in range(G)])
+    r.max_model_len = h.max_model_len
+    r.optimistic_seq_lens_cpu = stale(b.seq_lens, rows, 0)  # vLLM zeroes past R (gpu_model_runner.py 2045-2050)
+    tables = []
+    for t in b.block_tables:
+        full = np.full((rows, t.shape[1]), STALE, dtype=np.int32)
+        full[:R] = t
+        tables.append(SimpleNamespace(get_device_tensor=lambda n, f=full: torch.from_numpy(f[:n].copy())))
+    r.input_batch = SimpleNamespace(block_table=tables, req_ids=b.req_ids,
+                                    num_computed_tokens_cpu_tensor=stale(b.num_computed_tokens, rows, 0),
+                                    num_prompt_tokens_cpu_tensor=stale(b.prompt_len, rows))
+    r.is_mm_prefix_lm, r.speculative_config, r.dcp_world_size = False, None, 1
+    r.model_config = SimpleNamespace(rswa_window=None)
+    r.cache_config = SimpleNamespace(use_replayssm=False, kv_sharing_fast_prefill=False)
+    qsl = stale(tails.query_start_loc, rows + 1, desc.num_tokens)  # V1 writes the tail on the whole buffer
+    r.query_start_loc = SimpleNamespace(gpu=qsl, cpu=qsl)
+    r.seq_lens = stale(b.seq_lens, rows, 0)
+    r.positions = torch.zeros(max(desc.num_tokens_padded, 1), dtype=torch.int64)
+    r._get_encoder_seq_lens = lambda *a, **k: (None, None)
+    r.attn_groups = [[RecordGroup(g)] for g in range(G)]
+    pad = desc.pad_attn
+    md, _ = r._build_attention_metadata(
+        num_tokens=desc.num_tokens, num_tokens_padded=desc.num_tokens_padded if pad else None, num_reqs=R,
+        num_reqs_padded=desc.num_reqs_padded if pad else None, max_query_len=int(b.num_scheduled_tokens.max()),
+        slot_mappings={g: torch.from_numpy(tails.slot_mapping[g].copy()) for g in range(G)})
+    return [md[f"layer{g}"] for g in range(G)]
+
+
+def mrv2_common(A, h, b: Batch, desc, tails):
+    """MRV2's own `DefaultModelState.prepare_attn` + `build_attn_metadata`, is_prefilling from its own
+    `gather_batch_req_state`."""
+    torch, R, G = A.torch, len(b.req_ids), len(b.block_tables)
+    state, _ = mrv2_state(A, b, h.num_speculative_tokens)
+    ms = object.__new__(A.DefaultModelState)
+    ms.supports_mm_inputs, ms.encoder_cache = False, None  # max_model_len (a property) is read at capture only
+    ib = SimpleNamespace(
+        num_reqs=R, num_tokens=desc.num_tokens, num_reqs_after_padding=desc.num_reqs_padded,
+        num_tokens_after_padding=desc.num_tokens_padded, query_start_loc_np=tails.query_start_loc,
+        query_start_loc=torch.from_numpy(tails.query_start_loc.copy()), max_query_len=None,
+        num_scheduled_tokens=b.num_scheduled_tokens, seq_lens_cpu_upper_bound=torch.from_numpy(tails.seq_lens.copy()),
+        seq_lens=torch.from_numpy(tails.seq_lens.copy()), pcp=None, dcp_local_seq_lens=None,
+        positions=None, is_prefilling_np=state.is_prefilling_np, prompt_lens=None,
+        idx_mapping_np=np.arange(R), fast_prefill=None)
+    mode = A.CUDAGraphMode.FULL if desc.pad_attn else A.CUDAGraphMode.NONE
+    md = ms.prepare_attn(ib, mode, tuple(torch.from_numpy(t.copy()) for t in tails.block_tables),
+                         torch.from_numpy(tails.slot_mapping.copy()), [[RecordGroup(g)] for g in range(G)],
+                         SimpleNamespace(kv_cache_groups=[None] * G))
+    return [md[f"layer{g}"] for g in range(G)]
+
+
+@pytest.fixture(scope="module")
+def vllm_common(vllm, vllm_attn):
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    vllm.torch, vllm.DefaultModelState = vllm_attn.torch, DefaultModelState
+    return vllm
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("name", TRACE_NAMES)
+def test_common_metadata_equals_vllms(name, runner, vllm_common):
+    A = vllm_common
+    counted = 0
+    for mode in ATTN_CONFIGS:
+        for h, b, desc, tails, cms in steps_with_metadata(name, runner, mode, 4 if name.endswith(".gz") else 1):
+            want = (v1_common if runner == "v1" else mrv2_common)(A, h, b, desc, tails)
+            for g, (w, cm) in enumerate(zip(want, cms)):
+                where = f"{name} {runner} {mode} step {b.step} group {g}"
+                for f in ("num_reqs", "num_actual_tokens", "max_query_len", "max_seq_len", "causal"):
+                    assert int(getattr(w, f)) == int(getattr(cm, f)), f"{where}: {f}"
+                assert _eq(w.query_start_loc_cpu.numpy(), cm.query_start_loc), f"{where}: query_start_loc"
+                for f in ("seq_lens", "block_table_tensor", "slot_mapping", "is_prefilling",
+                          "seq_lens_cpu_upper_bound"):
+                    got = getattr(w, f).numpy()
+                    assert _eq(got, getattr(cm, f)) and got.dtype == getattr(cm, f).dtype, f"{where}: {f}"
+                counted += 1
+    assert counted > 0
