@@ -140,10 +140,9 @@ def test_metadata_numpy_equals_spec_fuzzed(runner):
 
 def test_flashinfer_worked_example():
     """forward-pass.md 6.2: seq_lens [33, 20, 53, 40], q [1, 1, 5, 16], page 16."""
-    q = np.array([1, 1, 5, 16], dtype=np.int32)
     seq = np.array([33, 20, 53, 40], dtype=np.int32)
     table = np.array([[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9], [10, 11, 12, 0]], dtype=np.int32)
-    qsl = np.array([0, 1, 2, 7, 23], dtype=np.int32)
+    qsl = np.array([0, 1, 1 + 1, 2 + 5, 7 + 16], dtype=np.int32)
     cm = fa.CommonAttentionMetadata(qsl, seq, 4, 23, 16, 53, table, np.zeros(23, np.int64), np.zeros(4, bool), seq)
     sp = fa.split(cm, "FLASHINFER")
     assert sp == fa.Split(2, 2, 2, 5 + 16)

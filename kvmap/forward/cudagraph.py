@@ -16,8 +16,9 @@ Rules (docs: forward-pass.md 4.1-4.5):
   decode descriptors round the size up to a multiple of 1+k; the uniform token count is `max_query_len`
   when the batch is `decode_graph_eligible` and T == max_query_len * R (it need not equal 1+k).
 - `num_tokens_padded = max(T, desc.num_tokens)`, `num_reqs_padded = desc.num_reqs or R`; a NONE step is
-  unpadded. Data parallelism (dp > 1), LoRA capture cases, varlen decode graphs, dynamic speculative decoding
-  and microbatching are not modelled (dp = 1, no LoRA).
+  unpadded. LoRA capture cases, varlen decode graphs, dynamic speculative decoding and microbatching are not
+  modelled (no LoRA, one microbatch).
+- Data parallelism: dp_padding.py.
 - Each rule has a scalar spec (`*_spec`, plain loops over the sizes) and one numpy form (`Dispatcher`: lookup
   arrays built once, whole-array dispatch of many steps), held together by tests.
 """
@@ -51,7 +52,7 @@ def _separate_routine(mode: str) -> bool:
     return mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
 
-def _check(runner: str, mode: str) -> None:
+def check(runner: str, mode: str) -> None:
     assert runner in RUNNERS, runner
     assert mode in MODES, mode
 
@@ -109,7 +110,7 @@ def resolve_capture_sizes(runner: str, mode: str, sizes: list[int] | None, max_n
                           blackwell: bool = False) -> list[int]:
     """The sizes a runner captures: none for NONE; the given sizes (deduplicated, <= max_num_batched_tokens)
     or the defaults; then V1's spec-decode rounding when the decode mode is FULL and k > 0."""
-    _check(runner, mode)
+    check(runner, mode)
     if mode == "NONE":
         return []
     if sizes is None:
@@ -156,23 +157,23 @@ def dispatch_spec(runner: str, mode: str, capture_sizes: list[int], max_num_seqs
                   decode_eligible: bool = True) -> BatchDescriptor:
     """The scalar spec of both runners' dispatch, by loops over the capture sizes. `decode_eligible` is MRV2's
     `decode_graph_eligible` (V1 ignores it)."""
-    _check(runner, mode)
+    check(runner, mode)
     q = 1 + num_speculative_tokens
     if runner == "v1":
         uniform = max_query_len == q and num_tokens == max_query_len * num_reqs
-        mode_rt, t_pad, r_pad = _v1_spec(mode, sorted(capture_sizes), max_num_seqs, q, num_tokens, uniform)
+        mode_rt, t_pad, r_pad = v1_rule(mode, sorted(capture_sizes), max_num_seqs, q, num_tokens, uniform)
     else:
         uniform_count = max_query_len if decode_eligible and num_reqs > 0 and num_tokens == max_query_len * num_reqs \
             else None
         uniform = uniform_count is not None
-        mode_rt, t_pad, r_pad = _mrv2_spec(mode, sorted(capture_sizes), max_num_seqs, q, num_reqs, num_tokens,
+        mode_rt, t_pad, r_pad = mrv2_rule(mode, sorted(capture_sizes), max_num_seqs, q, num_reqs, num_tokens,
                                            uniform_count)
     return BatchDescriptor(mode_rt, num_tokens, num_reqs, max(num_tokens, t_pad),
                            num_reqs if r_pad is None else r_pad, uniform)
 
 
-def _v1_spec(mode, sizes, max_num_seqs, q, num_tokens, uniform):
-    if mode == "NONE" or not sizes or num_tokens > sizes[-1]:
+def v1_rule(mode, sizes, max_num_seqs, q, num_tokens, uniform, allowed=("FULL", "PIECEWISE", "NONE")):
+    if mode == "NONE" or not sizes or num_tokens > sizes[-1] or allowed == ("NONE",):
         return "NONE", num_tokens, None
     padded = next(s for s in sizes if s >= num_tokens)
     if uniform and _separate_routine(mode):
@@ -187,10 +188,11 @@ def _v1_spec(mode, sizes, max_num_seqs, q, num_tokens, uniform):
             if q <= s <= q * max_num_seqs:
                 assert s % q == 0, f"V1 capture size {s} is not a multiple of {q} (resolve_capture_sizes)"
                 full_keys.add((s, min(s // q, max_num_seqs), True))
-    if want in full_keys:
+    if "FULL" in allowed and want in full_keys:
         return "FULL", padded, want[1]
-    if _mixed_mode(mode) == "PIECEWISE":
+    if "PIECEWISE" in allowed and _mixed_mode(mode) == "PIECEWISE":
         return "PIECEWISE", padded, None
+    assert "NONE" in allowed, f"vLLM asserts: no {allowed} graph for {num_tokens} tokens"
     return "NONE", num_tokens, None
 
 
@@ -216,7 +218,8 @@ def _mrv2_descs(mode, sizes, max_num_seqs, q):
     return full, piecewise
 
 
-def _mrv2_spec(mode, sizes, max_num_seqs, q, num_reqs, num_tokens, uniform_count):
+def mrv2_rule(mode, sizes, max_num_seqs, q, num_reqs, num_tokens, uniform_count):
+    """(runtime mode, desc.num_tokens, desc.num_reqs) of `CudaGraphManager.dispatch`."""
     candidates = []
     for descs in _mrv2_descs(mode, sizes, max_num_seqs, q):
         above = [d[1] for d in descs if d[1] >= num_tokens]
@@ -235,7 +238,7 @@ class Dispatcher:
 
     def __init__(self, runner: str, mode: str, capture_sizes: list[int], max_num_seqs: int,
                  num_speculative_tokens: int) -> None:
-        _check(runner, mode)
+        check(runner, mode)
         self.runner, self.mode, self.max_num_seqs = runner, mode, max_num_seqs
         self.q = q = 1 + num_speculative_tokens
         sizes = np.array(sorted(capture_sizes), dtype=np.int64)
@@ -398,3 +401,4 @@ def pad_tails(runner: str, desc: BatchDescriptor, query_start_loc: np.ndarray, s
         pos = np.zeros(Tp, dtype=np.int64)
         pos[:T] = positions[:T]
     return PaddedTails(qsl, sl, slots, tables, is_padding, pos)
+
