@@ -1,6 +1,6 @@
 """kvmap.forward: each rule's numpy form equals its scalar spec on fuzzed batches (padding rows, q = 0 rows,
-DCP), and the worked examples of forward-pass.md hold with their arithmetic visible. vLLM itself checks these
-rules in tests/test_forward_against_vllm.py (record environment)."""
+DCP), and the worked examples of the issue 26 forward-pass notes hold with their arithmetic visible. vLLM
+itself checks these rules in tests/test_forward_against_vllm.py (record environment)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_default_capture_sizes_arithmetic():
 
 
 def test_dispatch_worked_examples():
-    """forward-pass.md 4.2, 4.3 probes."""
+    """The forward-pass notes' probes (sections 4.2, 4.3)."""
     sizes = cg.default_capture_sizes(256, 8192)
     v1 = cg.Dispatcher("v1", "FULL_AND_PIECEWISE", sizes, 256, 0)
     assert v1.dispatch(3, 3, 1) == cg.BatchDescriptor("FULL", 3, 3, 4, 4, True)
@@ -139,7 +139,7 @@ def test_metadata_numpy_equals_spec_fuzzed(runner):
 
 
 def test_flashinfer_worked_example():
-    """forward-pass.md 6.2: seq_lens [33, 20, 53, 40], q [1, 1, 5, 16], page 16."""
+    """The forward-pass notes, section 6.2: seq_lens [33, 20, 53, 40], q [1, 1, 5, 16], page 16."""
     seq = np.array([33, 20, 53, 40], dtype=np.int32)
     table = np.array([[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9], [10, 11, 12, 0]], dtype=np.int32)
     qsl = np.array([0, 1, 1 + 1, 2 + 5, 7 + 16], dtype=np.int32)

@@ -459,6 +459,7 @@ def flash_attn_builder(A, fl, h, mode: str, max_size: int, rank: int):
 @pytest.mark.parametrize("name", TRACE_NAMES)
 def test_flash_attn_equals_vllms(name, runner, vllm_fa):
     from kvmap.forward import flash_attn as fab
+    from kvmap.forward import local_attention as la
 
     A, fl = vllm_fa
     counted = 0
@@ -469,10 +470,15 @@ def test_flash_attn_equals_vllms(name, runner, vllm_fa):
         top = max(sizes, default=0)
         for h, b, _desc, _tails, cms in steps_with_metadata(name, runner, mode):
             for g, (grp, cm) in enumerate(zip(h.kv_cache_groups, cms)):
-                if grp.kind not in ("full_attention", "sliding_window"):
+                if grp.kind == "mamba":
                     continue
+                vcm = vllm_cm(cm, A.torch, A.CM)
+                if grp.kind == "chunked_local":  # ChunkedLocalAttentionBuilder: the virtual batches, then FA's build
+                    bs = grp.kernel_block_size or grp.block_size
+                    vcm, _ = A.bu.make_local_attention_virtual_batches(grp.attention_chunk_size, vcm, bs)
+                    cm = la.virtual_batches(cm, grp.attention_chunk_size, bs)
                 for rank in range(h.cp_size):
-                    md = flash_attn_builder(A, fl, h, mode, top, rank).build(0, vllm_cm(cm, A.torch, A.CM))
+                    md = flash_attn_builder(A, fl, h, mode, top, rank).build(0, vcm)
                     args = (cm, mode, top, 3, h.cp_size, rank, h.cp_kv_cache_interleave_size)
                     mine = fab.build(*args)
                     where = f"{name} {runner} {mode} step {b.step} group {g} rank {rank}"
@@ -497,8 +503,8 @@ def test_flash_attn_equals_vllms(name, runner, vllm_fa):
 @pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("name", TRACE_NAMES)
 def test_local_virtual_batches_equal_vllms(name, runner, vllm_attn):
-    """No bundled trace has a chunked_local group: every group's batches go through the rule with chunk sizes of
-    one, two and four kernel blocks (the rule is index arithmetic over the common metadata)."""
+    """Every group's batches go through the rule with chunk sizes of one, two and four kernel blocks (the rule is
+    index arithmetic over the common metadata), chunked_local groups (chunked_local.jsonl) with their own too."""
     from kvmap.forward import local_attention as la
 
     A = vllm_attn
@@ -509,7 +515,7 @@ def test_local_virtual_batches_equal_vllms(name, runner, vllm_attn):
                 if grp.kind == "mamba":
                     continue
                 bs = grp.kernel_block_size or grp.block_size
-                for chunk in (bs, 2 * bs, 4 * bs):
+                for chunk in sorted({bs, 2 * bs, 4 * bs, grp.attention_chunk_size or bs}):
                     want, _ = A.bu.make_local_attention_virtual_batches(chunk, vllm_cm(cm, A.torch, A.CM), bs)
                     mine = la.virtual_batches(cm, chunk, bs)
                     where = f"{name} {runner} {mode} step {b.step} group {g} chunk {chunk}"

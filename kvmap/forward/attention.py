@@ -4,7 +4,7 @@ Job: from a step's padded inputs (`cudagraph.pad_tails`) build the per-group `Co
 under vLLM's names, and split its rows into decodes, (extends) and prefills with the backend's
 `reorder_batch_threshold` and `require_uniform`.
 
-Rules (docs: forward-pass.md 5; vllm/v1/attention/backend.py 389-683, backends/utils.py 765-908):
+Rules (issue 26 forward-pass notes, section 5; vllm/v1/attention/backend.py 389-683, backends/utils.py 765-908):
 - Counts: n = num_reqs_padded and T_pad when the step runs a FULL graph, else the unpadded R and T (both
   runners); `num_actual_tokens` is then T_pad despite its name. `max_query_len` is the unpadded maximum,
   `max_seq_len` the maximum of `seq_lens_cpu_upper_bound` (0 on padded rows).

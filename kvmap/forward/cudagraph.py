@@ -4,7 +4,7 @@ Job: from the resolved `cudagraph_mode` and `cudagraph_capture_sizes` (trace hea
 `default_capture_sizes`), say per step which graph runs (`FULL`, `PIECEWISE`, `NONE`), `num_tokens_padded` and
 `num_reqs_padded`, and what the padded tails hold (`pad_tails`).
 
-Rules (docs: forward-pass.md 4.1-4.5):
+Rules (issue 26 forward-pass notes, section 4.1-4.5):
 - Capture sizes: `VllmConfig._set_cudagraph_sizes` (vllm/config/vllm.py); V1 with FULL decode graphs and
   spec decode rounds them to multiples of 1+k (`adjust_cudagraph_sizes_for_spec_decode`); MRV2 does not.
 - V1 (`CudagraphDispatcher`, vllm/v1/cudagraph_dispatcher.py): pad to the smallest capture size >= T;
@@ -341,7 +341,7 @@ def dispatch(runner: str, mode: str, capture_sizes: list[int], max_num_seqs: int
 
 @dataclass(frozen=True, slots=True)
 class PaddedTails:
-    """The step's inputs at the padded shape (forward-pass.md 4.5), host arrays."""
+    """The step's inputs at the padded shape (issue 26 forward-pass notes, section 4.5), host arrays."""
 
     query_start_loc: np.ndarray  # [num_reqs_padded + 1] int32, tail = the unpadded total T
     seq_lens: np.ndarray  # [num_reqs_padded] int32, padded rows 0

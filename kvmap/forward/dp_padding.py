@@ -1,6 +1,6 @@
 """CUDA-graph dispatch of one step under data parallelism, from every DP rank's counts of the step.
 
-Rules (docs: forward-pass.md 4.4; no microbatching):
+Rules (issue 26 forward-pass notes, section 4.4; no microbatching):
 - MRV2 (`sync_cudagraph_and_dp_padding`, vllm/v1/worker/gpu/dp_utils.py): the ranks all-reduce their unpadded
   token counts, desired graph modes, uniform token counts and request counts; no tokens anywhere: no step;
   any rank NONE: every rank runs eager, unpadded; else every rank dispatches the largest token count with the

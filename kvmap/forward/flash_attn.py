@@ -3,7 +3,7 @@
 Job: the pass-through fields, `max_num_splits` and the DCP context fields. Triton attention
 (`TritonAttentionMetadataBuilder`) passes the same common fields through: `triton_attn` below.
 
-Rules (docs: forward-pass.md 6.1, 6.3; vllm/v1/attention/backends/flash_attn.py 518-1055):
+Rules (issue 26 forward-pass notes, section 6.1, 6.3; vllm/v1/attention/backends/flash_attn.py 518-1055):
 - Pass-through: num_actual_tokens, max_query_len, query_start_loc, max_seq_len, seq_lens, block_table,
   slot_mapping, causal, from the group's CommonAttentionMetadata.
 - `max_num_splits`: `flash_attn_max_num_splits_for_cuda_graph` (32 by default) when FA3's ahead-of-time

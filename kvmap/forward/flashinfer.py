@@ -3,7 +3,7 @@
 Job: from a group's `CommonAttentionMetadata` and split, the paged-KV CSR arrays (`paged_kv_indptr`,
 `paged_kv_indices`, `paged_kv_last_page_len`) and the arguments of the prefill and decode `plan()` calls.
 
-Rules (docs: forward-pass.md 6.2; vllm/v1/attention/backends/flashinfer.py 1511-2002):
+Rules (issue 26 forward-pass notes, section 6.2; vllm/v1/attention/backends/flashinfer.py 1511-2002):
 - `page_size` is the kernel block size and the block table the kernel table.
 - KV lengths: `seq_lens_cpu_upper_bound` without spec decode, else `seq_lens`; under DCP the prefill rows
   (from num_decodes on) first drop their query (context only), then every row becomes this rank's local

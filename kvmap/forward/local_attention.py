@@ -3,7 +3,7 @@
 Job: for a `chunked_local` KV-cache group (attention within aligned chunks of C = attention_chunk_size tokens),
 split every request into one virtual request per chunk its query touches, with that chunk's keys and pages.
 
-Rules (docs: forward-pass.md 8.3; vllm/v1/attention/backends/utils.py 543-684, used by
+Rules (issue 26 forward-pass notes, section 8.3; vllm/v1/attention/backends/utils.py 543-684, used by
 `ChunkedLocalAttentionBuilder`, which never runs under CUDA graphs):
 - Per row b with query q and sequence s: the first chunk gets `first = min(C - (s - q) % C, q)` query tokens,
   then full chunks of C, the last partial: `1 + cdiv(q - first, C)` virtual rows.
