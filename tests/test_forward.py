@@ -69,12 +69,10 @@ def test_dispatch_numpy_equals_spec_fuzzed(runner):
         T = np.where(rng.random(200) < 0.6, R * Q, R + rng.integers(0, 400, 200))
         Q = np.minimum(Q, T)
         E = rng.random(200) < 0.7
-        m, tp, rp, u = d.dispatch_many(R, T, Q, E)
         for i in range(200):
-            want = cg.dispatch_spec(runner, mode, sizes, max_num_seqs, k, int(R[i]), int(T[i]), int(Q[i]), bool(E[i]))
-            got = cg.BatchDescriptor(("NONE", "PIECEWISE", "FULL")[m[i]], int(T[i]), int(R[i]), int(tp[i]),
-                                     int(rp[i]), bool(u[i]))
-            assert got == want, (runner, mode, sizes, max_num_seqs, k, R[i], T[i], Q[i], E[i])
+            args = (int(R[i]), int(T[i]), int(Q[i]), bool(E[i]))
+            want = cg.dispatch_spec(runner, mode, sizes, max_num_seqs, k, *args)
+            assert d.dispatch(*args) == want, (runner, mode, sizes, max_num_seqs, k, args)
 
 
 def _metadata(rng, runner, mode="FULL_AND_PIECEWISE", k=0, groups=2, max_num_seqs=16):

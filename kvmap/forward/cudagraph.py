@@ -19,8 +19,8 @@ Rules (issue 26 forward-pass notes, section 4.1-4.5):
   unpadded. LoRA capture cases, varlen decode graphs, dynamic speculative decoding and microbatching are not
   modelled (no LoRA, one microbatch).
 - Data parallelism: dp_padding.py.
-- Each rule has a scalar spec (`*_spec`, plain loops over the sizes) and one numpy form (`Dispatcher`: lookup
-  arrays built once, whole-array dispatch of many steps), held together by tests.
+- Each rule has a scalar spec (`*_spec`, plain loops over the sizes) and one fast form (`Dispatcher`: lookup
+  tables built once with numpy, O(1) per step; `pad_tails`: whole-array numpy), held together by tests.
 """
 
 from __future__ import annotations
@@ -233,13 +233,14 @@ def mrv2_rule(mode, sizes, max_num_seqs, q, num_reqs, num_tokens, uniform_count)
 
 
 class Dispatcher:
-    """The numpy form: every token count's FULL and PIECEWISE candidates as lookup arrays, built once per
-    configuration; `dispatch` answers one step, `dispatch_many` whole arrays of steps."""
+    """The fast form: every token count's FULL and PIECEWISE candidates as lookup tables, built once per
+    configuration by whole-array numpy ops; `dispatch` answers a step with O(1) lookups."""
 
     def __init__(self, runner: str, mode: str, capture_sizes: list[int], max_num_seqs: int,
                  num_speculative_tokens: int) -> None:
         check(runner, mode)
         self.runner, self.mode, self.max_num_seqs = runner, mode, max_num_seqs
+        self._lists: dict | None = None  # the lookup arrays as lists, for `dispatch` (made on first use)
         self.q = q = 1 + num_speculative_tokens
         sizes = np.array(sorted(capture_sizes), dtype=np.int64)
         self.top = int(sizes[-1]) if len(sizes) and mode != "NONE" else 0
@@ -283,51 +284,37 @@ class Dispatcher:
 
     def dispatch(self, num_reqs: int, num_tokens: int, max_query_len: int,
                  decode_eligible: bool = True) -> BatchDescriptor:
-        m, t, r, u = self.dispatch_many(np.array([num_reqs]), np.array([num_tokens]), np.array([max_query_len]),
-                                        np.array([decode_eligible]))
-        return BatchDescriptor(("NONE", "PIECEWISE", "FULL")[int(m[0])], num_tokens, num_reqs, int(t[0]),
-                               int(r[0]), bool(u[0]))
-
-    def dispatch_many(self, num_reqs: np.ndarray, num_tokens: np.ndarray, max_query_len: np.ndarray,
-                      decode_eligible: np.ndarray):
-        """[S] steps -> (mode [S] int8: 0 NONE, 1 PIECEWISE, 2 FULL; num_tokens_padded [S]; num_reqs_padded [S];
-        uniform [S] bool)."""
-        R, T = num_reqs.astype(np.int64), num_tokens.astype(np.int64)
-        Q = max_query_len.astype(np.int64)
-        S = len(T)
-        mode = np.zeros(S, dtype=np.int8)
-        t_pad, r_pad = T.copy(), R.copy()
+        """One step, by table lookups (as lists: no array is made per step)."""
+        if self._lists is None:
+            self._lists = {k: getattr(self, k).tolist() for k in ("padded", "full_mixed", "full_uniform", "f_tokens",
+                                                                  "f_dec_reqs", "f_mix_reqs") if hasattr(self, k)}
+        L, R, T, Q = self._lists, num_reqs, num_tokens, max_query_len
         if self.runner == "v1":
-            uniform = (Q == self.q) & (T == Q * R)
-        else:
-            uniform = decode_eligible.astype(bool) & (R > 0) & (T == Q * R)
-        fits = (T > 0) & (T <= self.top) if self.runner == "mrv2" else T <= self.top
-        if not self.top:
-            return mode, t_pad, r_pad, uniform
-        Tc = np.where(fits, T, 0)
-        if self.runner == "v1":
-            p = self.padded[Tc]
-            sep_u = uniform & _separate_routine(self.mode)
-            want_r = np.where(sep_u, np.minimum(p // self.q, self.max_num_seqs), np.minimum(p, self.max_num_seqs))
-            full = fits & np.where(sep_u, self.full_uniform[p] == want_r, self.full_mixed[p])
-            full &= ~sep_u | (self.full_uniform[p] > 0)
-            mode[full] = 2
-            r_pad[full] = want_r[full]
-            t_pad[fits & (full | self.pw)] = p[fits & (full | self.pw)]
-            mode[fits & ~full & self.pw] = 1
-            return mode, t_pad, r_pad, uniform
-        f_t = self.f_tokens[Tc]
-        dec_ok = fits & (f_t > 0) & uniform & (Q == self.q) & (self.f_dec_reqs[Tc] >= R)
-        mix_ok = fits & (f_t > 0) & (self.f_mix_reqs[Tc] >= R) & ~dec_ok
-        full = dec_ok | mix_ok
-        mode[full] = 2
-        t_pad[full] = f_t[full]
-        r_pad[dec_ok] = self.f_dec_reqs[Tc][dec_ok]
-        r_pad[mix_ok] = self.f_mix_reqs[Tc][mix_ok]
-        pw = fits & ~full & self.pw
-        mode[pw] = 1
-        t_pad[pw] = self.padded[Tc][pw]
-        return mode, t_pad, r_pad, uniform
+            uniform = Q == self.q and T == Q * R
+            if not self.top or T > self.top:
+                return BatchDescriptor("NONE", T, R, T, R, uniform)
+            p = L["padded"][T]
+            if uniform and _separate_routine(self.mode):
+                want = min(p // self.q, self.max_num_seqs)
+                if L["full_uniform"][p] == want:
+                    return BatchDescriptor("FULL", T, R, p, want, uniform)
+            elif L["full_mixed"][p]:
+                return BatchDescriptor("FULL", T, R, p, min(p, self.max_num_seqs), uniform)
+            if self.pw:
+                return BatchDescriptor("PIECEWISE", T, R, p, R, uniform)
+            return BatchDescriptor("NONE", T, R, T, R, uniform)
+        uniform = bool(decode_eligible) and R > 0 and T == Q * R
+        if not self.top or T <= 0 or T > self.top:
+            return BatchDescriptor("NONE", T, R, T, R, uniform)
+        f_t = L["f_tokens"][T]
+        if f_t:
+            if uniform and Q == self.q and L["f_dec_reqs"][T] >= R:
+                return BatchDescriptor("FULL", T, R, f_t, L["f_dec_reqs"][T], uniform)
+            if L["f_mix_reqs"][T] >= R:
+                return BatchDescriptor("FULL", T, R, f_t, L["f_mix_reqs"][T], uniform)
+        if self.pw:
+            return BatchDescriptor("PIECEWISE", T, R, L["padded"][T], R, uniform)
+        return BatchDescriptor("NONE", T, R, T, R, uniform)
 
 
 def dispatch(runner: str, mode: str, capture_sizes: list[int], max_num_seqs: int, num_speculative_tokens: int,
@@ -381,20 +368,27 @@ def pad_tails(runner: str, desc: BatchDescriptor, query_start_loc: np.ndarray, s
               slot_mapping: np.ndarray, block_tables: list[np.ndarray], positions: np.ndarray,
               separate_kv_update: bool = True) -> PaddedTails:
     """numpy form. Inputs unpadded: query_start_loc [R + 1] int32, seq_lens [R] int32, slot_mapping [G, T]
-    int64, block_tables [G] x [R, W_g] int32, positions [T] int64."""
+    int64, block_tables [G] x [R, W_g] int32, positions [T] int64. What needs no padding is returned as views of
+    the inputs (valid while they are)."""
     R, T, Rp, Tp = desc.num_reqs, desc.num_tokens, desc.num_reqs_padded, desc.num_tokens_padded
-    qsl = np.full(Rp + 1, T, dtype=np.int32)
-    qsl[: R + 1] = query_start_loc[: R + 1]
-    sl = np.zeros(Rp, dtype=np.int32)
-    sl[:R] = seq_lens[:R]
+    if Rp == R:  # no request padding: the inputs themselves (views)
+        qsl, sl, tables = query_start_loc[: R + 1], seq_lens[:R], [t[:R] for t in block_tables]
+    else:
+        qsl = np.full(Rp + 1, T, dtype=np.int32)
+        qsl[: R + 1] = query_start_loc[: R + 1]
+        sl = np.zeros(Rp, dtype=np.int32)
+        sl[:R] = seq_lens[:R]
+        tables = []
+        for t in block_tables:
+            out = np.full((Rp, t.shape[1]), NULL_BLOCK_ID, dtype=np.int32)
+            out[:R] = t[:R]
+            tables.append(out)
     n = _num_slots(runner, desc, separate_kv_update)
-    slots = np.full((slot_mapping.shape[0], n), PAD_SLOT_ID, dtype=np.int64)
-    slots[:, :T] = slot_mapping[:, :T]
-    tables = []
-    for t in block_tables:
-        out = np.full((Rp, t.shape[1]), NULL_BLOCK_ID, dtype=np.int32)
-        out[:R] = t[:R]
-        tables.append(out)
+    if n == T:
+        slots = slot_mapping[:, :T]
+    else:
+        slots = np.full((slot_mapping.shape[0], n), PAD_SLOT_ID, dtype=np.int64)
+        slots[:, :T] = slot_mapping[:, :T]
     is_padding = np.arange(Tp) >= T
     pos = None
     if runner == "v1":

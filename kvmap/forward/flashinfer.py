@@ -151,8 +151,10 @@ def build(cm: CommonAttentionMetadata, sp: Split, page_size: int, num_speculativ
     nb = (kv + (page_size - 1)) // page_size
     indptr = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(nb, out=indptr[1:])
-    table = cm.block_table_tensor[:n]
-    indices = table[np.arange(table.shape[1]) < nb[:, None]]  # row-major: each row's first nb pages
+    table = np.ascontiguousarray(cm.block_table_tensor[:n])
+    # each row's first nb pages, concatenated: flat index = row * width + (i - indptr[row])
+    shift = np.arange(n, dtype=np.int64) * table.shape[1] - indptr[:n]
+    indices = table.ravel()[np.arange(int(indptr[n]), dtype=np.int64) + np.repeat(shift, nb)]
     last = kv % page_size
     last = np.where((last == 0) & (kv != 0), page_size, last).astype(np.int32)
     seq = (np.maximum(nb - 1, 0) * page_size + last).astype(np.int32)  # get_seq_lens of every row
