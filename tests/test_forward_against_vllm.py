@@ -1,12 +1,23 @@
 """kvmap.forward equals vLLM 0.33's own code, step by step, on every bundled trace and both runners.
 
-Each trace is replayed by the numpy worker in the runner's batch order; each step's mappings (and the
-requests' prompt/prefill lengths and draft counts, read from the trace) feed both kvmap.forward and vLLM's own
-functions: `VllmConfig._set_cudagraph_sizes`, V1 `CudagraphDispatcher`, MRV2 `CudaGraphManager` (built with
-`object.__new__` + `_init_candidates`) + `dispatch_cg_and_sync_dp` after MRV2's own `gather_batch_req_state`,
-`split_decodes_and_prefills`, `split_decodes_prefills_and_extends`, `FlashInferMetadataBuilder.build` (recording
-wrappers), `FlashAttentionMetadataBuilder.build` (`aot_schedule=False`), `make_local_attention_virtual_batches`.
-Runs where vLLM is installed (CI's record environment); skipped elsewhere. vLLM is imported once per module.
+Each trace is replayed by the numpy worker in the runner's batch order (the long trace: its first LONG_STEPS
+steps); each step's mappings, with the requests' prompt/prefill lengths and draft counts read from the trace,
+feed both kvmap.forward and vLLM's own functions (stand-ins made with `object.__new__` where a constructor needs
+a GPU; no vLLM rule is copied into the test):
+- capture sizes: `VllmConfig._set_cudagraph_sizes` (+ V1's `adjust_cudagraph_sizes_for_spec_decode`);
+- dispatch, in five cudagraph modes with the default sizes: V1 `CudagraphDispatcher` after
+  `GPUModelRunner._is_uniform_decode`; MRV2 `CudaGraphManager._init_candidates` + `dispatch_cg_and_sync_dp`
+  after MRV2's own `gather_batch_req_state` (its batch order, is_prefilling, uniform token count); fuzzed too;
+- DP padding: MRV2 `dispatch_cg_and_sync_dp` (all-reduce replaced by the ranks' columns), V1
+  `_determine_batch_execution_and_padding` (`_run_ar` replaced likewise);
+- CommonAttentionMetadata: V1 `_build_attention_metadata` (stale padded rows in its buffers), MRV2
+  `DefaultModelState.prepare_attn` + `build_attn_metadata`, in eager, FULL_AND_PIECEWISE and FULL_DECODE_ONLY;
+- `split_decodes_and_prefills` (five backends' thresholds), `split_decodes_prefills_and_extends`;
+- `FlashInferMetadataBuilder.build` (native paths, plan() recorded; DCP on every rank);
+- `FlashAttentionMetadataBuilder.build` (`aot_schedule=False`: all but FA3's scheduler_metadata);
+- `make_local_attention_virtual_batches` (chunked_local groups, then FlashAttention's build).
+Runs where vLLM is installed (CI's record environment, with flashinfer-python); skipped elsewhere. vLLM is
+imported once per module.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ Rules (issue 26 forward-pass notes, section 6.2; vllm/v1/attention/backends/flas
   indices array, `seq_lens` = FlashInfer's `get_seq_lens` = max(num_blocks - 1, 0) * page_size + last_page_len.
 - Decode plan: the first N + 1 indptr entries and N last-page lengths, N = num_decode_tokens with one query
   token per request, or num_decodes with `q_len_per_req = num_decode_tokens // num_decodes` on FA2-native
-  decode; `num_qo_heads` is multiplied by the DCP size.
+  decode; `num_qo_heads` is multiplied by the DCP size. (Should N exceed n, vLLM's slices would reach stale
+  entries of its persistent buffers; kvmap gives only the n + 1 defined ones.)
 - Only the native paths: trtllm-gen and XQA (SM90+ with cubins) take the block table directly; the caller says
   which path runs. Each rule has a scalar spec (`build_spec`) and a numpy form (`build`).
 """
