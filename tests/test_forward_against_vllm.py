@@ -388,16 +388,21 @@ def test_flashinfer_equals_vllms(name, runner, vllm_fi):
                 if grp.kind not in ("full_attention", "sliding_window"):
                     continue
                 page = grp.kernel_block_size or grp.block_size
-                for rank in range(cp):
+                decodes = ("native", "fa2_native") if k and cp == 1 else ("native",)
+                for rank, decode in ((r, d) for r in range(cp) for d in decodes):
                     plans: dict = {}
                     B = builders[g, page] = _rebind(builders.get((g, page)), A, fi, h, page, cp, plans)
                     B.dcp_rank = rank
+                    if decode == "fa2_native":  # pre-SM90 FA2 decode: spec tokens as decodes, per-request plan
+                        B.use_fa2_native_decode = True
+                        B.reorder_batch_threshold = fa.reorder_batch_threshold("FLASHINFER", k,
+                                                                               flashinfer_decode=decode)
                     md = B.build(0, vllm_cm(cm, A.torch, A.CM))
-                    sp = fa.split(cm, "FLASHINFER", k, cp, runner=runner)
-                    args = (cm, sp, page, k, cp, rank, h.cp_kv_cache_interleave_size)
+                    sp = fa.split(cm, "FLASHINFER", k, cp, runner=runner, flashinfer_decode=decode)
+                    args = (cm, sp, page, k, cp, rank, h.cp_kv_cache_interleave_size, decode == "fa2_native")
                     mine = fib.build(*args)
                     assert_same(mine, fib.build_spec(*args), f"{name} step {b.step} group {g} spec")
-                    where = f"{name} {runner} {mode} step {b.step} group {g} rank {rank}"
+                    where = f"{name} {runner} {mode} step {b.step} group {g} rank {rank} {decode}"
                     assert (md.num_decodes, md.num_prefills, md.num_decode_tokens, md.num_prefill_tokens) == \
                         (mine.num_decodes, mine.num_prefills, mine.num_decode_tokens, mine.num_prefill_tokens), where
                     n = cm.num_reqs
@@ -448,7 +453,9 @@ def check_plans(plans: dict, mine, cp: int, where: str) -> None:
 @pytest.fixture(scope="module")
 def vllm_fa(vllm_attn):
     import vllm.v1.attention.backends.flash_attn as fl
+    import vllm.v1.attention.backends.triton_attn as triton
 
+    vllm_attn.triton = triton
     return vllm_attn, fl
 
 
@@ -506,6 +513,15 @@ def test_flash_attn_equals_vllms(name, runner, vllm_fa):
                     else:
                         assert md.dcp_context_kv_lens is None and mine.dcp_context_kv_lens is None, where
                     counted += 1
+                tb = object.__new__(A.triton.TritonAttentionMetadataBuilder)
+                tb.__dict__.update(seq_threshold_3D=128, num_par_softmax_segments=16, softmax_segm_output=None,
+                                   softmax_segm_max=None, softmax_segm_expsum=None, max_seqs_64_segments=0,
+                                   rswa_window=None)
+                tm, mine = tb.build(0, vcm), fab.triton_attn(cm)
+                for f in ("num_actual_tokens", "max_query_len", "max_seq_len", "causal"):
+                    assert int(getattr(tm, f)) == int(getattr(mine, f)), f"{where} triton: {f}"
+                for f in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+                    assert _eq(getattr(tm, f).numpy(), getattr(mine, f)), f"{where} triton: {f}"
     assert counted > 0
 
 
