@@ -375,19 +375,33 @@ def _eq(a, b) -> bool:
 @pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("name", TRACE_NAMES)
 def test_flashinfer_equals_vllms(name, runner, vllm_fi):
+    """chunked_local groups go through the virtual batches first; where those outnumber max_num_seqs vLLM's
+    builder fails (vllm#49980: chunked_local.jsonl steps 5 and 6) while kvmap computes them."""
     from kvmap.forward import flashinfer as fib
+    from kvmap.forward import local_attention as la
 
     A, fi = vllm_fi
     counted = 0
+    overflows: list = []
     stride = 8 if name.endswith(".gz") else 1  # the interpreted page-copy kernel is slow on long batches
     builders: dict = {}
     for mode in ATTN_CONFIGS:
         for h, b, _desc, _tails, cms in steps_with_metadata(name, runner, mode, stride):
             k, cp = h.num_speculative_tokens, h.cp_size
             for g, (grp, cm) in enumerate(zip(h.kv_cache_groups, cms)):
-                if grp.kind not in ("full_attention", "sliding_window"):
+                if grp.kind == "mamba":
                     continue
                 page = grp.kernel_block_size or grp.block_size
+                vcm = vllm_cm(cm, A.torch, A.CM)
+                if grp.kind == "chunked_local":  # ChunkedLocalAttentionBuilder: the virtual batches, then build
+                    vcm, _ = A.bu.make_local_attention_virtual_batches(grp.attention_chunk_size, vcm, page)
+                    cm = la.virtual_batches(cm, grp.attention_chunk_size, page)
+                    if cm.num_reqs > h.max_num_seqs:  # vllm#49980: the builder's per-request buffers overflow
+                        B = builders[g, page] = _rebind(builders.get((g, page)), A, fi, h, page, cp, {})
+                        with pytest.raises(ValueError, match="wrong size"):  # np.cumsum into indptr
+                            B.build(0, vcm)
+                        overflows.append((runner, mode, b.step))
+                        continue
                 decodes = ("native", "fa2_native") if k and cp == 1 else ("native",)
                 for rank, decode in ((r, d) for r in range(cp) for d in decodes):
                     plans: dict = {}
@@ -397,7 +411,7 @@ def test_flashinfer_equals_vllms(name, runner, vllm_fi):
                         B.use_fa2_native_decode = True
                         B.reorder_batch_threshold = fa.reorder_batch_threshold("FLASHINFER", k,
                                                                                flashinfer_decode=decode)
-                    md = B.build(0, vllm_cm(cm, A.torch, A.CM))
+                    md = B.build(0, vcm)
                     sp = fa.split(cm, "FLASHINFER", k, cp, runner=runner, flashinfer_decode=decode)
                     args = (cm, sp, page, k, cp, rank, h.cp_kv_cache_interleave_size, decode == "fa2_native")
                     mine = fib.build(*args)
@@ -412,6 +426,8 @@ def test_flashinfer_equals_vllms(name, runner, vllm_fi):
                     check_plans(plans, mine, cp, where)
                     counted += 1
     assert counted > 0
+    if name == "chunked_local.jsonl":
+        assert {s for _r, _m, s in overflows} == {5, 6}, overflows
 
 
 def _rebind(B, A, fi, h, page, cp, plans):
