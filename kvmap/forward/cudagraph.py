@@ -53,6 +53,7 @@ def _separate_routine(mode: str) -> bool:
 
 
 def check(runner: str, mode: str) -> None:
+    """Internal arguments (the caller checks user input at the boundary)."""
     assert runner in RUNNERS, runner
     assert mode in MODES, mode
 
@@ -173,6 +174,8 @@ def dispatch_spec(runner: str, mode: str, capture_sizes: list[int], max_num_seqs
 
 
 def v1_rule(mode, sizes, max_num_seqs, q, num_tokens, uniform, allowed=("FULL", "PIECEWISE", "NONE")):
+    """(runtime mode, padded tokens, desc.num_reqs | None) of `CudagraphDispatcher.dispatch` with `valid_modes`
+    `allowed`, over ascending `sizes`."""
     if mode == "NONE" or not sizes or num_tokens > sizes[-1] or allowed == ("NONE",):
         return "NONE", num_tokens, None
     padded = next(s for s in sizes if s >= num_tokens)

@@ -62,7 +62,7 @@ class FlashInferMetadata:
     num_prefills: int
     num_decode_tokens: int
     num_prefill_tokens: int
-    kv_lens: np.ndarray  # [n] int32, the KV lengths paged (DCP: rank-local, prefill rows context only)
+    seq_lens_cpu: np.ndarray  # [n] int32, the KV lengths paged (DCP: rank-local, prefill rows context only)
     paged_kv_indptr: np.ndarray  # [n + 1] int32, row -> first entry of paged_kv_indices
     paged_kv_indices: np.ndarray  # [paged_kv_indptr[n]] int32, the rows' pages, concatenated
     paged_kv_last_page_len: np.ndarray  # [n] int32, tokens in each row's last page
@@ -88,7 +88,7 @@ def dcp_local_seq_lens(seq_lens: np.ndarray, dcp_size: int, dcp_rank: int, inter
     return (base + rem).astype(np.int32)
 
 
-def _kv_lens_spec(cm, sp, num_speculative_tokens, dcp_size, dcp_rank, interleave) -> list[int]:
+def _seq_lens_cpu_spec(cm, sp, num_speculative_tokens, dcp_size, dcp_rank, interleave) -> list[int]:
     src = cm.seq_lens_cpu_upper_bound if num_speculative_tokens == 0 else cm.seq_lens
     kv = [int(x) for x in src[: cm.num_reqs]]
     if dcp_size > 1:
@@ -105,7 +105,7 @@ def build_spec(cm: CommonAttentionMetadata, sp: Split, page_size: int, num_specu
                fa2_native_decode: bool = False) -> FlashInferMetadata:
     """Scalar spec: row by row, page by page."""
     n = cm.num_reqs
-    kv = _kv_lens_spec(cm, sp, num_speculative_tokens, dcp_size, dcp_rank, interleave)
+    kv = _seq_lens_cpu_spec(cm, sp, num_speculative_tokens, dcp_size, dcp_rank, interleave)
     indptr, indices, last = [0], [], []
     for b in range(n):
         nb = (kv[b] + page_size - 1) // page_size
