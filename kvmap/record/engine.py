@@ -95,8 +95,8 @@ def build_scheduler(w: Workload):
         from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, \
             resolve_kv_cache_block_sizes
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, \
-            SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, \
+            KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
         from vllm.v1.structured_output import StructuredOutputManager
     except ImportError as e:
         raise KvmapError(f"{INSTALL_HINT} ({e})") from None
@@ -146,6 +146,9 @@ def build_scheduler(w: Workload):
         elif g.kind == "sliding_window":
             spec = SlidingWindowSpec(block_size=w.block_size, num_kv_heads=1, head_size=8, dtype=torch.float16,
                                      sliding_window=g.sliding_window)
+        elif g.kind == "chunked_local":
+            spec = ChunkedLocalAttentionSpec(block_size=w.block_size, num_kv_heads=1, head_size=8,
+                                             dtype=torch.float16, attention_chunk_size=g.attention_chunk_size)
         else:
             spec = FullAttentionSpec(block_size=w.block_size, num_kv_heads=1, head_size=8, dtype=torch.float16)
         groups.append(KVCacheGroupSpec(names, spec))

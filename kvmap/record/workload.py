@@ -20,8 +20,9 @@ from kvmap.trace.header import CUDAGRAPH_MODES
 
 @dataclass(frozen=True, slots=True)
 class GroupSpec:
-    kind: str = "full_attention"  # full_attention | sliding_window | mamba
+    kind: str = "full_attention"  # full_attention | sliding_window | chunked_local | mamba
     sliding_window: int | None = None
+    attention_chunk_size: int | None = None  # chunked_local: tokens per local-attention chunk
     num_layers: int = 1
     # block size the worker's attention kernel sees (header only: vLLM's scheduler never sees it); must divide
     # block_size. None: the group's block size (no split)
@@ -263,8 +264,14 @@ def _check(w: Workload, path: str) -> Workload:
                      ("stop_token_ids", list(w.stop_token_ids))):
         need(all(t < w.vocab_size for t in ids), key, f"must be below vocab_size {w.vocab_size}")
     for i, g in enumerate(w.kv_cache_groups):
-        need(g.kind in ("full_attention", "sliding_window", "mamba"), f"kv_cache_groups[{i}].kind",
-             "must be full_attention, sliding_window or mamba")
+        need(g.kind in ("full_attention", "sliding_window", "chunked_local", "mamba"), f"kv_cache_groups[{i}].kind",
+             "must be full_attention, sliding_window, chunked_local or mamba")
+        c = g.attention_chunk_size
+        need(g.kind != "chunked_local" or (c or 0) > 0 and c % w.block_size == 0,
+             f"kv_cache_groups[{i}].attention_chunk_size",
+             f"a chunked_local group needs a chunk of a positive multiple of block_size {w.block_size} tokens")
+        need(g.kind != "chunked_local" or cp == 1, f"kv_cache_groups[{i}].kind",
+             "chunked_local groups are recorded without decode context parallelism")
         need(g.kind != "sliding_window" or (g.sliding_window or 0) > 0, f"kv_cache_groups[{i}].sliding_window",
              "a sliding_window group needs a window > 0 tokens")
         need(g.kind != "sliding_window" or cp == 1, f"kv_cache_groups[{i}].kind",

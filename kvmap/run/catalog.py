@@ -14,7 +14,7 @@ from kvmap.files import bundled_traces
 from kvmap.trace import Trace
 
 
-SHORT = {"full_attention": "full", "sliding_window": "sliding"}
+SHORT = {"full_attention": "full", "sliding_window": "sliding", "chunked_local": "local"}
 
 
 @dataclass(frozen=True, slots=True)
