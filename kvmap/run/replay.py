@@ -27,6 +27,7 @@ from kvmap.errors import KvmapError
 from kvmap.kv.cache import KVCheckResult, KVGeometry
 from kvmap.run.config import ReplayConfig
 from kvmap.run.markers import Markers
+from kvmap.run.occupancy import Occupancy
 from kvmap.run.result import PHASES, ReplayResult, empty_window_error, warmup_window
 from kvmap.run.steplog import DistinctIds, StepLog
 from kvmap.trace import Trace
@@ -124,6 +125,8 @@ class _Run:
         self.h2d_before = 0
         self.rec = StepLog(len(result.phases))
         self.ranks_tally: _RankTally | None = None
+        # the KV cache's occupancy per step (occupancy.py); workers without host state (user workers) have none
+        self.occupancy = Occupancy(worker) if hasattr(worker, "state") and hasattr(worker, "rank_layouts") else None
         self.wall0 = 0.0
 
     def loop(self, steps, source, stop, record_from: int, measure_from: int, capture_from: int | None,
@@ -131,6 +134,7 @@ class _Run:
         """Replay steps until `stop` or the trace's end; the number of steps read."""
         worker, stages, markers, events, result = self.worker, self.stages, self.markers, self.events, self.result
         rec, seen, seen_measured, ranks_tally = self.rec, self.seen, self.seen_measured, self.ranks_tally
+        occupancy = self.occupancy
         pop = markers.pop
         self.wall0 = time.perf_counter()
         rec.origin = time.perf_counter_ns()
@@ -164,6 +168,9 @@ class _Run:
             result.steps_replayed += 1
             result.tokens_scheduled += step.num_tokens
             seen.update(step.new_req_ids)
+            if occupancy is not None:
+                index = worker.state.req_id_to_index
+                occupancy.add(i, worker.batch, [index[r] for r in step.new_req_ids], step.step >= record_from)
             if ranks_tally is not None:
                 ranks_tally.add(worker.mappings())
             if on_mappings is not None:
@@ -181,6 +188,9 @@ class _Run:
         if self.ranks_tally is not None:
             self.ranks_tally.store(result, check)
         result.steps, result.num_reqs, result.num_tokens, result.step_start_ns, result.phase_ns = self.rec.arrays()
+        if self.occupancy is not None:
+            result.kv_columns = self.occupancy.cols
+            result.kv_series = self.occupancy.arrays(result.steps_replayed)
         if self.events:
             result.device_phase_ns = self.events.finish()
         result.device = worker.device
@@ -248,6 +258,7 @@ def _new_result(trace: Trace, worker: Worker, kv, geometry: KVGeometry, phases: 
                 for g in h.kv_cache_groups],
         phases=phases, kv_bytes=kv.bytes if kv else 0, kv_geometry=asdict(geometry) if kv else {}, **kw)
     result.cp_size, result.tp_size = h.decode_context_parallel_size, h.tensor_parallel_size
+    result.engine = engine_dict(h)
     result.interleave = h.cp_kv_cache_interleave_size
     result.ranks = list(worker.ranks)
     if h.has_kernel_split:
@@ -255,6 +266,15 @@ def _new_result(trace: Trace, worker: Worker, kv, geometry: KVGeometry, phases: 
     if h.decode_context_parallel_size > 1 and kv is not None:
         result.rank_kv_bytes = [kv.bytes_per_rank] * len(worker.ranks)
     return result
+
+
+def engine_dict(h) -> dict:
+    """The trace header as plain data (the engine's pool, limits and features), without the source path."""
+    d = asdict(h)
+    d.pop("source", None)
+    d["stop_token_ids"] = list(d["stop_token_ids"])
+    d["kv_cache_groups"] = [{k: v for k, v in g.items() if v is not None} for g in d["kv_cache_groups"]]
+    return d
 
 
 class _RankTally:

@@ -1,0 +1,134 @@
+"""The paged KV cache's occupancy over the steps, per group and per DCP rank, beside contiguous allocation.
+
+Rules:
+- Measured from the worker's state after each step (outside every timed region): a live request (a row in the
+  state, not preempted) holds the KV it has written, `num_computed_tokens + num_scheduled_tokens` of its last
+  scheduled step; its block-table rows name the blocks it holds. The null block (`null_block_id`, the sliding
+  window's dropped blocks) is held by no one.
+- Per group: `in_use` = distinct block ids held; `shared` = those held by more than one request (prefix
+  caching); `held` = tokens stored in them (a block shared by several requests counts once, with the most any of
+  them wrote into it), per computed DCP rank (a rank stores the positions its interleave gives it). Free blocks
+  = num_gpu_blocks - the null block - every group's in_use (vLLM's groups share one pool).
+- Memory efficiency = held / (in_use x block_size) (per rank; summed over ranks for the group). Contiguous
+  allocation: every live request reserving max_model_len (`live` x max_model_len), or its final length (the
+  most KV its life ever held: `reserve_final`); both hold `tokens` = the live requests' KV lengths.
+- No per-step Python objects: a step appends its integers to one `array("q")` (8 bytes a value); `reserve_final`
+  is a difference array over steps, one entry per step, closed out per request life (vectorized over rows).
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+
+
+def columns(num_groups: int, ranks: list[int], kv_groups: list[int]) -> list[str]:
+    """The names of the series' columns: live, tokens, reserve_final, then per group in_use, shared and (KV
+    groups) held per rank."""
+    cols = ["live", "tokens", "reserve_final"]
+    for g in range(num_groups):
+        cols += [f"g{g}.in_use", f"g{g}.shared"]
+        if g in kv_groups:
+            cols += [f"g{g}.held.r{r}" for r in ranks]
+    return cols
+
+
+def _rank_tokens(x: np.ndarray, cp: int, rank: int, interleave: int) -> np.ndarray:
+    """Positions 0..x-1 (each x) that DCP rank `rank` stores: interleave-sized runs dealt round robin."""
+    cycle = interleave * cp
+    return (x // cycle) * interleave + np.clip(x % cycle - rank * interleave, 0, interleave)
+
+
+class Occupancy:
+    """The tally: `add(i, record)` after every replayed step, `arrays(first)` once at the end."""
+
+    def __init__(self, worker) -> None:
+        st = worker.state
+        h = worker.header
+        self.state = st
+        self.null = h.null_block_id
+        self.pool = h.num_gpu_blocks
+        self.ranks = list(worker.ranks)
+        self.layouts = worker.rank_layouts  # [ranks][G]
+        self.kv_groups = list(st.kv_groups)
+        self.cols = columns(h.num_groups, self.ranks, self.kv_groups)
+        R = h.max_num_seqs
+        self.kv_len = np.zeros(R, dtype=np.int64)  # [R] row -> KV tokens written (its last scheduled step)
+        self.first = np.zeros(R, dtype=np.int64)  # [R] row -> the step its current life started
+        self.longest = np.zeros(R, dtype=np.int64)  # [R] row -> the most KV its current life held
+        self.alive = np.zeros(R, dtype=bool)  # [R] row -> a request owns it (preempted under v1 included)
+        self.diff = array("q")  # [steps + 1] reserve_final's difference array
+        self.rows = array("q")  # the recorded steps' values, row after row
+        self.recorded = 0
+
+    def add(self, i: int, batch, new_rows: list[int], record: bool) -> None:
+        """Step `i` has run with `batch` (rows, num_scheduled_tokens); `new_rows` started a life this step."""
+        st = self.state
+        self.diff.append(0)
+        owned = np.fromiter(st.req_id_to_index.values(), np.int64, len(st.req_id_to_index))
+        alive = np.zeros_like(self.alive)
+        alive[owned] = True
+        ended = self.alive & ~alive
+        if new_rows:
+            restart = np.asarray(new_rows, dtype=np.int64)
+            ended[restart] |= self.alive[restart]
+        self._close(np.flatnonzero(ended), i)
+        if new_rows:
+            self.first[restart] = i
+            self.longest[restart] = 0
+        self.alive = alive
+        rows = batch.rows
+        self.kv_len[rows] = st.num_computed_tokens[rows].astype(np.int64) + batch.num_scheduled_tokens
+        live = owned if not st.preempted else np.fromiter(
+            (r for q, r in st.req_id_to_index.items() if q not in st.preempted), np.int64)
+        self.longest[live] = np.maximum(self.longest[live], self.kv_len[live])
+        if record:
+            self.rows.extend(self._step_values(live))
+            self.recorded += 1
+
+    def _close(self, rows: np.ndarray, i: int) -> None:
+        """Lives of `rows` end before step `i`: their final reservation spans first..i-1."""
+        if not len(rows):
+            return
+        d = np.frombuffer(self.diff, dtype=np.int64)
+        np.add.at(d, self.first[rows], self.longest[rows])
+        d[i] -= int(self.longest[rows].sum())
+
+    def _step_values(self, live: np.ndarray) -> list[int]:
+        """One recorded step's values, in `cols` order (reserve_final is filled in at the end). A shared block
+        is a cached full block (vLLM shares only full blocks), and a dropped one (null) lay wholly before the
+        window: each stores a full block per rank, so held = every row's stored tokens less those blocks'."""
+        st = self.state
+        kv_len = self.kv_len[live]
+        out = [len(live), int(kv_len.sum()), 0]
+        for g, table in enumerate(st.block_tables):
+            nb = st.num_blocks[g, live]
+            width = int(nb.max()) if len(nb) else 0
+            ids = table[live, :width][np.arange(width) < nb[:, None]]  # every held entry, row by row
+            count = np.bincount(ids, minlength=self.pool)
+            nulls = int(count[self.null]) if self.null is not None else 0
+            if nulls:
+                count[self.null] = 0
+            distinct = int(np.count_nonzero(count))
+            out += [distinct, int(np.count_nonzero(count > 1))]
+            if g not in self.kv_groups:
+                continue
+            extra = len(ids) - distinct  # entries that are not a distinct stored block (nulls, shares)
+            for k in range(len(self.ranks)):
+                lay = self.layouts[k][g]
+                end = np.minimum(kv_len, nb.astype(np.int64) * lay.virtual_block_size)
+                stored = int(_rank_tokens(end, lay.cp_size, lay.cp_rank, lay.interleave).sum())
+                out.append(stored - extra * lay.block_size)
+        return out
+
+    def arrays(self, steps: int) -> np.ndarray:
+        """[recorded, len(cols)] int64: the recorded steps' series (they are the last `recorded` of `steps`)."""
+        self.diff.append(0)
+        self._close(np.flatnonzero(self.alive), steps)
+        out = np.frombuffer(self.rows, dtype=np.int64).reshape(-1, len(self.cols)).copy()
+        if len(out):
+            reserve = np.cumsum(np.frombuffer(self.diff, dtype=np.int64))[:steps]
+            out[:, 2] = reserve[steps - len(out):]
+        self.rows = array("q")
+        return out
