@@ -26,6 +26,8 @@ from kvmap import defaults
 from kvmap.errors import KvmapError
 from kvmap.kv.cache import KVCheckResult, KVGeometry
 from kvmap.run.config import ReplayConfig
+from kvmap.run.composition import COLUMNS as MIX_COLUMNS
+from kvmap.run.composition import Composition
 from kvmap.run.markers import Markers
 from kvmap.run.occupancy import Occupancy
 from kvmap.run.result import PHASES, ReplayResult, empty_window_error, warmup_window
@@ -127,6 +129,7 @@ class _Run:
         self.ranks_tally: _RankTally | None = None
         # the KV cache's occupancy per step (occupancy.py); workers without host state (user workers) have none
         self.occupancy = Occupancy(worker) if hasattr(worker, "state") and hasattr(worker, "rank_layouts") else None
+        self.mix = Composition() if hasattr(worker, "batch") else None
         self.wall0 = 0.0
 
     def loop(self, steps, source, stop, record_from: int, measure_from: int, capture_from: int | None,
@@ -134,7 +137,7 @@ class _Run:
         """Replay steps until `stop` or the trace's end; the number of steps read."""
         worker, stages, markers, events, result = self.worker, self.stages, self.markers, self.events, self.result
         rec, seen, seen_measured, ranks_tally = self.rec, self.seen, self.seen_measured, self.ranks_tally
-        occupancy = self.occupancy
+        occupancy, mix = self.occupancy, self.mix
         pop = markers.pop
         self.wall0 = time.perf_counter()
         rec.origin = time.perf_counter_ns()
@@ -165,6 +168,8 @@ class _Run:
                 seen_measured.update(step.scheduled_req_ids())
             if step.step >= record_from:
                 rec.add(step.step, step.num_reqs, step.num_tokens, ts)
+                if mix is not None:
+                    mix.add(step, worker.batch)
             result.steps_replayed += 1
             result.tokens_scheduled += step.num_tokens
             seen.update(step.new_req_ids)
@@ -188,6 +193,8 @@ class _Run:
         if self.ranks_tally is not None:
             self.ranks_tally.store(result, check)
         result.steps, result.num_reqs, result.num_tokens, result.step_start_ns, result.phase_ns = self.rec.arrays()
+        if self.mix is not None:
+            result.mix_columns, result.mix_series = list(MIX_COLUMNS), self.mix.arrays()
         if self.occupancy is not None:
             result.kv_columns = self.occupancy.cols
             result.kv_series = self.occupancy.arrays(result.steps_replayed)

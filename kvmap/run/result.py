@@ -130,6 +130,9 @@ class ReplayResult:
     # the KV cache's occupancy per recorded step (occupancy.py): column names, then [n, len(kv_columns)] int64
     kv_columns: list[str] = field(default_factory=list)
     kv_series: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    # the batch's composition per recorded step (composition.py): column names, then [n, len(mix_columns)] int64
+    mix_columns: list[str] = field(default_factory=list)
+    mix_series: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
 
     # ------------------------------------------------------------------ derived
 
@@ -189,11 +192,11 @@ class ReplayResult:
         if any(a.ndim != 1 for k, a in kw.items() if k in _ARRAYS[:3] + ("step_start_ns",)) or \
                 len({len(kw[k]) for k in _ARRAYS[:3]}) != 1:
             raise KvmapError("steps, num_reqs and num_tokens must be flat and of one length", field="steps")
-        if kw["kv_series"].size and (not kw.get("kv_columns") or kw["kv_series"].size % len(kw["kv_columns"])
-                                     or kw["kv_series"].size // len(kw["kv_columns"]) != len(kw["steps"])):
-            raise KvmapError(f"{kw['kv_series'].size} values are not one row of kv_columns per step",
-                             field="kv_series")
-        kw["kv_series"] = kw["kv_series"].reshape(-1, max(len(kw.get("kv_columns", [])), 1))
+        for k, cols in (("kv_series", "kv_columns"), ("mix_series", "mix_columns")):
+            width = len(kw.get(cols, []))
+            if kw[k].size and (not width or kw[k].size != width * len(kw["steps"])):
+                raise KvmapError(f"{kw[k].size} values are not one row of {cols} per step", field=k)
+            kw[k] = kw[k].reshape(-1, max(width, 1))
         for k in ("phase_ns", "device_phase_ns"):
             if kw[k].size % len(kw["phases"]):
                 raise KvmapError(f"{kw[k].size} values are not whole rows of {len(kw['phases'])} phases", field=k)
@@ -204,7 +207,8 @@ class ReplayResult:
         return cls(**kw)
 
 
-_ARRAYS = ("steps", "num_reqs", "num_tokens", "phase_ns", "step_start_ns", "device_phase_ns", "kv_series")
+_ARRAYS = ("steps", "num_reqs", "num_tokens", "phase_ns", "step_start_ns", "device_phase_ns", "kv_series",
+           "mix_series")
 _GROUP_KEYS = {"kind", "block_size"}
 _EXAMPLE_KEYS = {"step", "req_id", "group", "position", "slot", "expected_token", "found"}
 _SCALARS = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "dict": (dict,),

@@ -1,0 +1,39 @@
+"""What each recorded step's batch was made of: prefill, decode and draft tokens, new, resumed, preempted and
+finished requests.
+
+Rules: read from the decoded step and the worker's batch after the step (outside every timed region). A request
+scheduled exactly one token besides its drafts is decoding (a one-token last prefill chunk counts as decode: the
+step does not tell them apart); every other non-draft token is prefill. `new` counts scheduled_new_reqs (a v2
+resumption comes back as new), `resumed` the v1 resumed ids. No per-step Python objects: one `array("q")`.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+
+COLUMNS = ("prefill_tokens", "decode_tokens", "draft_tokens", "new", "resumed", "preempted", "finished")
+
+
+class Composition:
+    """The tally: `add(step, batch)` per recorded step, `arrays()` once at the end."""
+
+    def __init__(self) -> None:
+        self.rows = array("q")
+
+    def add(self, step, batch) -> None:
+        so = step.scheduler_output
+        drafts = batch.num_draft_tokens
+        plain = batch.num_scheduled_tokens - drafts  # [num_reqs] non-draft tokens per request
+        decode = int(np.count_nonzero(plain == 1))
+        total_drafts = int(drafts.sum())
+        self.rows.extend((step.num_tokens - total_drafts - decode, decode, total_drafts, len(so.scheduled_new_reqs),
+                          len(so.scheduled_cached_reqs.resumed_req_ids), len(so.preempted_req_ids),
+                          len(so.finished_req_ids)))
+
+    def arrays(self) -> np.ndarray:
+        """[recorded steps, len(COLUMNS)] int64."""
+        out = np.frombuffer(self.rows, dtype=np.int64).reshape(-1, len(COLUMNS)).copy()
+        self.rows = array("q")
+        return out
