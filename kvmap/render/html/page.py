@@ -7,7 +7,8 @@ Rules:
 - Every text from a trace or a run (file names, request ids, messages) goes through `esc`; embedded JSON
   through `script_json` (no `</script>` can end it early).
 - A number shown in a table is written from the run data with its full value beside it
-  (`data-key`, `data-value`), so a test can hold the page to `--json`.
+  (`data-key`: its path in the data, `/`-separated; `data-value`: its JSON), so a test can hold the page to
+  `--json`.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ def page(title: str, body: str, *, scripts: list[str] = (), data: object = None,
     css = asset("page.css") + (asset("vendor/uPlot.min.css") if with_plots else "")
     js = [asset("vendor/uPlot.iife.min.js")] if with_plots else []
     js += [asset(s) for s in scripts]
+    # last: every figure's box in page pixels (data-box), for the browser test's per-figure screenshot check
+    js.append("document.querySelectorAll('figure').forEach(f=>{const r=f.getBoundingClientRect();"
+              "f.dataset.box=JSON.stringify([r.left+scrollX,r.top+scrollY,r.width,r.height].map(Math.round));});"
+              "document.documentElement.dataset.ready='1';")
     catch = ("window.addEventListener('error',e=>{document.documentElement.dataset.errors="
              "(document.documentElement.dataset.errors||'')+String(e.message)+'\\n';});")
     embedded = (f'<script type="application/json" id="kvmap-data">{script_json(data)}</script>'

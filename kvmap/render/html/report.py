@@ -64,7 +64,7 @@ def _summary_block(r: ReplayResult, s: dict) -> str:
             ("requests per step", num("mean_reqs_per_step", s["mean_reqs_per_step"])),
             ("steps/s", num("steps_per_s", s["steps_per_s"], f"{s['steps_per_s']:,.0f}")),
             ("tokens/s", num("tokens_per_s", s["tokens_per_s"], f"{s['tokens_per_s']:,.0f}")),
-            ("time of the measured steps, ms", num("time_s", s["time_s"], f"{s['time_s'] * 1e3:,.2f}"))]
+            ("time of the measured steps, s", num("time_s", s["time_s"], f"{s['time_s']:.4f}"))]
     body = "".join(f"<tr><th>{esc(k)}</th>{v}</tr>" for k, v in rows)
     return f'<table class="summary"><caption>summary (measured steps)</caption><tbody>{body}</tbody></table>'
 
@@ -80,7 +80,7 @@ def _phase_table(r: ReplayResult, s: dict) -> str:
     keys = ["mean_us", *qs, "min_us", "max_us", "total_ms", "share"]
     rows = []
     for name, st in s["phases"].items():
-        cells = "".join(num(f"phases.{name}.{k}", st[k], f"{st[k]:.0%}" if k == "share" else
+        cells = "".join(num(f"phases/{name}/{k}", st[k], f"{st[k]:.0%}" if k == "share" else
                             f"{st[k]:,.2f}" if k == "total_ms" else None) for k in keys)
         cls = ' class="total"' if name in ("mappings", "step") else ""
         rows.append(f"<tr{cls}><th>{esc(name)}</th>{cells}</tr>")
@@ -92,12 +92,12 @@ def _phase_table(r: ReplayResult, s: dict) -> str:
 def _cost_table(s: dict) -> str:
     rows = []
     for name, c in s["cost"]["phases"].items():
-        cells = (num(f"cost.phases.{name}.fixed_us", c["fixed_us"], f"{c['fixed_us']:.2f}")
-                 + num(f"cost.phases.{name}.per_token_us", c["per_token_us"], f"{c['per_token_us']:.4f}")
-                 + num(f"cost.phases.{name}.r2_tokens", c["r2_tokens"], _r2(c["r2_tokens"]))
-                 + num(f"cost.phases.{name}.per_request_us", c["per_request_us"], f"{c['per_request_us']:.3f}")
-                 + num(f"cost.phases.{name}.r2_reqs", c["r2_reqs"], _r2(c["r2_reqs"]))
-                 + num(f"cost.phases.{name}.left_out", c["left_out"]))
+        cells = (num(f"cost/phases/{name}/fixed_us", c["fixed_us"], f"{c['fixed_us']:.2f}")
+                 + num(f"cost/phases/{name}/per_token_us", c["per_token_us"], f"{c['per_token_us']:.4f}")
+                 + num(f"cost/phases/{name}/r2_tokens", c["r2_tokens"], _r2(c["r2_tokens"]))
+                 + num(f"cost/phases/{name}/per_request_us", c["per_request_us"], f"{c['per_request_us']:.3f}")
+                 + num(f"cost/phases/{name}/r2_reqs", c["r2_reqs"], _r2(c["r2_reqs"]))
+                 + num(f"cost/phases/{name}/left_out", c["left_out"]))
         rows.append(f"<tr><th>{esc(name)}</th>{cells}</tr>")
     return table("cost per step (least squares over the measured steps; steps over 10x the phase's median left "
                  "out)", ["phase", "fixed us", "us per token", "r2", "us per request", "r2", "left out"], rows)
@@ -110,9 +110,9 @@ def _r2(v) -> str | None:
 def _memory_table(mem: dict) -> str:
     rows = []
     for name, e in mem["efficiency"].items():
-        cells = "".join(num(f"kv_memory.efficiency.{name}.{k}", e[k], None if e[k] is None else f"{e[k]:.1%}")
+        cells = "".join(num(f"kv_memory/efficiency/{name}/{k}", e[k], None if e[k] is None else f"{e[k]:.1%}")
                         for k in ("mean", "p5", "min"))
-        rows.append(f"<tr><th>{esc(name)}</th>{cells}{num(f'kv_memory.efficiency.{name}.steps', e['steps'])}</tr>")
+        rows.append(f"<tr><th>{esc(name)}</th>{cells}{num(f'kv_memory/efficiency/{name}/steps', e['steps'])}</tr>")
     return table("memory efficiency over the measured steps holding KV (tokens held / memory reserved)",
                  ["allocation", "mean", "p5", "min", "steps"], rows)
 
@@ -122,7 +122,7 @@ def _slow_table(data: dict) -> str:
     if not slow["steps"]:
         return '<p class="note">no step slower than its scheduled tokens and requests explain</p>'
     pairs = sorted(zip(slow["us"], slow["steps"]), reverse=True)[:10]
-    rows = [f"<tr>{num('slow.step', st)}{num('slow.us', us)}</tr>" for us, st in pairs]
+    rows = [f"<tr>{num('slow/steps', st)}{num('slow/us', us)}</tr>" for us, st in pairs]
     return table(f"slowest of the {len(slow['steps'])} slow steps (work phases, read_step apart)",
                  ["step", "us"], rows)
 
