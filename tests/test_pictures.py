@@ -6,8 +6,10 @@ installs it: .ci/run)."""
 
 from __future__ import annotations
 
+import hashlib
 import html
 import json
+import os
 import re
 import xml.etree.ElementTree as ET
 from dataclasses import replace
@@ -18,7 +20,7 @@ from typer.testing import CliRunner
 
 from kvmap.cli.app import app
 from kvmap.errors import KvmapError
-from kvmap.render.html.page import asset
+from kvmap.render.html.page import UPLOT_VERSION, asset
 from kvmap.render.html.report import report_html
 from kvmap.render.html.series import MAX_POINTS, envelope
 from kvmap.run.result import ReplayResult
@@ -31,8 +33,10 @@ runner = CliRunner()
 CASES = {"long_mixed": ("long_mixed.jsonl.gz", ["--step", "152"]),
          "dcp2": ("dcp2.jsonl", ["--step", "5", "--token", "3"]),
          "hybrid": ("hybrid_sliding_window.jsonl", ["--step", "30", "--req", "long-a", "--token", "0"])}
-needs_chromium = pytest.mark.skipif(browser.chromium() is None, reason="no chromium on PATH (CI installs Debian's "
-                                    "chromium: .ci/run); the browser checks are skipped")
+# CI sets KVMAP_REQUIRE_CHROMIUM: there a missing chromium fails these tests instead of skipping them
+needs_chromium = pytest.mark.skipif(browser.chromium() is None and not os.environ.get("KVMAP_REQUIRE_CHROMIUM"),
+                                    reason="no chromium on PATH (CI installs Debian's chromium: .ci/run); the "
+                                    "browser checks are skipped")
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +154,13 @@ def test_envelope_keeps_every_extreme():
     x, s = envelope(np.arange(10_000), {"v": v}, max_points=1000, buckets=500)
     assert len(x) == 1000 and s["v"].max() == 50.0 and s["v"].min() == v.min()
     assert x[2 * (7777 // 20)] == 7777 // 20 * 20  # each run of 20 steps: its first step, twice
+
+
+def test_vendored_uplot_is_the_pinned_release():
+    """npm's uplot@1.6.32 dist/uPlot.iife.min.js, unchanged (scripts/vendor_uplot.sh)."""
+    js = asset("vendor/uPlot.iife.min.js")
+    assert js.startswith(f"/*! https://github.com/leeoniya/uPlot (v{UPLOT_VERSION}) */")
+    assert hashlib.sha256(js.encode()).hexdigest() == "19c8d4c6ad88929a79f4ae49d6f7161566dfd0ba3d15cc495e974f787eb78f1f"
 
 
 def test_missing_asset_is_one_line():

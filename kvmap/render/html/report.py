@@ -36,8 +36,10 @@ def report_html(r: ReplayResult) -> str:
     """The report page for `r`."""
     s = summary_dict(r)
     data = figure_data(r, s)
-    parts = [f"<h1>kvmap replay: {esc(r.trace)}</h1>",
-             f'<p class="sub">{esc(r.backend)} backend, {esc(r.protocol)} protocol; {esc(steps_text(r))}</p>',
+    name = r.trace.replace("\\", "/").rsplit("/", 1)[-1]
+    parts = [f'<h1 title="{esc(r.trace)}">kvmap replay: {esc(name)}</h1>',
+             f'<p class="sub">{esc(r.trace)}: {esc(r.backend)} backend, {esc(r.protocol)} protocol; '
+             f"{esc(steps_text(r))}</p>",
              _summary_block(r, s), _warnings(s)]
     for fid, title, caption in FIGURES:
         if fid == "mix" and data["mix"] is None or fid.startswith("kv") and data["kv"] is None:
@@ -65,8 +67,9 @@ def _summary_block(r: ReplayResult, s: dict) -> str:
             ("steps/s", num("steps_per_s", s["steps_per_s"], f"{s['steps_per_s']:,.0f}")),
             ("tokens/s", num("tokens_per_s", s["tokens_per_s"], f"{s['tokens_per_s']:,.0f}")),
             ("time of the measured steps, s", num("time_s", s["time_s"], f"{s['time_s']:.4f}"))]
-    body = "".join(f"<tr><th>{esc(k)}</th>{v}</tr>" for k, v in rows)
-    return f'<table class="summary"><caption>summary (measured steps)</caption><tbody>{body}</tbody></table>'
+    head = "".join(f"<th>{esc(k)}</th>" for k, _ in rows)
+    return (f'<table class="summary"><caption>summary (measured steps)</caption><thead><tr>{head}</tr></thead>'
+            f"<tbody><tr>{''.join(v for _, v in rows)}</tr></tbody></table>")
 
 
 def _warnings(s: dict) -> str:
