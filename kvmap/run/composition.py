@@ -33,7 +33,7 @@ class Composition:
                           len(so.finished_req_ids)))
 
     def arrays(self) -> np.ndarray:
-        """[recorded steps, len(COLUMNS)] int64."""
+        """[recorded steps, len(COLUMNS)] int32 (int64 when a value needs it)."""
         out = np.frombuffer(self.rows, dtype=np.int64).reshape(-1, len(COLUMNS)).copy()
         self.rows = array("q")
-        return out
+        return out.astype(np.int32) if not out.size or out.max() < 2**31 else out

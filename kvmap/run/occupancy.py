@@ -123,7 +123,8 @@ class Occupancy:
         return out
 
     def arrays(self, steps: int) -> np.ndarray:
-        """[recorded, len(cols)] int64: the recorded steps' series (they are the last `recorded` of `steps`)."""
+        """[recorded, len(cols)] int32 (int64 when a value needs it): the recorded steps' series (the last
+        `recorded` of `steps`)."""
         self.diff.append(0)
         self._close(np.flatnonzero(self.alive), steps)
         out = np.frombuffer(self.rows, dtype=np.int64).reshape(-1, len(self.cols)).copy()
@@ -131,4 +132,9 @@ class Occupancy:
             reserve = np.cumsum(np.frombuffer(self.diff, dtype=np.int64))[:steps]
             out[:, 2] = reserve[steps - len(out):]
         self.rows = array("q")
-        return out
+        return _compact(out)
+
+
+def _compact(a: np.ndarray) -> np.ndarray:
+    """int32 when every value fits (the same integers in half the memory), else as it is."""
+    return a.astype(np.int32) if not a.size or (a.min() >= -2**31 and a.max() < 2**31) else a

@@ -127,10 +127,10 @@ class ReplayResult:
     runs_p50_us: list[dict] = field(default_factory=list)
     # the engine as the trace header gives it (pool, limits, groups, features), for reports; {} in older runs
     engine: dict = field(default_factory=dict)
-    # the KV cache's occupancy per recorded step (occupancy.py): column names, then [n, len(kv_columns)] int64
+    # the KV cache's occupancy per recorded step (occupancy.py): column names, then [n, len(kv_columns)] integers
     kv_columns: list[str] = field(default_factory=list)
     kv_series: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
-    # the batch's composition per recorded step (composition.py): column names, then [n, len(mix_columns)] int64
+    # the batch's composition per recorded step (composition.py): column names, then [n, len(mix_columns)] integers
     mix_columns: list[str] = field(default_factory=list)
     mix_series: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
 
