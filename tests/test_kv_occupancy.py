@@ -31,6 +31,7 @@ def reference(path):
     w = NumpyWorker(h)
     st = w.state
     kv_len: dict[str, int] = {}
+    computed: dict[str, int] = {}
     lives: list[list] = []  # [first step, last step, longest]
     life_of: dict[str, list] = {}
     rows = []
@@ -41,7 +42,8 @@ def reference(path):
             lives.append(life_of[r])
         b = w.batch
         for r, n in zip(b.req_ids, b.num_scheduled_tokens.tolist()):
-            kv_len[r] = int(st.num_computed_tokens[st.req_id_to_index[r]]) + n
+            computed[r] = int(st.num_computed_tokens[st.req_id_to_index[r]])
+            kv_len[r] = computed[r] + n
         owners = [r for r in st.req_id_to_index]
         live = [r for r in owners if r not in st.preempted]
         for r in owners:
@@ -51,10 +53,16 @@ def reference(path):
         row = {"live": len(live), "tokens": sum(kv_len[r] for r in live)}
         for g, grp in enumerate(h.kv_cache_groups):
             holders: dict[int, list] = {}
+            span = w.rank_layouts[0][g].virtual_block_size
             for r in live:
                 i = st.req_id_to_index[r]
+                first = 0  # vLLM frees the blocks wholly before the window (the worker keeps their ids)
+                if grp.kind == "sliding_window":
+                    first = max(0, computed[r] - grp.sliding_window + 1) // span
+                elif grp.kind == "chunked_local":
+                    first = computed[r] // grp.attention_chunk_size * grp.attention_chunk_size // span
                 for j, blk in enumerate(st.block_tables[g][i, : st.num_blocks[g, i]].tolist()):
-                    if blk != h.null_block_id:
+                    if blk != h.null_block_id and j >= first:
                         holders.setdefault(blk, []).append((r, j))
             row[f"g{g}.in_use"] = len(holders)
             row[f"g{g}.shared"] = sum(len(v) > 1 for v in holders.values())

@@ -3,8 +3,10 @@
 Rules:
 - Measured from the worker's state after each step (outside every timed region): a live request (a row in the
   state, not preempted) holds the KV it has written, `num_computed_tokens + num_scheduled_tokens` of its last
-  scheduled step; its block-table rows name the blocks it holds. The null block (`null_block_id`, the sliding
-  window's dropped blocks) is held by no one.
+  scheduled step; its block-table rows name the blocks it holds, but for a sliding-window or chunked-local group
+  not those wholly before the window its last scheduled step started from (`GroupLayout.readable_lo`: vLLM's
+  scheduler frees them, the worker's row keeps their stale ids). The null block (`null_block_id`) is held by
+  no one.
 - Per group: `in_use` = distinct block ids held; `shared` = those held by more than one request (prefix
   caching); `held` = tokens stored in them (a block shared by several requests counts once, with the most any of
   them wrote into it), per computed DCP rank (a rank stores the positions its interleave gives it). Free blocks
@@ -55,37 +57,50 @@ class Occupancy:
         self.cols = columns(h.num_groups, self.ranks, self.kv_groups)
         R = h.max_num_seqs
         self.kv_len = np.zeros(R, dtype=np.int64)  # [R] row -> KV tokens written (its last scheduled step)
+        self.computed = np.zeros(R, dtype=np.int64)  # [R] row -> num_computed_tokens of its last scheduled step
+        self.block_index = np.arange(max(st.max_num_blocks), dtype=np.int64)  # [width] logical block indices
         self.first = np.zeros(R, dtype=np.int64)  # [R] row -> the step its current life started
         self.longest = np.zeros(R, dtype=np.int64)  # [R] row -> the most KV its current life held
         self.alive = np.zeros(R, dtype=bool)  # [R] row -> a request owns it (preempted under v1 included)
+        self.live = np.zeros(0, dtype=np.int64)  # [live] rows of the requests holding KV (not preempted)
         self.diff = array("q")  # [steps + 1] reserve_final's difference array
         self.rows = array("q")  # the recorded steps' values, row after row
         self.recorded = 0
 
-    def add(self, i: int, batch, new_rows: list[int], record: bool) -> None:
-        """Step `i` has run with `batch` (rows, num_scheduled_tokens); `new_rows` started a life this step."""
+    def add(self, i: int, step, batch, new_rows: list[int], record: bool) -> None:
+        """Step `i` (`step`) has run with `batch` (rows, num_scheduled_tokens); `new_rows` started a life in it.
+        Rows change owner only in a step that adds, finishes, preempts or resumes requests: only then are the
+        owners read again."""
         st = self.state
         self.diff.append(0)
+        so = step.scheduler_output
+        if new_rows or so.finished_req_ids or so.preempted_req_ids or so.scheduled_cached_reqs.resumed_req_ids:
+            self._owners(i, new_rows)
+        rows = batch.rows
+        computed = st.num_computed_tokens[rows]
+        self.computed[rows] = computed
+        kv = computed + batch.num_scheduled_tokens  # [num_reqs] KV after this step
+        self.kv_len[rows] = kv
+        self.longest[rows] = np.maximum(self.longest[rows], kv)  # only a scheduled row's KV grows
+        if record:
+            self.rows.extend(self._step_values(self.live))
+            self.recorded += 1
+
+    def _owners(self, i: int, new_rows: list[int]) -> None:
+        """Read the rows' owners after step `i`: close the lives that ended, start those of `new_rows`."""
+        st = self.state
         owned = np.fromiter(st.req_id_to_index.values(), np.int64, len(st.req_id_to_index))
         alive = np.zeros_like(self.alive)
         alive[owned] = True
         ended = self.alive & ~alive
-        if new_rows:
-            restart = np.asarray(new_rows, dtype=np.int64)
-            ended[restart] |= self.alive[restart]
+        restart = np.asarray(new_rows, dtype=np.int64)
+        ended[restart] |= self.alive[restart]
         self._close(np.flatnonzero(ended), i)
-        if new_rows:
-            self.first[restart] = i
-            self.longest[restart] = 0
+        self.first[restart] = i
+        self.longest[restart] = 0
         self.alive = alive
-        rows = batch.rows
-        self.kv_len[rows] = st.num_computed_tokens[rows].astype(np.int64) + batch.num_scheduled_tokens
-        live = owned if not st.preempted else np.fromiter(
+        self.live = owned if not st.preempted else np.fromiter(
             (r for q, r in st.req_id_to_index.items() if q not in st.preempted), np.int64)
-        self.longest[live] = np.maximum(self.longest[live], self.kv_len[live])
-        if record:
-            self.rows.extend(self._step_values(live))
-            self.recorded += 1
 
     def _close(self, rows: np.ndarray, i: int) -> None:
         """Lives of `rows` end before step `i`: their final reservation spans first..i-1."""
@@ -97,29 +112,36 @@ class Occupancy:
 
     def _step_values(self, live: np.ndarray) -> list[int]:
         """One recorded step's values, in `cols` order (reserve_final is filled in at the end). A shared block
-        is a cached full block (vLLM shares only full blocks), and a dropped one (null) lay wholly before the
-        window: each stores a full block per rank, so held = every row's stored tokens less those blocks'."""
+        is a cached full block (vLLM shares only full blocks), and a dropped one (null, or before the window) lay
+        wholly before it: each stores a full block per rank, so held = every row's stored tokens less those."""
         st = self.state
         kv_len = self.kv_len[live]
         out = [len(live), int(kv_len.sum()), 0]
         for g, table in enumerate(st.block_tables):
-            nb = st.num_blocks[g, live]
+            lay0 = self.layouts[0][g]
+            nb = st.num_blocks[g, live].astype(np.int64)
             width = int(nb.max()) if len(nb) else 0
-            ids = table[live, :width][np.arange(width) < nb[:, None]]  # every held entry, row by row
+            mask = self.block_index[:width] < nb[:, None]  # [live, width] the row's entries
+            skip = None
+            if lay0.kind in ("sliding_window", "chunked_local"):  # vLLM frees the blocks before the window
+                skip = np.minimum(lay0.readable_lo(self.computed[live]) // lay0.virtual_block_size, nb)
+                mask &= self.block_index[:width] >= skip[:, None]
+            ids = table[live, :width][mask]  # every held entry, row by row
             count = np.bincount(ids, minlength=self.pool)
-            nulls = int(count[self.null]) if self.null is not None else 0
-            if nulls:
+            if self.null is not None:
                 count[self.null] = 0
             distinct = int(np.count_nonzero(count))
             out += [distinct, int(np.count_nonzero(count > 1))]
             if g not in self.kv_groups:
                 continue
-            extra = len(ids) - distinct  # entries that are not a distinct stored block (nulls, shares)
+            extra = len(ids) - distinct  # held entries that are not a distinct stored block (nulls, shares)
+            dropped = int(skip.sum()) if skip is not None else 0  # leading blocks freed (full on every rank)
             for k in range(len(self.ranks)):
                 lay = self.layouts[k][g]
-                end = np.minimum(kv_len, nb.astype(np.int64) * lay.virtual_block_size)
-                stored = int(_rank_tokens(end, lay.cp_size, lay.cp_rank, lay.interleave).sum())
-                out.append(stored - extra * lay.block_size)
+                end = np.minimum(kv_len, nb * lay.virtual_block_size)
+                if lay.cp_size > 1:
+                    end = _rank_tokens(end, lay.cp_size, lay.cp_rank, lay.interleave)
+                out.append(int(end.sum()) - (extra + dropped) * lay.block_size)
         return out
 
     def arrays(self, steps: int) -> np.ndarray:

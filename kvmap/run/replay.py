@@ -175,7 +175,7 @@ class _Run:
             seen.update(step.new_req_ids)
             if occupancy is not None:
                 index = worker.state.req_id_to_index
-                occupancy.add(i, worker.batch, [index[r] for r in step.new_req_ids], step.step >= record_from)
+                occupancy.add(i, step, worker.batch, [index[r] for r in step.new_req_ids], step.step >= record_from)
             if ranks_tally is not None:
                 ranks_tally.add(worker.mappings())
             if on_mappings is not None:

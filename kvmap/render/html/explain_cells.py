@@ -4,8 +4,9 @@ Rules: from `kvmap explain --json`'s data only: the batch's block-table rows, se
 (`mappings`) and the group's layout on the rank (`layout`). A scheduled request holds positions 0 .. seq_len - 1;
 those from num_computed_tokens on are this step's flat tokens, the rest were written by earlier steps. A position
 lands in the block its row names and at the offset kvmap.layout's `GroupLayout` gives (the owner of that rule);
-with DCP only the positions the rank stores. The null block (a sliding window's dropped blocks) holds nothing
-drawn. Blocks written this step come first, then the highlighted request's, then the rest, at most MAX_BLOCKS.
+with DCP only the positions the rank stores. The null block holds nothing drawn, nor do a sliding-window or
+chunked-local group's blocks wholly before the window the step starts from (`GroupLayout.readable_start`: vLLM's
+scheduler has freed them; the worker's row keeps their stale ids). Blocks written this step come first, then the highlighted request's, then the rest, at most MAX_BLOCKS.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ def grid_cells(d: dict, g: int, rank: int, max_blocks: int = MAX_BLOCKS) -> tupl
     mine: list[int] = []  # the highlighted request's blocks
     for b, row in enumerate(m["block_tables"][g]):
         seq = seq_lens[b]
-        first_new = seq - (qsl[b + 1] - qsl[b])
+        first_new = seq - (qsl[b + 1] - qsl[b])  # num_computed_tokens
+        first_block = lay.readable_start(first_new) // lay.virtual_block_size  # earlier ones: freed by vLLM
         pos = np.arange(seq, dtype=np.int64)
         pos = pos[lay.local_mask(pos)]
         offs = lay.local_offsets(pos)
         logical = lay.block_indices(pos)
         for p, off, j in zip(pos.tolist(), offs.tolist(), logical.tolist()):
-            if j >= len(row) or row[j] == null:
+            if j >= len(row) or j < first_block or row[j] == null:
                 continue
             blk = row[j]
             cells = blocks.setdefault(blk, [None] * lay.block_size)
