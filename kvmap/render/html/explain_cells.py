@@ -6,7 +6,8 @@ those from num_computed_tokens on are this step's flat tokens, the rest were wri
 lands in the block its row names and at the offset kvmap.layout's `GroupLayout` gives (the owner of that rule);
 with DCP only the positions the rank stores. The null block holds nothing drawn, nor do a sliding-window or
 chunked-local group's blocks wholly before the window the step starts from (`GroupLayout.readable_start`: vLLM's
-scheduler has freed them; the worker's row keeps their stale ids). Blocks written this step come first, then the highlighted request's, then the rest, at most MAX_BLOCKS.
+scheduler has freed them; the worker's row keeps their stale ids). Blocks written this step come first, then the
+highlighted request's, then the rest, at most MAX_BLOCKS.
 """
 
 from __future__ import annotations
