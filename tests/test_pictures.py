@@ -239,3 +239,19 @@ def test_in_chromium(made, name, page, tmp_path):
     boxes = [json.loads(html.unescape(a["box"])) for a in figs.values()]
     var = browser.variances(png, boxes)
     assert all(v > 50 for v in var), dict(zip(figs, var))
+
+
+def test_a_run_saved_before_the_occupancy_series_still_draws(made, tmp_path):
+    d = json.loads(json.dumps(made["dcp2"]["run"]))
+    for k in ("kv_series", "kv_columns", "mix_series", "mix_columns", "engine"):
+        d["result"].pop(k)
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    res = runner.invoke(app, ["report", str(tmp_path / "old.json"), "--html", str(tmp_path / "old.html")])
+    assert res.exit_code == 0, res.output
+    page = (tmp_path / "old.html").read_text()
+    assert 'data-fig="time"' in page and 'data-fig="kv-eff"' not in page and 'data-fig="mix"' not in page
+
+
+def test_explain_writes_one_output_to_stdout():
+    res = runner.invoke(app, ["explain", str(TRACES / "worked_example.jsonl"), "--json", "--html", "-"])
+    assert res.exit_code == 2 and "--html" in res.output
