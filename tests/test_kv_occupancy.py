@@ -1,6 +1,7 @@
 """The KV occupancy series (run/occupancy.py) against an obviously correct reference: plain Python sets and dicts
-over the worker's state after every step, a block counted once with the most tokens any holder wrote into it,
-each request life's final length known only at its end; and the memory-efficiency summary against its formula."""
+over the worker's state after every step, a block counted once with the most tokens any holder wrote into it, each
+request life's final length (the KV it holds when it ends) known only then; and the memory-efficiency summary
+against its formula."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def reference(path):
         live = [r for r in owners if r not in st.preempted]
         for r in owners:
             life_of[r][1] = s.step
-        for r in live:
-            life_of[r][2] = max(life_of[r][2], kv_len[r])
+        for r in owners:  # a life reserves the KV it holds when it ends
+            life_of[r][2] = kv_len[r]
         row = {"live": len(live), "tokens": sum(kv_len[r] for r in live)}
         for g, grp in enumerate(h.kv_cache_groups):
             holders: dict[int, list] = {}
@@ -103,3 +104,19 @@ def test_memory_summary_is_the_formula():
     assert m["min"] == pytest.approx(float(eff[r.warmup:][ok[r.warmup:]].min()))
     assert m["mean"] == pytest.approx(float(eff[r.warmup:][ok[r.warmup:]].mean()))
     assert (free_blocks(r) == r.engine["num_gpu_blocks"] - 1 - in_use).all()
+
+
+@pytest.mark.parametrize("name", ["spec_decode.jsonl", "async_spec_decode.jsonl", "preemption_v1.jsonl",
+                                  "chunked_prefill.jsonl", "long_mixed.jsonl.gz"])
+def test_composition_equals_the_workers_batch(name):
+    """Prefill, decode and draft tokens per step (run/composition.py, from the step) against the worker's batch:
+    a request computing one token besides its drafts decodes."""
+    r = replay(Trace(TRACES / name), ReplayConfig(nvtx=False, backend="numpy", write_kv=False, warmup=0))
+    w = NumpyWorker(Trace(TRACES / name).header)
+    for i, s in enumerate(Trace(TRACES / name).steps()):
+        w.run_step(s)
+        b = w.batch
+        plain = (b.num_scheduled_tokens - b.num_draft_tokens).tolist()
+        want = [sum(n for n in plain if n != 1), plain.count(1), int(b.num_draft_tokens.sum())]
+        assert r.mix_series[i, :3].tolist() == want, i
+        w.append_sampled()

@@ -13,9 +13,10 @@ Rules:
   = num_gpu_blocks - the null block - every group's in_use (vLLM's groups share one pool).
 - Memory efficiency = held / (in_use x block_size) (per rank; summed over ranks for the group). Contiguous
   allocation: every live request reserving max_model_len (`live` x max_model_len), or its final length (the
-  most KV its life ever held: `reserve_final`); both hold `tokens` = the live requests' KV lengths.
+  KV it holds when its life ends, finished or preempted: `reserve_final`); both hold `tokens` = the live
+  requests' KV lengths.
 - No per-step Python objects: a step appends its integers to one `array("q")` (8 bytes a value); `reserve_final`
-  is a difference array over steps, one entry per step, closed out per request life (vectorized over rows).
+  is a difference array over steps, one entry per step, closed out per request life.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from __future__ import annotations
 from array import array
 
 import numpy as np
+
+WINDOWED = ("sliding_window", "chunked_local")  # kinds whose blocks before the window vLLM frees
 
 
 def columns(num_groups: int, ranks: list[int], kv_groups: list[int]) -> list[str]:
@@ -58,14 +61,16 @@ class Occupancy:
         R = h.max_num_seqs
         self.kv_len = np.zeros(R, dtype=np.int64)  # [R] row -> KV tokens written (its last scheduled step)
         self.computed = np.zeros(R, dtype=np.int64)  # [R] row -> num_computed_tokens of its last scheduled step
+        self.windowed = any(lay.kind in WINDOWED for lay in self.layouts[0])  # `computed` is read
         self.block_index = np.arange(max(st.max_num_blocks), dtype=np.int64)  # [width] logical block indices
-        self.first = np.zeros(R, dtype=np.int64)  # [R] row -> the step its current life started
-        self.longest = np.zeros(R, dtype=np.int64)  # [R] row -> the most KV its current life held
-        self.alive = np.zeros(R, dtype=bool)  # [R] row -> a request owns it (preempted under v1 included)
+        self.first = [0] * R  # [R] row -> the step its current life started
+        self.alive: set[int] = set()  # rows a request owns (preempted under v1 included)
         self.live = np.zeros(0, dtype=np.int64)  # [live] rows of the requests holding KV (not preempted)
         self.diff = array("q")  # [steps + 1] reserve_final's difference array
         self.rows = array("q")  # the recorded steps' values, row after row
         self.recorded = 0
+        self.dirty = True  # owners changed since the last count (_count)
+        self.known = [(0, 0)] * h.num_groups  # [G] (shared, extra) as last counted
 
     def add(self, i: int, step, batch, new_rows: list[int], record: bool) -> None:
         """Step `i` (`step`) has run with `batch` (rows, num_scheduled_tokens); `new_rows` started a life in it.
@@ -78,63 +83,54 @@ class Occupancy:
             self._owners(i, new_rows)
         rows = batch.rows
         computed = st.num_computed_tokens[rows]
-        self.computed[rows] = computed
-        kv = computed + batch.num_scheduled_tokens  # [num_reqs] KV after this step
-        self.kv_len[rows] = kv
-        self.longest[rows] = np.maximum(self.longest[rows], kv)  # only a scheduled row's KV grows
+        if self.windowed:
+            self.computed[rows] = computed
+        self.kv_len[rows] = computed + batch.num_scheduled_tokens  # KV after this step
         if record:
             self.rows.extend(self._step_values(self.live))
             self.recorded += 1
 
     def _owners(self, i: int, new_rows: list[int]) -> None:
-        """Read the rows' owners after step `i`: close the lives that ended, start those of `new_rows`."""
+        """Read the rows' owners after step `i`: close the lives that ended (their final reservation spans
+        first..i-1), start those of `new_rows`. Python sets: a handful of rows change in a step."""
         st = self.state
-        owned = np.fromiter(st.req_id_to_index.values(), np.int64, len(st.req_id_to_index))
-        alive = np.zeros_like(self.alive)
-        alive[owned] = True
-        ended = self.alive & ~alive
-        restart = np.asarray(new_rows, dtype=np.int64)
-        ended[restart] |= self.alive[restart]
-        self._close(np.flatnonzero(ended), i)
-        self.first[restart] = i
-        self.longest[restart] = 0
-        self.alive = alive
-        self.live = owned if not st.preempted else np.fromiter(
-            (r for q, r in st.req_id_to_index.items() if q not in st.preempted), np.int64)
-
-    def _close(self, rows: np.ndarray, i: int) -> None:
-        """Lives of `rows` end before step `i`: their final reservation spans first..i-1."""
-        if not len(rows):
-            return
-        d = np.frombuffer(self.diff, dtype=np.int64)
-        np.add.at(d, self.first[rows], self.longest[rows])
-        d[i] -= int(self.longest[rows].sum())
+        owned = set(st.req_id_to_index.values())
+        ended = (self.alive - owned) | (self.alive & set(new_rows))
+        diff, kv_len, first = self.diff, self.kv_len, self.first
+        for r in ended:
+            n = int(kv_len[r])
+            diff[first[r]] += n
+            diff[i] -= n
+        for r in new_rows:
+            first[r] = i
+        self.alive = owned
+        self.dirty = True
+        self.live = np.fromiter(owned if not st.preempted else
+                                (r for q, r in st.req_id_to_index.items() if q not in st.preempted), np.int64)
 
     def _step_values(self, live: np.ndarray) -> list[int]:
         """One recorded step's values, in `cols` order (reserve_final is filled in at the end). A shared block
         is a cached full block (vLLM shares only full blocks), and a dropped one (null, or before the window) lay
-        wholly before it: each stores a full block per rank, so held = every row's stored tokens less those."""
+        wholly before it: each stores a full block per rank, so held = every row's stored tokens less those.
+        Blocks become shared or null only when owners change (a prefix hit comes with a new request): in other
+        steps a full-attention group only appends fresh blocks, so its shared and extra entries stay as counted."""
         st = self.state
         kv_len = self.kv_len[live]
         out = [len(live), int(kv_len.sum()), 0]
+        recount, self.dirty = self.dirty, False
         for g, table in enumerate(st.block_tables):
             lay0 = self.layouts[0][g]
-            nb = st.num_blocks[g, live].astype(np.int64)
-            width = int(nb.max()) if len(nb) else 0
-            mask = self.block_index[:width] < nb[:, None]  # [live, width] the row's entries
+            nb = st.num_blocks[g, live]
             skip = None
-            if lay0.kind in ("sliding_window", "chunked_local"):  # vLLM frees the blocks before the window
+            if lay0.kind in WINDOWED:  # vLLM frees the blocks before the window: the held range moves each step
                 skip = np.minimum(lay0.readable_lo(self.computed[live]) // lay0.virtual_block_size, nb)
-                mask &= self.block_index[:width] >= skip[:, None]
-            ids = table[live, :width][mask]  # every held entry, row by row
-            count = np.bincount(ids, minlength=self.pool)
-            if self.null is not None:
-                count[self.null] = 0
-            distinct = int(np.count_nonzero(count))
-            out += [distinct, int(np.count_nonzero(count > 1))]
+            if recount or skip is not None:
+                self.known[g] = self._count(table, live, nb, skip)
+            shared, extra = self.known[g]  # blocks held by several rows; entries that are not a distinct block
+            entries = int(nb.sum()) - (int(skip.sum()) if skip is not None else 0)
+            out += [entries - extra, shared]
             if g not in self.kv_groups:
                 continue
-            extra = len(ids) - distinct  # held entries that are not a distinct stored block (nulls, shares)
             dropped = int(skip.sum()) if skip is not None else 0  # leading blocks freed (full on every rank)
             for k in range(len(self.ranks)):
                 lay = self.layouts[k][g]
@@ -144,11 +140,26 @@ class Occupancy:
                 out.append(int(end.sum()) - (extra + dropped) * lay.block_size)
         return out
 
+    def _count(self, table: np.ndarray, live: np.ndarray, nb: np.ndarray, skip: np.ndarray | None) -> tuple[int, int]:
+        """(blocks held by more than one row, held entries that are not a distinct block: shares and nulls)."""
+        width = int(nb.max()) if len(nb) else 0
+        mask = self.block_index[:width] < nb[:, None]  # [live, width] the rows' entries
+        if skip is not None:
+            mask &= self.block_index[:width] >= skip[:, None]
+        ids = table[live, :width][mask]
+        count = np.bincount(ids, minlength=self.pool)
+        if self.null is not None:
+            count[self.null] = 0
+        return int(np.count_nonzero(count > 1)), len(ids) - int(np.count_nonzero(count))
+
     def arrays(self, steps: int) -> np.ndarray:
         """[recorded, len(cols)] int32 (int64 when a value needs it): the recorded steps' series (the last
         `recorded` of `steps`)."""
         self.diff.append(0)
-        self._close(np.flatnonzero(self.alive), steps)
+        for r in self.alive:  # the lives still running end with the trace
+            n = int(self.kv_len[r])
+            self.diff[self.first[r]] += n
+            self.diff[steps] -= n
         out = np.frombuffer(self.rows, dtype=np.int64).reshape(-1, len(self.cols)).copy()
         if len(out):
             reserve = np.cumsum(np.frombuffer(self.diff, dtype=np.int64))[:steps]

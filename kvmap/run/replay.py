@@ -129,7 +129,7 @@ class _Run:
         self.ranks_tally: _RankTally | None = None
         # the KV cache's occupancy per step (occupancy.py); workers without host state (user workers) have none
         self.occupancy = Occupancy(worker) if hasattr(worker, "state") and hasattr(worker, "rank_layouts") else None
-        self.mix = Composition() if hasattr(worker, "batch") else None
+        self.mix = Composition()
         self.wall0 = 0.0
 
     def loop(self, steps, source, stop, record_from: int, measure_from: int, capture_from: int | None,
@@ -168,8 +168,7 @@ class _Run:
                 seen_measured.update(step.scheduled_req_ids())
             if step.step >= record_from:
                 rec.add(step.step, step.num_reqs, step.num_tokens, ts)
-                if mix is not None:
-                    mix.add(step, worker.batch)
+                mix.add(step)
             result.steps_replayed += 1
             result.tokens_scheduled += step.num_tokens
             seen.update(step.new_req_ids)
@@ -193,8 +192,7 @@ class _Run:
         if self.ranks_tally is not None:
             self.ranks_tally.store(result, check)
         result.steps, result.num_reqs, result.num_tokens, result.step_start_ns, result.phase_ns = self.rec.arrays()
-        if self.mix is not None:
-            result.mix_columns, result.mix_series = list(MIX_COLUMNS), self.mix.arrays()
+        result.mix_columns, result.mix_series = list(MIX_COLUMNS), self.mix.arrays()
         if self.occupancy is not None:
             result.kv_columns = self.occupancy.cols
             result.kv_series = self.occupancy.arrays(result.steps_replayed)
