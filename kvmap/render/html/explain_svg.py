@@ -124,6 +124,8 @@ def flat_tokens(d: dict) -> str:
     per_line, cw, lh = 32, 34, 70
     body = []
     batch_of = _batch_of(qsl, n)
+    holder = _holders(d, n)
+    lh += 10 if holder else 0
     for t in range(n):
         b = batch_of[t]
         x, y = 10 + (t % per_line) * cw, 34 + (t // per_line) * lh
@@ -132,6 +134,8 @@ def flat_tokens(d: dict) -> str:
         body.append(_box(x, y, cw - 2, 24, color(b), str(pos[t]), f"flat token {t}: request {m['req_ids'][b]} "
                          f"(batch {b}), position {pos[t]}, input id {ids[t]}", hl, size=11))
         body.append(_text(x + cw / 2, y + 38, str(ids[t]), "middle", fill="#444", size=9))
+        if holder is not None:
+            body.append(_text(x + cw / 2, y + 49, f"r{holder[t]}", "middle", fill="#8a5300", size=9))
     for b, q in enumerate(qsl):
         if q > n:
             break
@@ -140,14 +144,26 @@ def flat_tokens(d: dict) -> str:
         y = 34 + ((t if t < n else t - 1) // per_line) * lh
         body.append(f'<line x1="{x}" y1="{y - 16}" x2="{x}" y2="{y + 44}" stroke="#222" stroke-width="2">'
                     f"<title>query_start_loc[{b}] = {q}</title></line>")
-        body.append(_text(x + 2, y + 52 + 11 * (b % 2), f"qsl[{b}]={q}", size=10, weight="bold"))
+        body.append(_text(x + 2, y + (62 if holder else 52) + 11 * (b % 2), f"qsl[{b}]={q}", size=10,
+                          weight="bold"))
     lines = -(-n // per_line) if n else 1
     if len(pos) > n:
         body.append(_text(10, 34 + lines * lh, f"... {len(pos) - n} more tokens not drawn", fill="#8a5300"))
-    legend = _text(10, 12, "flat token index (top), position (box), input_ids (below); bars: query_start_loc",
+    legend = _text(10, 12, "flat token index (top), position (box), input_ids (below)"
+                   + (", the DCP rank storing it" if holder is not None else "") + "; bars: query_start_loc",
                    fill="#555", size=11)
     return _svg("tokens", 10 + per_line * cw + 20, 34 + lines * lh + 24, [legend] + body,
                 {"query_start_loc": qsl, "positions": pos[:n]})
+
+
+def _holders(d: dict, n: int) -> list[int] | None:
+    """With DCP: the rank whose slot_mapping stores each of the first `n` flat tokens (first KV group), else None."""
+    lay = d["layout"]
+    g = next((g for g, on in enumerate(lay["has_slots"]) if on and lay["group_cp"][g] > 1), None)
+    if g is None:
+        return None
+    slots = d["mappings"]["slot_mapping"]  # [ranks][groups][tokens]
+    return [next((lay["ranks"][k] for k in range(len(slots)) if slots[k][g][t] >= 0), -1) for t in range(n)]
 
 
 def _batch_of(qsl: list[int], n: int) -> list[int]:
@@ -200,10 +216,11 @@ def _grid_svg(d: dict, g: int, rank: int, grp: dict, blocks: list[tuple[int, lis
                              f"{what}", hl, size=10))
             if t is not None:
                 written.append([t, slot])
+        body.append(_text(84 + bs * cw, y + 15, f"slots {blk * bs}..{blk * bs + bs - 1}", size=10, fill="#666"))
         y += 24
     if more:
         body.append(_text(10, y + 14, f"... {more} more blocks not drawn", fill="#8a5300"))
         y += 20
     written.sort()
-    return _svg(f"blocks-g{g}-r{rank}", 80 + bs * cw + 20, y + 6, body,
+    return _svg(f"blocks-g{g}-r{rank}", 80 + bs * cw + 130, y + 6, body,
                 {"group": g, "rank": rank, "written_slots": written})

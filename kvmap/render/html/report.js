@@ -14,13 +14,14 @@
 
   function mount(id, opts, data) {
     const el = document.querySelector(`[data-fig="${id}"] .plot`);
-    if (!el) return;
+    if (!el) return null;
     opts.width = WIDTH;
     opts.height = opts.height || 320;
-    new uPlot(opts, data, el);
+    const u = new uPlot(opts, data, el);
     let n = 0;
     for (let i = 1; i < data.length; i++) n += data[i].filter(v => v != null).length;
     el.parentElement.dataset.points = String(n);
+    return u;
   }
 
   function markSteps(u, steps, ys, color) {  // slow steps: rings over their stacked totals
@@ -29,7 +30,7 @@
     ctx.strokeStyle = color;
     ctx.lineWidth = 2 * devicePixelRatio;
     steps.forEach((s, i) => {
-      const x = u.valToPos(s, "x", true), y = u.valToPos(ys[i], "y", true);
+      const x = u.valToPos(s, "x", true), y = u.valToPos(Math.min(ys[i], u.scales.y.max), "y", true);
       ctx.beginPath();
       ctx.arc(x, y, 5 * devicePixelRatio, 0, 2 * Math.PI);
       ctx.stroke();
@@ -62,11 +63,18 @@
       data.push(cum[i]);
     });
     const slowY = D.slow.steps.map(s => { const i = T.x.indexOf(s); return i < 0 ? 0 : cum[cum.length - 1][i]; });
-    mount("time", {title: "time per step, stacked by phase (us)" + (D.downsampled ? ", min/max envelope" : ""),
+    const top = cum[cum.length - 1] || [];
+    const sorted = top.slice().sort((a, b) => a - b);
+    const p99 = sorted.length ? sorted[Math.floor(0.99 * (sorted.length - 1))] : 0;
+    const u = mount("time", {title: "time per step, stacked by phase (us)" + (D.downsampled ? ", min/max envelope" : ""),
                    scales: {x: {time: false}}, series: series,
                    axes: [{label: "step"}, {label: "us", size: 60}],
                    hooks: {drawClear: [u => shadeWarmup(u, D.warmup_steps)],
                            draw: [u => markSteps(u, D.slow.steps, slowY, "#d62728")]}}, data);
+    const clip = document.querySelector('[data-fig="time"] input.clip');
+    if (u && clip) clip.addEventListener("change", () => {  // the bulk of the steps, outliers ringed at the top
+      u.setScale("y", {min: 0, max: clip.checked ? 1.5 * p99 : Math.max(...top) * 1.05});
+    });
   }
 
   function scatterFigure(id, xkey, xlabel, slopeKey, fixedKey) {  // step time against batch size, with the fit

@@ -44,7 +44,9 @@ def report_html(r: ReplayResult) -> str:
     for fid, title, caption in FIGURES:
         if fid == "mix" and data["mix"] is None or fid.startswith("kv") and data["kv"] is None:
             continue
-        picker = '<label>phase <select></select></label>' if fid.startswith("cost") else ""
+        picker = ('<label>phase <select></select></label>' if fid.startswith("cost") else
+                  '<label><input type="checkbox" class="clip"> y axis up to 1.5 x the 99th percentile step '
+                  "(slower steps ringed at the top)</label>" if fid == "time" else "")
         parts.append(f'<h2>{esc(title)}</h2><figure data-fig="{fid}">{picker}<div class="plot"></div>'
                      f"<figcaption>{esc(caption)}</figcaption></figure>")
         if fid == "time":
