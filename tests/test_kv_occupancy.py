@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 
 from kvmap.run.config import ReplayConfig
+from dataclasses import replace
+
+from kvmap.run.kvsummary import BINS
 from kvmap.run.kvstats import efficiency_series, free_blocks, memory_dict
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
@@ -101,9 +104,26 @@ def test_memory_summary_is_the_formula():
     ok = in_use > 0
     assert np.allclose(eff[ok], held[ok] / (in_use[ok] * 16))
     m = memory_dict(r)["efficiency"]["g0"]
-    assert m["min"] == pytest.approx(float(eff[r.warmup:][ok[r.warmup:]].min()))
-    assert m["mean"] == pytest.approx(float(eff[r.warmup:][ok[r.warmup:]].mean()))
+    measured = eff[r.warmup:][ok[r.warmup:]]
+    assert m["min"] == pytest.approx(float(measured.min())) and m["mean"] == pytest.approx(float(measured.mean()))
+    assert m["steps"] == len(measured)
+    assert np.percentile(measured, 5) - 1 / BINS <= m["p5"] <= np.percentile(measured, 5) + 1 / BINS
     assert (free_blocks(r) == r.engine["num_gpu_blocks"] - 1 - in_use).all()
+
+
+@pytest.mark.parametrize("name", ["long_mixed.jsonl.gz", "dcp2.jsonl", "hybrid_sliding_window.jsonl"])
+def test_the_summary_is_the_same_without_the_series(name):
+    """A replay that keeps no series (the CLI without --json or --html) has the same memory figures; every
+    summary's mean and minimum equal the series'."""
+    config = ReplayConfig(nvtx=False, write_kv=False)
+    with_series = replay(Trace(TRACES / name), config)
+    without = replay(Trace(TRACES / name), replace(config, series=False))
+    assert without.kv_memory == with_series.kv_memory and not without.kv_series.size and not without.mix_series.size
+    for k, v in efficiency_series(with_series).items():
+        x = v[with_series.warmup:]
+        x = x[~np.isnan(x)]
+        got = with_series.kv_memory["efficiency"][k]
+        assert got["min"] == pytest.approx(float(x.min())) and got["mean"] == pytest.approx(float(x.mean())), k
 
 
 @pytest.mark.parametrize("name", ["spec_decode.jsonl", "async_spec_decode.jsonl", "preemption_v1.jsonl",

@@ -136,7 +136,8 @@ def replay(
     config = ReplayConfig(backend=backend, device=device, start=start, stop=stop, warmup=warmup, verify_kv=verify_kv,
                           write_kv=not no_kv, kv_geometry=KVGeometry(kv_heads, head_size, kv_dtype).check(),
                           nvtx=nvtx, capture=nvtx_capture, batch_order=batch_order,
-                          reorder_batch_threshold=reorder_threshold, ranks=None if rank is None else [rank])
+                          reorder_batch_threshold=reorder_threshold, ranks=None if rank is None else [rank],
+                          series=bool(json_out or html_out))
     cp = t.header.decode_context_parallel_size
     if rank is not None and rank >= cp:
         raise KvmapError(f"the trace has {cp} DCP rank(s): --rank must be below that", field="--rank")

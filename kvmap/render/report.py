@@ -71,7 +71,7 @@ def summary_dict(r: ReplayResult) -> dict:
                "checked": r.kv_checked, "mismatches": r.kv_mismatches},
         "phases": _phases_dict(r),
         "cost": cost_dict(r),
-        **({"kv_memory": memory_dict(r)} if r.kv_series.size else {}),
+        **({"kv_memory": memory_dict(r)} if r.kv_memory else {}),
         **({"runs": runs_dict(r)} if r.runs_p50_us else {}),
         "warnings": warnings(r),
         **({"ranks": rank_dict(r)} if r.cp_size > 1 or r.kernel_block_sizes or r.world_size > 1 else {}),
@@ -180,7 +180,7 @@ def _summary_lines(r: ReplayResult, s: dict) -> list[list[tuple[str, str | None]
         g = r.kv_geometry
         head.append(("KV cache", f"{r.kv_bytes / 2**20:.1f} MiB ({g.get('num_kv_heads')} heads x "
                                  f"{g.get('head_size')} x {g.get('dtype')} per token, K and V, per group)"))
-    mem = memory_dict(r) if r.kv_series.size else None
+    mem = memory_dict(r)
     if mem:
         head.append(("KV memory", memory_text(mem)))
     if r.runs_p50_us:

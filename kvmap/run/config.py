@@ -36,3 +36,5 @@ class ReplayConfig:
     batch_order: str = "mrv2"  # "mrv2" or "v1" (workers/order.py)
     reorder_batch_threshold: int | None = None  # v1: the attention backend's reorder_batch_threshold
     ranks: Sequence[int] | None = None  # the DCP ranks to compute (None: every rank, in this process)
+    series: bool = True  # keep the per-step KV occupancy and batch composition (--json, --html); the summary
+    # figures are kept either way

@@ -4,8 +4,9 @@ Rules: every figure is over the measured steps (result.py's one definition) that
 block in use has no efficiency). Paged efficiency = tokens held / (blocks in use x block_size), per group, with
 DCP summed over the computed ranks (each stores block_size tokens per block id); contiguous allocation holds the
 live requests' KV lengths in `max_model_len` each (`contiguous_max_len`) or in each life's final length
-(`contiguous_final`). Summaries are the mean, the 5th percentile and the minimum (stats.py `percentiles`).
-Nothing here measures or draws.
+(`contiguous_final`). The summary (mean, 5th percentile, minimum) is the replay's own, kept as it went
+(occupancy.py, kvsummary.py), so that a run without its series still has it; the series here are the same
+ratios per step, for the pictures. Nothing here measures or draws.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 
 from kvmap.run.result import ReplayResult
-from kvmap.run.stats import percentiles
 
 
 def kv_series(r: ReplayResult) -> dict[str, np.ndarray]:
@@ -51,29 +51,16 @@ def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def memory_dict(r: ReplayResult) -> dict | None:
-    """The summary's `kv_memory`: per series {mean, p5, min} over the measured steps that hold KV, the blocks in
-    use at most, the pool; None for a run without occupancy."""
-    eff = efficiency_series(r)
-    if not eff:
+    """The summary's `kv_memory`: per efficiency series {mean, p5, min, steps} over the measured steps that hold
+    KV (kept by the replay as it went: occupancy.py), the most blocks in use and shared per group, the pool;
+    None for a run without a KV tally."""
+    if not r.kv_memory:
         return None
-    s = kv_series(r)
-    w = r.warmup
-    out = {"scope": "measured steps holding KV; paged = tokens held / (blocks in use x block_size); contiguous = "
-                    "the live requests' KV lengths / max_model_len each (max_len) or / each request's final "
-                    "length (final)",
-           "num_gpu_blocks": r.engine.get("num_gpu_blocks"), "max_model_len": r.engine.get("max_model_len"),
-           "efficiency": {name: _summary(v[w:]) for name, v in eff.items()},
-           "groups": {f"g{g}": {"max_in_use": int(s[f"g{g}.in_use"][w:].max(initial=0)),
-                                "max_shared": int(s[f"g{g}.shared"][w:].max(initial=0))}
-                      for g in range(len(r.groups)) if f"g{g}.in_use" in s}}
-    return out
-
-
-def _summary(v: np.ndarray) -> dict:
-    v = v[~np.isnan(v)]
-    if not len(v):
-        return {"mean": None, "p5": None, "min": None, "steps": 0}
-    return {"mean": float(v.mean()), "p5": percentiles(v, (5,))[0], "min": float(v.min()), "steps": int(len(v))}
+    return {"scope": "measured steps holding KV; paged = tokens held / (blocks in use x block_size); contiguous = "
+                     "the live requests' KV lengths / max_model_len each (max_len) or / each request's final "
+                     "length (final); p5 to 0.01%",
+            "num_gpu_blocks": r.engine.get("num_gpu_blocks"), "max_model_len": r.engine.get("max_model_len"),
+            "efficiency": r.kv_memory["efficiency"], "groups": r.kv_memory["groups"]}
 
 
 def free_blocks(r: ReplayResult) -> np.ndarray:

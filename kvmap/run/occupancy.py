@@ -15,8 +15,11 @@ Rules:
   allocation: every live request reserving max_model_len (`live` x max_model_len), or its final length (the
   KV it holds when its life ends, finished or preempted: `reserve_final`); both hold `tokens` = the live
   requests' KV lengths.
-- No per-step Python objects: a step appends its integers to one `array("q")` (8 bytes a value); `reserve_final`
-  is a difference array over steps, one entry per step, closed out per request life.
+- No per-step Python objects, and what a step keeps is bounded: the summary (memory efficiency: mean, p5, min;
+  the most blocks in use) runs as the steps go (kvsummary.py); a measured step keeps its live tokens and every
+  step one entry of `reserve_final`'s difference array (4 bytes each, `array("i")`, 8 once a value needs it), for
+  contiguous_final at the end. Every recorded step's values (the series the pictures and `--json` carry) are
+  kept only when asked (`keep_series`), 8 bytes a value, and handed over as int32 when they fit.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from array import array
 
 import numpy as np
 
+from kvmap.run.kvsummary import Running
+
+CONTIGUOUS = ("contiguous_max_len", "contiguous_final")  # the summaries of contiguous allocation
 WINDOWED = ("sliding_window", "chunked_local")  # kinds whose blocks before the window vLLM frees
 
 
@@ -46,9 +52,9 @@ def _rank_tokens(x: np.ndarray, cp: int, rank: int, interleave: int) -> np.ndarr
 
 
 class Occupancy:
-    """The tally: `add(i, record)` after every replayed step, `arrays(first)` once at the end."""
+    """The tally: `add(...)` after every replayed step, `finish(steps)` once at the end."""
 
-    def __init__(self, worker) -> None:
+    def __init__(self, worker, keep_series: bool = True) -> None:
         st = worker.state
         h = worker.header
         self.state = st
@@ -66,18 +72,27 @@ class Occupancy:
         self.first = [0] * R  # [R] row -> the step its current life started
         self.alive: set[int] = set()  # rows a request owns (preempted under v1 included)
         self.live = np.zeros(0, dtype=np.int64)  # [live] rows of the requests holding KV (not preempted)
-        self.diff = array("q")  # [steps + 1] reserve_final's difference array
-        self.rows = array("q")  # the recorded steps' values, row after row
+        self.diff = array("i")  # [steps + 1] reserve_final's difference array (int64 once a value needs it)
+        self.keep = keep_series  # keep every recorded step's values (the series), not only the summary
+        self.rows = array("q")  # the recorded steps' values, row after row (keep_series)
         self.recorded = 0
+        self.max_len = h.max_model_len
+        self.tokens = array("i")  # the measured steps' live KV tokens, for contiguous_final at the end
+        self.measured_from: int | None = None  # the first measured step's index among the replayed steps
+        self.effs = _efficiency_columns(self.cols, [g.block_size for g in h.kv_cache_groups], self.ranks)
+        self.running = {name: Running() for name in [*(e[0] for e in self.effs), *CONTIGUOUS]}
+        self.top = {f"g{g}": [0, 0] for g in range(h.num_groups)}  # most blocks in use, shared (measured)
+        self.top_cols = [(top, self.cols.index(f"{g}.in_use")) for g, top in self.top.items()]
         self.dirty = True  # owners changed since the last count (_count)
         self.known = [(0, 0)] * h.num_groups  # [G] (shared, extra) as last counted
 
-    def add(self, i: int, step, batch, new_rows: list[int], record: bool) -> None:
-        """Step `i` (`step`) has run with `batch` (rows, num_scheduled_tokens); `new_rows` started a life in it.
+    def add(self, i: int, step, batch, new_rows: list[int], record: bool, measured: bool) -> None:
+        """Step `i` (`step`) has run with `batch` (rows, num_scheduled_tokens); `new_rows` started a life in it;
+        `record`: a recorded step (warm-up or measured), `measured`: a measured one (the summary's).
         Rows change owner only in a step that adds, finishes, preempts or resumes requests: only then are the
         owners read again."""
         st = self.state
-        self.diff.append(0)
+        _grow(self, "diff", 0)
         so = step.scheduler_output
         if new_rows or so.finished_req_ids or so.preempted_req_ids or so.scheduled_cached_reqs.resumed_req_ids:
             self._owners(i, new_rows)
@@ -86,9 +101,27 @@ class Occupancy:
         if self.windowed:
             self.computed[rows] = computed
         self.kv_len[rows] = computed + batch.num_scheduled_tokens  # KV after this step
-        if record:
-            self.rows.extend(self._step_values(self.live))
+        if not (record or measured):
+            return
+        values = self._step_values(self.live)
+        if record and self.keep:
+            self.rows.extend(values)
             self.recorded += 1
+        if measured:
+            self._measure(i, values)
+
+    def _measure(self, i: int, v: list[int]) -> None:
+        """A measured step's values into the running summaries (memory efficiency, most blocks)."""
+        if self.measured_from is None:
+            self.measured_from = i
+        _grow(self, "tokens", v[1])
+        for name, in_use, held, bs in self.effs:
+            if v[in_use]:
+                self.running[name].add(sum(v[c] for c in held) / (v[in_use] * bs * len(held)))
+        if v[0]:
+            self.running["contiguous_max_len"].add(v[1] / (v[0] * self.max_len))
+        for top, k in self.top_cols:  # in_use, then shared
+            top[0], top[1] = max(top[0], v[k]), max(top[1], v[k + 1])
 
     def _owners(self, i: int, new_rows: list[int]) -> None:
         """Read the rows' owners after step `i`: close the lives that ended (their final reservation spans
@@ -96,11 +129,11 @@ class Occupancy:
         st = self.state
         owned = set(st.req_id_to_index.values())
         ended = (self.alive - owned) | (self.alive & set(new_rows))
-        diff, kv_len, first = self.diff, self.kv_len, self.first
+        kv_len, first = self.kv_len, self.first
         for r in ended:
             n = int(kv_len[r])
-            diff[first[r]] += n
-            diff[i] -= n
+            _bump(self, first[r], n)
+            _bump(self, i, -n)
         for r in new_rows:
             first[r] = i
         self.alive = owned
@@ -152,20 +185,68 @@ class Occupancy:
             count[self.null] = 0
         return int(np.count_nonzero(count > 1)), len(ids) - int(np.count_nonzero(count))
 
-    def arrays(self, steps: int) -> np.ndarray:
-        """[recorded, len(cols)] int32 (int64 when a value needs it): the recorded steps' series (the last
-        `recorded` of `steps`)."""
-        self.diff.append(0)
-        for r in self.alive:  # the lives still running end with the trace
+    def finish(self, steps: int) -> tuple[np.ndarray, dict]:
+        """After `steps` replayed steps: (the recorded steps' series [recorded, len(cols)], int32 or int64 as the
+        values need, empty without keep_series; the summary {efficiency: {name: {mean, p5, min, steps}}, groups:
+        {g: {max_in_use, max_shared}}}). The lives still running end with the trace."""
+        _grow(self, "diff", 0)
+        for r in self.alive:
             n = int(self.kv_len[r])
-            self.diff[self.first[r]] += n
-            self.diff[steps] -= n
+            _bump(self, self.first[r], n)
+            _bump(self, steps, -n)
+        reserve = np.cumsum(np.frombuffer(self.diff, dtype=self.diff.typecode), dtype=np.int64)[:steps]
+        self.diff = array("i")
+        if self.measured_from is not None:  # contiguous_final over the measured steps, in one pass
+            m = self.measured_from
+            tokens = np.frombuffer(self.tokens, dtype=self.tokens.typecode)
+            self.running["contiguous_final"].add_many(_ratio(tokens, reserve[m : m + len(tokens)]))
+        self.tokens = array("i")
         out = np.frombuffer(self.rows, dtype=np.int64).reshape(-1, len(self.cols)).copy()
-        if len(out):
-            reserve = np.cumsum(np.frombuffer(self.diff, dtype=np.int64))[:steps]
-            out[:, 2] = reserve[steps - len(out):]
         self.rows = array("q")
-        return _compact(out)
+        if len(out):
+            out[:, 2] = reserve[steps - len(out):]
+        summary = {"efficiency": {k: x.summary() for k, x in self.running.items()},
+                   "groups": {g: {"max_in_use": a, "max_shared": b} for g, (a, b) in self.top.items()}}
+        return _compact(out), summary
+
+
+def _efficiency_columns(cols: list[str], block_sizes: list[int], ranks: list[int]) -> list[tuple]:
+    """(summary name, in_use column, held columns, block_size) per KV group, then per rank with several."""
+    out = []
+    for g, bs in enumerate(block_sizes):
+        held = [cols.index(f"g{g}.held.r{r}") for r in ranks if f"g{g}.held.r{r}" in cols]
+        if not held:
+            continue
+        in_use = cols.index(f"g{g}.in_use")
+        out.append((f"g{g}", in_use, held, bs))
+        if len(held) > 1:
+            out += [(f"g{g}.r{r}", in_use, [c], bs) for r, c in zip(ranks, held)]
+    return out
+
+
+def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    b = b.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(b > 0, a / np.where(b > 0, b, 1.0), np.nan)
+
+
+def _grow(tally, name: str, value: int) -> None:
+    """Append to an int32 array, widened to int64 the first time a value needs it."""
+    arr = getattr(tally, name)
+    try:
+        arr.append(value)
+    except OverflowError:
+        setattr(tally, name, array("q", arr))
+        getattr(tally, name).append(value)
+
+
+def _bump(tally, at: int, delta: int) -> None:
+    """diff[at] += delta, widening diff to int64 when the sum needs it."""
+    try:
+        tally.diff[at] += delta
+    except OverflowError:
+        tally.diff = array("q", tally.diff)
+        tally.diff[at] += delta
 
 
 def _compact(a: np.ndarray) -> np.ndarray:

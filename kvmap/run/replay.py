@@ -78,7 +78,8 @@ def replay(
     result = _new_result(trace, worker, kv, geometry, phases, prewarm_steps=c.warmup if prewarm else 0,
                          warmup=c.warmup, step_window=[c.start, c.stop], kv_verified=c.verify_kv)
     check = KVCheckResult(max_examples=defaults.MAX_KV_EXAMPLES)
-    run = _Run(worker, _stages(worker, kv, check, cross_rank, phases), Markers(phases, enabled=c.nvtx), result)
+    run = _Run(worker, _stages(worker, kv, check, cross_rank, phases), Markers(phases, enabled=c.nvtx), result,
+               c.series)
     run.ranks_tally = _RankTally(header, worker, kv) if header.decode_context_parallel_size > 1 else None
     steps = trace.steps(0, c.stop)
     try:
@@ -113,7 +114,7 @@ class _Run:
     """One replay's loop and what it tallies: the steps seen, the recorded steps' clock reads, the bytes copied
     to the device before the measured steps, per-rank figures."""
 
-    def __init__(self, worker: Worker, stages, markers: Markers, result: ReplayResult) -> None:
+    def __init__(self, worker: Worker, stages, markers: Markers, result: ReplayResult, series: bool = True) -> None:
         self.worker, self.stages, self.markers, self.result = worker, stages, markers, result
         self.events = None  # device time per phase from CUDA events (device workers on a GPU)
         if worker.device.startswith("cuda"):
@@ -128,8 +129,9 @@ class _Run:
         self.rec = StepLog(len(result.phases))
         self.ranks_tally: _RankTally | None = None
         # the KV cache's occupancy per step (occupancy.py); workers without host state (user workers) have none
-        self.occupancy = Occupancy(worker) if hasattr(worker, "state") and hasattr(worker, "rank_layouts") else None
-        self.mix = Composition()
+        self.occupancy = (Occupancy(worker, keep_series=series) if hasattr(worker, "state")
+                          and hasattr(worker, "rank_layouts") else None)
+        self.mix = Composition() if series else None
         self.wall0 = 0.0
 
     def loop(self, steps, source, stop, record_from: int, measure_from: int, capture_from: int | None,
@@ -168,13 +170,15 @@ class _Run:
                 seen_measured.update(step.scheduled_req_ids())
             if step.step >= record_from:
                 rec.add(step.step, step.num_reqs, step.num_tokens, ts)
-                mix.add(step)
+                if mix is not None:
+                    mix.add(step)
             result.steps_replayed += 1
             result.tokens_scheduled += step.num_tokens
             seen.update(step.new_req_ids)
             if occupancy is not None:
                 index = worker.state.req_id_to_index
-                occupancy.add(i, step, worker.batch, [index[r] for r in step.new_req_ids], step.step >= record_from)
+                occupancy.add(i, step, worker.batch, [index[r] for r in step.new_req_ids], step.step >= record_from,
+                              step.step >= measure_from)
             if ranks_tally is not None:
                 ranks_tally.add(worker.mappings())
             if on_mappings is not None:
@@ -192,10 +196,12 @@ class _Run:
         if self.ranks_tally is not None:
             self.ranks_tally.store(result, check)
         result.steps, result.num_reqs, result.num_tokens, result.step_start_ns, result.phase_ns = self.rec.arrays()
-        result.mix_columns, result.mix_series = list(MIX_COLUMNS), self.mix.arrays()
+        if self.mix is not None:
+            result.mix_columns, result.mix_series = list(MIX_COLUMNS), self.mix.arrays()
         if self.occupancy is not None:
-            result.kv_columns = self.occupancy.cols
-            result.kv_series = self.occupancy.arrays(result.steps_replayed)
+            series, result.kv_memory = self.occupancy.finish(result.steps_replayed)
+            if self.occupancy.keep:
+                result.kv_columns, result.kv_series = self.occupancy.cols, series
         if self.events:
             result.device_phase_ns = self.events.finish()
         result.device = worker.device

@@ -127,10 +127,15 @@ class ReplayResult:
     runs_p50_us: list[dict] = field(default_factory=list)
     # the engine as the trace header gives it (pool, limits, groups, features), for reports; {} in older runs
     engine: dict = field(default_factory=dict)
-    # the KV cache's occupancy per recorded step (occupancy.py): column names, then [n, len(kv_columns)] integers
+    # the KV cache's memory efficiency over the measured steps (occupancy.py, kvstats.py `memory_dict`):
+    # {efficiency: {name: {mean, p5, min, steps}}, groups: {g0: {max_in_use, max_shared}}}; {} without a KV tally
+    kv_memory: dict = field(default_factory=dict)
+    # the KV cache's occupancy per recorded step (occupancy.py; kept with --json, --html): column names, then
+    # [n, len(kv_columns)] integers
     kv_columns: list[str] = field(default_factory=list)
     kv_series: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
-    # the batch's composition per recorded step (composition.py): column names, then [n, len(mix_columns)] integers
+    # the batch's composition per recorded step (composition.py; kept with --json, --html): column names, then
+    # [n, len(mix_columns)] integers
     mix_columns: list[str] = field(default_factory=list)
     mix_series: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
 
