@@ -33,8 +33,10 @@ def figures(d: dict) -> list[tuple[str, str]]:
 def explain_html(d: dict) -> str:
     """The page for one step's explain data."""
     figs = figures(d)
-    head = (f"<h1>kvmap explain: step {d['step']}</h1><p class=\"sub\">{esc(d['trace'])} (line {d['line']}, "
-            f"{esc(d['protocol'])} protocol): {len(d['batch'])} requests, {d['num_tokens']} tokens</p>")
+    name = d["trace"].replace("\\", "/").rsplit("/", 1)[-1]
+    head = (f"<h1>kvmap explain: step {d['step']}</h1><p class=\"sub\"><span title=\"{esc(d['trace'])}\">"
+            f"{esc(name)}</span> (line {d['line']}, {esc(d['protocol'])} protocol): {len(d['batch'])} requests, "
+            f"{d['num_tokens']} tokens</p>")
     parts = [head, _focus_block(d)]
     for fid, svg in figs:
         key = "blocks" if fid.startswith("blocks") else fid

@@ -38,7 +38,7 @@ def report_html(r: ReplayResult) -> str:
     data = figure_data(r, s)
     name = r.trace.replace("\\", "/").rsplit("/", 1)[-1]
     parts = [f'<h1 title="{esc(r.trace)}">kvmap replay: {esc(name)}</h1>',
-             f'<p class="sub">{esc(r.trace)}: {esc(r.backend)} backend, {esc(r.protocol)} protocol; '
+             f'<p class="sub">{esc(r.backend)} backend, {esc(r.protocol)} protocol; '
              f"{esc(steps_text(r))}</p>",
              _summary_block(r, s), _warnings(s)]
     for fid, title, caption in FIGURES:
