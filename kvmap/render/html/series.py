@@ -17,7 +17,7 @@ import numpy as np
 
 from kvmap.run.kvstats import efficiency_series, free_blocks, kv_series
 from kvmap.run.result import ReplayResult
-from kvmap.run.stats import slow_steps
+from kvmap.run.stats import phase_series, slow_steps
 
 MAX_POINTS = 4000  # steps drawn one by one up to this many
 BUCKETS = 1500  # runs of steps past it (two points each)
@@ -87,8 +87,6 @@ def _scatter(r: ReplayResult) -> dict:
     m = r.measured()
     k = max(1, -(-len(nt) // MAX_POINTS))
     pick = slice(None, None, k)
-    from kvmap.run.stats import phase_series
-
     return {"sampled_every": k, "tokens": _plain(nt[pick]), "reqs": _plain(nr[pick]),
             "us": {name: _plain(ns[pick] / 1e3) for name, ns in phase_series(r)}, "steps": int(len(m))}
 
