@@ -31,6 +31,9 @@ def test_the_wheel_holds_the_bundled_traces(tmp_path):
     assert len(want) > 10 and want <= names, sorted(want - names)
     assert "kvmap/traces/workloads/long_mixed.yaml" in names and "kvmap/traces/README.md" in names
     assert not any(n.startswith("traces/") for n in names)
+    # the pictures' files: the vendored uPlot and the page's script and style (render/html, pyproject package-data)
+    assert {f"kvmap/render/html/{f}" for f in ("report.js", "page.css", "vendor/uPlot.iife.min.js",
+                                               "vendor/uPlot.min.css", "vendor/LICENSE.uPlot")} <= names
 
 
 def test_an_installed_copy_finds_its_traces(tmp_path):

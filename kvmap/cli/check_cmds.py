@@ -26,7 +26,8 @@ Examples:
 Examples:
   kvmap explain --step 1
   kvmap explain worked_example --step 1 --req B --token 0
-  kvmap explain long_mixed --step 152 --json""",
+  kvmap explain long_mixed --step 152 --json
+  kvmap explain worked_example --step 1 --req B --token 0 --html step1.html""",
     "record": """
 Examples:
   kvmap record traces/workloads/spec_decode.yaml -o spec.jsonl
@@ -107,22 +108,40 @@ def explain(
                                                   show_default=False, rich_help_panel="What to explain")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the explanation as JSON.",
                                            rich_help_panel="Outputs")] = False,
+    html_out: Annotated[Optional[Path], typer.Option("--html", metavar="FILE", help="Write the explainer's figures "
+                                                     "for the step as a self-contained HTML page: request-state "
+                                                     "and block-table rows, batch order and idx_mapping, flat "
+                                                     "tokens, KV blocks and slots (--req/--token highlighted).",
+                                                     rich_help_panel="Outputs")] = None,
+    svg_out: Annotated[Optional[Path], typer.Option("--svg", metavar="FILE", help="Write the same figures as one "
+                                                    "SVG file.", rich_help_panel="Outputs")] = None,
 ) -> None:
     """Show how one step's scheduler decisions become rows, flat tokens, positions, blocks and KV slots."""
     from kvmap.explain.build import explain as run_explain
     from kvmap.explain.build import first_scheduled_step
     from kvmap.kv.cache import KVGeometry
-    from kvmap.files import resolve_trace
+    from kvmap.files import check_outputs, resolve_trace
     from kvmap.render.explain import render_explain
     from kvmap.trace import Trace
 
-    t = Trace(resolve_trace(trace))
+    trace_path = resolve_trace(trace)
+    to_stdout = check_outputs({"--json": "-" if json_out else None, "--html": html_out, "--svg": svg_out},
+                              [trace_path])
+    t = Trace(trace_path)
     if step is None:
         step = first_scheduled_step(t, req) if req is not None else 1
     d = run_explain(t, step, req, token, group, KVGeometry(kv_heads, head_size, kv_dtype), runner)
+    if html_out or svg_out:
+        from kvmap.files import write_text
+        from kvmap.render.html.explain_page import explain_html, explain_svg
+
+        if html_out:
+            write_text(html_out, explain_html(d))
+        if svg_out:
+            write_text(svg_out, explain_svg(d))
     if json_out:
         print(json.dumps(d, indent=1))
-    else:
+    elif to_stdout is None:
         render_explain(d, out)
 
 

@@ -27,6 +27,7 @@ Examples:
   kvmap replay long_mixed --steps 100:200
   kvmap replay long_mixed --runs 5 --percentiles 50,99
   kvmap replay spec_decode --verify-kv -b numpy
+  kvmap replay long_mixed --html long_mixed.html
   kvmap replay dcp2 --dump-mappings - -q | head -1""",
     "profile": """
 Examples:
@@ -36,7 +37,8 @@ Examples:
     "report": """
 Examples:
   kvmap replay long_mixed --json run.json -q && kvmap report run.json
-  kvmap report run.json --csv steps.csv""",
+  kvmap report run.json --csv steps.csv
+  kvmap report run.json --html run.html""",
     "compare": """
 Examples:
   kvmap replay long_mixed -b numba --json a.json -q
@@ -58,6 +60,11 @@ BatchOrderOpt = Annotated[Optional[str], typer.Option("--batch-order", hidden=Tr
 ReorderOpt = Annotated[Optional[int], typer.Option("--reorder-threshold", help="With --runner v1: the attention "
                                                    "backend's reorder_batch_threshold (decode-first regions; "
                                                    "FlashAttention sets none).", min=1, rich_help_panel="Backend")]
+
+HtmlOpt = Annotated[Optional[Path], typer.Option("--html", metavar="FILE", help="Write a self-contained HTML "
+                                                 "report: time per step and phase, cost against batch size, "
+                                                 "batch composition, KV cache occupancy and memory efficiency "
+                                                 "(opens offline).", rich_help_panel="Outputs")]
 
 RunsOpt = Annotated[int, typer.Option("--runs", metavar="N", help="Replay N times, each with a fresh worker and KV "
                                       "cache; the summary adds each phase's mean +- sigma over the runs' medians "
@@ -116,6 +123,7 @@ def replay(
     trace_out: Annotated[Optional[Path], typer.Option("--trace-out", help="Write a Chrome trace-event file "
                                                       "(Perfetto), one track per phase.",
                                                       rich_help_panel="Outputs")] = None,
+    html_out: HtmlOpt = None,
     nvtx: Annotated[bool, typer.Option("--nvtx/--no-nvtx", help="Emit NVTX ranges (domain kvmap).",
                                        rich_help_panel="Outputs")] = True,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.",
@@ -145,7 +153,8 @@ def replay(
     backend = backend or default_backend()
     (start, stop), qs = parse_steps(steps), parse_percentiles(percentiles)
     trace = resolve_trace(trace)
-    outputs = {"--dump-mappings": dump_mappings, "--json": json_out, "--csv": csv_out, "--trace-out": trace_out}
+    outputs = {"--dump-mappings": dump_mappings, "--json": json_out, "--csv": csv_out, "--trace-out": trace_out,
+               "--html": html_out}
     to_stdout = check_outputs(outputs, [trace])
     t = Trace(trace)
     config = ReplayConfig(backend=backend, device=device, start=start, stop=stop, warmup=warmup, verify_kv=verify_kv,
@@ -153,7 +162,8 @@ def replay(
                           nvtx=nvtx, capture=nvtx_capture, batch_order=runner or t.header.runner or "mrv2",
                           reorder_batch_threshold=reorder_threshold, ranks=None if rank is None else [rank],
                           forward=forward, attention_backend=attention_backend, cudagraph_mode=cudagraph_mode,
-                          cudagraph_capture_sizes=cudagraph_capture_sizes)
+                          cudagraph_capture_sizes=cudagraph_capture_sizes,
+                          series=bool(json_out or html_out))
     if forward or attention_backend or cudagraph_mode or cudagraph_capture_sizes:
         from kvmap.run.replay import forward_config
 
@@ -172,10 +182,10 @@ def replay(
         if forward:
             raise KvmapError("--forward runs in one process: leave out --nproc", field="--forward")
         _finish(_launch(trace, cp, nproc, rank, config, dump_mappings, progress), None if quiet else out, json_out,
-                csv_out, trace_out, qs)
+                csv_out, trace_out, qs, html_out)
         return
     result = _replay_runs(t, config, dump_mappings, progress, runs)
-    _finish(result, None if quiet else (err if to_stdout else out), json_out, csv_out, trace_out, qs)
+    _finish(result, None if quiet else (err if to_stdout else out), json_out, csv_out, trace_out, qs, html_out)
 
 
 def _check_replay_options(no_kv: bool, verify_kv: bool, runner: str | None, batch_order: str | None) -> str | None:
@@ -246,7 +256,8 @@ def _replay_here(t, config, dump_mappings: Path | None, progress: bool):
             return run_replay(t, config, on_mappings=on_mappings if dump_file else None, on_step=advance)
 
 
-def _finish(result, console, json_out, csv_out, trace_out, percentiles: list[float] | None = None) -> None:
+def _finish(result, console, json_out, csv_out, trace_out, percentiles: list[float] | None = None,
+            html_out: Path | None = None) -> None:
     """Record what produced the run and the percentiles asked for; render the summary (unless `console` is None),
     write the outputs asked for; exit 1 on KV mismatches."""
     from kvmap.files import write_json, write_text
@@ -265,8 +276,18 @@ def _finish(result, console, json_out, csv_out, trace_out, percentiles: list[flo
         write_text(csv_out, to_csv(result))
     if trace_out:
         write_json(trace_out, to_chrome_trace(result))
+    if html_out:
+        _write_html(html_out, result)
     if result.kv_mismatches:
         raise typer.Exit(1)
+
+
+def _write_html(path: Path, result) -> None:
+    """The HTML report (render/html/report.py), imported only when asked for."""
+    from kvmap.files import write_text
+    from kvmap.render.html.report import report_html
+
+    write_text(path, report_html(result))
 
 
 @user_errors
@@ -351,6 +372,7 @@ def report(
     result: Annotated[Path, typer.Argument(help="A run saved with `kvmap replay --json`.")],
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per step and phase.")] = None,
     trace_out: Annotated[Optional[Path], typer.Option("--trace-out", help="Also write a Chrome trace.")] = None,
+    html_out: HtmlOpt = None,
     percentiles: PercentilesOpt = None,
 ) -> None:
     """Re-render a saved run: what produced it (kvmap version, date, command line, host), then the same summary
@@ -359,7 +381,7 @@ def report(
     from kvmap.render.report import render_summary, to_chrome_trace, to_csv
 
     qs = parse_percentiles(percentiles)
-    to_stdout = check_outputs({"--csv": csv_out, "--trace-out": trace_out}, [result])
+    to_stdout = check_outputs({"--csv": csv_out, "--trace-out": trace_out, "--html": html_out}, [result])
     r = _load_result(result)
     if qs:
         r.percentiles = qs
@@ -368,6 +390,8 @@ def report(
         write_text(csv_out, to_csv(r))
     if trace_out:
         write_json(trace_out, to_chrome_trace(r))
+    if html_out:
+        _write_html(html_out, r)
 
 
 @user_errors

@@ -5,8 +5,10 @@ order, batch order, `idx_mapping`, `query_start_loc`, `seq_lens`, what changed; 
 continuation is a "continued session", with its held and new token count, computed tokens and blocks), a
 request (row, batch row, token range, positions, block-table rows per group with the blocks this step
 touches, and the sliding-window entries Model Runner V2's forward-pass table holds as block 0), and a token
-(the whole chain, each link with its arithmetic, for every KV cache group, and the bytes it occupies).
-Renderers (kvmap/render/explain.py) draw it; `--json` prints it. Nothing here formats for a terminal.
+(the whole chain, each link with its arithmetic, for every KV cache group, and the bytes it occupies),
+with the step's whole mappings (the `--dump-mappings` record) and its DCP layout, which the pictures draw.
+Renderers (kvmap/render/explain.py, kvmap/render/html/) draw it; `--json` prints it. Nothing here formats
+for a terminal.
 """
 
 from __future__ import annotations
@@ -57,6 +59,12 @@ def explain(trace: Trace, step: int, req_id: str | None = None, token: int | Non
     origin = _origins(target.scheduler_output, held)
     out = _step_dict(trace, target, m, origin, geometry, held)
     out["forward"] = forward_dict(worker.forward_config, worker.forward, m, worker.forward_step())
+    # the step's whole mappings (the --dump-mappings record) and the DCP layout: what the pictures draw
+    out["mappings"] = m.to_dict(target.step)
+    out["layout"] = {"cp_size": h.decode_context_parallel_size, "interleave": h.cp_kv_cache_interleave_size,
+                     "ranks": list(worker.ranks), "null_block_id": h.null_block_id,
+                     "group_cp": [lay.cp_size for lay in worker.layouts],  # [G] 1: a replicated group
+                     "has_slots": [lay.has_slots for lay in worker.layouts]}  # [G] False: a state group
     if req_id is None:
         if token is not None:  # a flat token index
             if not 0 <= token < m.num_tokens:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvmap.render.text import fit_table, safe, say
+from kvmap.run.costfit import cost_dict
+from kvmap.run.kvstats import memory_dict
 from kvmap.run.result import ReplayResult
 from kvmap.run.provenance import csv_header, provenance_lines
 from kvmap.run.runs import runs_stats
@@ -68,6 +70,8 @@ def summary_dict(r: ReplayResult) -> dict:
         "kv": {"bytes": r.kv_bytes, "geometry": r.kv_geometry, "verified": r.kv_verified,
                "checked": r.kv_checked, "mismatches": r.kv_mismatches},
         "phases": _phases_dict(r),
+        "cost": cost_dict(r),
+        **({"kv_memory": memory_dict(r)} if r.kv_memory else {}),
         **({"runs": runs_dict(r)} if r.runs_p50_us else {}),
         "warnings": warnings(r),
         **({"ranks": rank_dict(r)} if r.cp_size > 1 or r.kernel_block_sizes or r.world_size > 1 else {}),
@@ -176,6 +180,9 @@ def _summary_lines(r: ReplayResult, s: dict) -> list[list[tuple[str, str | None]
         g = r.kv_geometry
         head.append(("KV cache", f"{r.kv_bytes / 2**20:.1f} MiB ({g.get('num_kv_heads')} heads x "
                                  f"{g.get('head_size')} x {g.get('dtype')} per token, K and V, per group)"))
+    mem = memory_dict(r)
+    if mem:
+        head.append(("KV memory", memory_text(mem)))
     if r.runs_p50_us:
         head.insert(3, ("runs", f"{len(r.runs_p50_us)}, each with a fresh worker and KV cache in this process; "
                                 "the table of runs is over their medians, every other figure is the last run's"))
@@ -185,6 +192,17 @@ def _summary_lines(r: ReplayResult, s: dict) -> list[list[tuple[str, str | None]
         lines.append([(f"{'KV verify':<12}", "bold"), (f"{r.kv_checked:,} positions read back over all "
                                                        f"{r.steps_replayed} replayed steps, ", None), verdict])
     return lines
+
+
+def memory_text(mem: dict) -> str:
+    """The summary's `KV memory` line: paged efficiency per group beside contiguous allocation (mean, p5, min)."""
+    def fig(x: dict) -> str:
+        return "n/a" if x["mean"] is None else f"{x['mean']:.1%} (p5 {x['p5']:.1%}, min {x['min']:.1%})"
+
+    eff = mem["efficiency"]
+    paged = "; ".join(f"{k} {fig(v)}" for k, v in eff.items() if k.startswith("g") and "." not in k)
+    return (f"paged {paged}; contiguous, max_model_len each {fig(eff['contiguous_max_len'])}, final length each "
+            f"{fig(eff['contiguous_final'])} (tokens held / memory reserved, measured steps)")
 
 
 def _summary_notes(r: ReplayResult, s: dict) -> list[list[tuple[str, str | None]]]:

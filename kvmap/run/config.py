@@ -42,3 +42,5 @@ class ReplayConfig:
     attention_backend: str | None = None  # NAME (every group) or g=NAME,...
     cudagraph_mode: str | None = None  # vLLM's CUDAGraphMode name
     cudagraph_capture_sizes: str | None = None  # comma-separated token counts
+    series: bool = True  # keep the per-step KV occupancy and batch composition (--json, --html); the summary
+    # figures are kept either way

@@ -26,7 +26,10 @@ from kvmap import defaults
 from kvmap.errors import KvmapError
 from kvmap.kv.cache import KVCheckResult, KVGeometry
 from kvmap.run.config import ReplayConfig
+from kvmap.run.composition import COLUMNS as MIX_COLUMNS
+from kvmap.run.composition import Composition
 from kvmap.run.markers import Markers
+from kvmap.run.occupancy import Occupancy
 from kvmap.run.result import PHASES, ReplayResult, empty_window_error, warmup_window
 from kvmap.run.steplog import DistinctIds, StepLog
 from kvmap.trace import Trace
@@ -77,7 +80,8 @@ def replay(
     result = _new_result(trace, worker, kv, geometry, phases, prewarm_steps=c.warmup if prewarm else 0,
                          warmup=c.warmup, step_window=[c.start, c.stop], kv_verified=c.verify_kv)
     check = KVCheckResult(max_examples=defaults.MAX_KV_EXAMPLES)
-    run = _Run(worker, _stages(worker, kv, check, cross_rank, phases), Markers(phases, enabled=c.nvtx), result)
+    run = _Run(worker, _stages(worker, kv, check, cross_rank, phases), Markers(phases, enabled=c.nvtx), result,
+               c.series)
     run.ranks_tally = _RankTally(header, worker, kv) if header.decode_context_parallel_size > 1 else None
     steps = trace.steps(0, c.stop)
     try:
@@ -120,7 +124,7 @@ class _Run:
     """One replay's loop and what it tallies: the steps seen, the recorded steps' clock reads, the bytes copied
     to the device before the measured steps, per-rank figures."""
 
-    def __init__(self, worker: Worker, stages, markers: Markers, result: ReplayResult) -> None:
+    def __init__(self, worker: Worker, stages, markers: Markers, result: ReplayResult, series: bool = True) -> None:
         self.worker, self.stages, self.markers, self.result = worker, stages, markers, result
         self.events = None  # device time per phase from CUDA events (device workers on a GPU)
         if worker.device.startswith("cuda"):
@@ -134,6 +138,10 @@ class _Run:
         self.h2d_before = 0
         self.rec = StepLog(len(result.phases))
         self.ranks_tally: _RankTally | None = None
+        # the KV cache's occupancy per step (occupancy.py); workers without host state (user workers) have none
+        self.occupancy = (Occupancy(worker, keep_series=series) if hasattr(worker, "state")
+                          and hasattr(worker, "rank_layouts") else None)
+        self.mix = Composition() if series else None
         self.wall0 = 0.0
 
     def loop(self, steps, source, stop, record_from: int, measure_from: int, capture_from: int | None,
@@ -141,6 +149,7 @@ class _Run:
         """Replay steps until `stop` or the trace's end; the number of steps read."""
         worker, stages, markers, events, result = self.worker, self.stages, self.markers, self.events, self.result
         rec, seen, seen_measured, ranks_tally = self.rec, self.seen, self.seen_measured, self.ranks_tally
+        occupancy, mix = self.occupancy, self.mix
         pop = markers.pop
         self.wall0 = time.perf_counter()
         rec.origin = time.perf_counter_ns()
@@ -171,9 +180,15 @@ class _Run:
                 seen_measured.update(step.scheduled_req_ids())
             if step.step >= record_from:
                 rec.add(step.step, step.num_reqs, step.num_tokens, ts)
+                if mix is not None:
+                    mix.add(step)
             result.steps_replayed += 1
             result.tokens_scheduled += step.num_tokens
             seen.update(step.new_req_ids)
+            if occupancy is not None:
+                index = worker.state.req_id_to_index
+                occupancy.add(i, step, worker.batch, [index[r] for r in step.new_req_ids], step.step >= record_from,
+                              step.step >= measure_from)
             if ranks_tally is not None:
                 ranks_tally.add(worker.mappings())
             if on_mappings is not None:
@@ -191,6 +206,12 @@ class _Run:
         if self.ranks_tally is not None:
             self.ranks_tally.store(result, check)
         result.steps, result.num_reqs, result.num_tokens, result.step_start_ns, result.phase_ns = self.rec.arrays()
+        if self.mix is not None:
+            result.mix_columns, result.mix_series = list(MIX_COLUMNS), self.mix.arrays()
+        if self.occupancy is not None:
+            series, result.kv_memory = self.occupancy.finish(result.steps_replayed)
+            if self.occupancy.keep:
+                result.kv_columns, result.kv_series = self.occupancy.cols, series
         if self.events:
             result.device_phase_ns = self.events.finish()
         result.device = worker.device
@@ -258,6 +279,7 @@ def _new_result(trace: Trace, worker: Worker, kv, geometry: KVGeometry, phases: 
                 for g in h.kv_cache_groups],
         phases=phases, kv_bytes=kv.bytes if kv else 0, kv_geometry=asdict(geometry) if kv else {}, **kw)
     result.cp_size, result.tp_size = h.decode_context_parallel_size, h.tensor_parallel_size
+    result.engine = engine_dict(h)
     result.interleave = h.cp_kv_cache_interleave_size
     result.ranks = list(worker.ranks)
     if h.has_kernel_split:
@@ -265,6 +287,15 @@ def _new_result(trace: Trace, worker: Worker, kv, geometry: KVGeometry, phases: 
     if h.decode_context_parallel_size > 1 and kv is not None:
         result.rank_kv_bytes = [kv.bytes_per_rank] * len(worker.ranks)
     return result
+
+
+def engine_dict(h) -> dict:
+    """The trace header as plain data (the engine's pool, limits and features), without the source path."""
+    d = asdict(h)
+    d.pop("source", None)
+    d["stop_token_ids"] = list(d["stop_token_ids"])
+    d["kv_cache_groups"] = [{k: v for k, v in g.items() if v is not None} for g in d["kv_cache_groups"]]
+    return d
 
 
 class _RankTally:

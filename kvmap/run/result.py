@@ -126,6 +126,19 @@ class ReplayResult:
     # `--runs N` (N > 1): per run, in run order, {phase (and mappings, step): median per measured step, us}; this
     # result's per-step arrays are the last run's
     runs_p50_us: list[dict] = field(default_factory=list)
+    # the engine as the trace header gives it (pool, limits, groups, features), for reports; {} in older runs
+    engine: dict = field(default_factory=dict)
+    # the KV cache's memory efficiency over the measured steps (occupancy.py, kvstats.py `memory_dict`):
+    # {efficiency: {name: {mean, p5, min, steps}}, groups: {g0: {max_in_use, max_shared}}}; {} without a KV tally
+    kv_memory: dict = field(default_factory=dict)
+    # the KV cache's occupancy per recorded step (occupancy.py; kept with --json, --html): column names, then
+    # [n, len(kv_columns)] integers
+    kv_columns: list[str] = field(default_factory=list)
+    kv_series: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    # the batch's composition per recorded step (composition.py; kept with --json, --html): column names, then
+    # [n, len(mix_columns)] integers
+    mix_columns: list[str] = field(default_factory=list)
+    mix_series: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
 
     # ------------------------------------------------------------------ derived
 
@@ -185,6 +198,11 @@ class ReplayResult:
         if any(a.ndim != 1 for k, a in kw.items() if k in _ARRAYS[:3] + ("step_start_ns",)) or \
                 len({len(kw[k]) for k in _ARRAYS[:3]}) != 1:
             raise KvmapError("steps, num_reqs and num_tokens must be flat and of one length", field="steps")
+        for k, cols in (("kv_series", "kv_columns"), ("mix_series", "mix_columns")):
+            width = len(kw.get(cols, []))
+            if kw[k].size and (not width or kw[k].size != width * len(kw["steps"])):
+                raise KvmapError(f"{kw[k].size} values are not one row of {cols} per step", field=k)
+            kw[k] = kw[k].reshape(-1, max(width, 1))
         for k in ("phase_ns", "device_phase_ns"):
             if kw[k].size % len(kw["phases"]):
                 raise KvmapError(f"{kw[k].size} values are not whole rows of {len(kw['phases'])} phases", field=k)
@@ -195,7 +213,8 @@ class ReplayResult:
         return cls(**kw)
 
 
-_ARRAYS = ("steps", "num_reqs", "num_tokens", "phase_ns", "step_start_ns", "device_phase_ns")
+_ARRAYS = ("steps", "num_reqs", "num_tokens", "phase_ns", "step_start_ns", "device_phase_ns", "kv_series",
+           "mix_series")
 _GROUP_KEYS = {"kind", "block_size"}
 _EXAMPLE_KEYS = {"step", "req_id", "group", "position", "slot", "expected_token", "found"}
 _SCALARS = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "dict": (dict,),

@@ -1,0 +1,254 @@
+"""The paged KV cache's occupancy over the steps, per group and per DCP rank, beside contiguous allocation.
+
+Rules:
+- Measured from the worker's state after each step (outside every timed region): a live request (a row in the
+  state, not preempted) holds the KV it has written, `num_computed_tokens + num_scheduled_tokens` of its last
+  scheduled step; its block-table rows name the blocks it holds, but for a sliding-window or chunked-local group
+  not those wholly before the window its last scheduled step started from (`GroupLayout.readable_lo`: vLLM's
+  scheduler frees them, the worker's row keeps their stale ids). The null block (`null_block_id`) is held by
+  no one.
+- Per group: `in_use` = distinct block ids held; `shared` = those held by more than one request (prefix
+  caching); `held` = tokens stored in them (a block shared by several requests counts once, with the most any of
+  them wrote into it), per computed DCP rank (a rank stores the positions its interleave gives it). Free blocks
+  = num_gpu_blocks - the null block - every group's in_use (vLLM's groups share one pool).
+- Memory efficiency = held / (in_use x block_size) (per rank; summed over ranks for the group). Contiguous
+  allocation: every live request reserving max_model_len (`live` x max_model_len), or its final length (the
+  KV it holds when its life ends, finished or preempted: `reserve_final`); both hold `tokens` = the live
+  requests' KV lengths.
+- No per-step Python objects, and what a step keeps is bounded: the summary (memory efficiency: mean, p5, min;
+  the most blocks in use) runs as the steps go (kvsummary.py); a measured step keeps its live tokens and every
+  step one entry of `reserve_final`'s difference array (4 bytes each, `array("i")`, 8 once a value needs it), for
+  contiguous_final at the end. Every recorded step's values (the series the pictures and `--json` carry) are
+  kept only when asked (`keep_series`), 8 bytes a value, and handed over as int32 when they fit.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+
+from kvmap.run.kvsummary import Running
+
+CONTIGUOUS = ("contiguous_max_len", "contiguous_final")  # the summaries of contiguous allocation
+WINDOWED = ("sliding_window", "chunked_local")  # kinds whose blocks before the window vLLM frees
+
+
+def columns(num_groups: int, ranks: list[int], kv_groups: list[int]) -> list[str]:
+    """The names of the series' columns: live, tokens, reserve_final, then per group in_use, shared and (KV
+    groups) held per rank."""
+    cols = ["live", "tokens", "reserve_final"]
+    for g in range(num_groups):
+        cols += [f"g{g}.in_use", f"g{g}.shared"]
+        if g in kv_groups:
+            cols += [f"g{g}.held.r{r}" for r in ranks]
+    return cols
+
+
+def _rank_tokens(x: np.ndarray, cp: int, rank: int, interleave: int) -> np.ndarray:
+    """Positions 0..x-1 (each x) that DCP rank `rank` stores: interleave-sized runs dealt round robin."""
+    cycle = interleave * cp
+    return (x // cycle) * interleave + np.clip(x % cycle - rank * interleave, 0, interleave)
+
+
+class Occupancy:
+    """The tally: `add(...)` after every replayed step, `finish(steps)` once at the end."""
+
+    def __init__(self, worker, keep_series: bool = True) -> None:
+        st = worker.state
+        h = worker.header
+        self.state = st
+        self.null = h.null_block_id
+        self.pool = h.num_gpu_blocks
+        self.ranks = list(worker.ranks)
+        self.layouts = worker.rank_layouts  # [ranks][G]
+        self.kv_groups = list(st.kv_groups)
+        self.cols = columns(h.num_groups, self.ranks, self.kv_groups)
+        R = h.max_num_seqs
+        self.kv_len = np.zeros(R, dtype=np.int64)  # [R] row -> KV tokens written (its last scheduled step)
+        self.computed = np.zeros(R, dtype=np.int64)  # [R] row -> num_computed_tokens of its last scheduled step
+        self.windowed = any(lay.kind in WINDOWED for lay in self.layouts[0])  # `computed` is read
+        self.block_index = np.arange(max(st.max_num_blocks), dtype=np.int64)  # [width] logical block indices
+        self.first = [0] * R  # [R] row -> the step its current life started
+        self.alive: set[int] = set()  # rows a request owns (preempted under v1 included)
+        self.live = np.zeros(0, dtype=np.int64)  # [live] rows of the requests holding KV (not preempted)
+        self.diff = array("i")  # [steps + 1] reserve_final's difference array (int64 once a value needs it)
+        self.keep = keep_series  # keep every recorded step's values (the series), not only the summary
+        self.rows = array("q")  # the recorded steps' values, row after row (keep_series)
+        self.recorded = 0
+        self.max_len = h.max_model_len
+        self.tokens = array("i")  # the measured steps' live KV tokens, for contiguous_final at the end
+        self.measured_from: int | None = None  # the first measured step's index among the replayed steps
+        self.effs = _efficiency_columns(self.cols, [g.block_size for g in h.kv_cache_groups], self.ranks)
+        self.running = {name: Running() for name in [*(e[0] for e in self.effs), *CONTIGUOUS]}
+        self.top = {f"g{g}": [0, 0] for g in range(h.num_groups)}  # most blocks in use, shared (measured)
+        self.top_cols = [(top, self.cols.index(f"{g}.in_use")) for g, top in self.top.items()]
+        self.dirty = True  # owners changed since the last count (_count)
+        self.known = [(0, 0)] * h.num_groups  # [G] (shared, extra) as last counted
+
+    def add(self, i: int, step, batch, new_rows: list[int], record: bool, measured: bool) -> None:
+        """Step `i` (`step`) has run with `batch` (rows, num_scheduled_tokens); `new_rows` started a life in it;
+        `record`: a recorded step (warm-up or measured), `measured`: a measured one (the summary's).
+        Rows change owner only in a step that adds, finishes, preempts or resumes requests: only then are the
+        owners read again."""
+        st = self.state
+        _grow(self, "diff", 0)
+        so = step.scheduler_output
+        if new_rows or so.finished_req_ids or so.preempted_req_ids or so.scheduled_cached_reqs.resumed_req_ids:
+            self._owners(i, new_rows)
+        rows = batch.rows
+        computed = st.num_computed_tokens[rows]
+        if self.windowed:
+            self.computed[rows] = computed
+        self.kv_len[rows] = computed + batch.num_scheduled_tokens  # KV after this step
+        if not (record or measured):
+            return
+        values = self._step_values(self.live)
+        if record and self.keep:
+            self.rows.extend(values)
+            self.recorded += 1
+        if measured:
+            self._measure(i, values)
+
+    def _measure(self, i: int, v: list[int]) -> None:
+        """A measured step's values into the running summaries (memory efficiency, most blocks)."""
+        if self.measured_from is None:
+            self.measured_from = i
+        _grow(self, "tokens", v[1])
+        for name, in_use, held, bs in self.effs:
+            if v[in_use]:
+                self.running[name].add(sum(v[c] for c in held) / (v[in_use] * bs * len(held)))
+        if v[0]:
+            self.running["contiguous_max_len"].add(v[1] / (v[0] * self.max_len))
+        for top, k in self.top_cols:  # in_use, then shared
+            top[0], top[1] = max(top[0], v[k]), max(top[1], v[k + 1])
+
+    def _owners(self, i: int, new_rows: list[int]) -> None:
+        """Read the rows' owners after step `i`: close the lives that ended (their final reservation spans
+        first..i-1), start those of `new_rows`. Python sets: a handful of rows change in a step."""
+        st = self.state
+        owned = set(st.req_id_to_index.values())
+        ended = (self.alive - owned) | (self.alive & set(new_rows))
+        kv_len, first = self.kv_len, self.first
+        for r in ended:
+            n = int(kv_len[r])
+            _bump(self, first[r], n)
+            _bump(self, i, -n)
+        for r in new_rows:
+            first[r] = i
+        self.alive = owned
+        self.dirty = True
+        self.live = np.fromiter(owned if not st.preempted else
+                                (r for q, r in st.req_id_to_index.items() if q not in st.preempted), np.int64)
+
+    def _step_values(self, live: np.ndarray) -> list[int]:
+        """One recorded step's values, in `cols` order (reserve_final is filled in at the end). A shared block
+        is a cached full block (vLLM shares only full blocks), and a dropped one (null, or before the window) lay
+        wholly before it: each stores a full block per rank, so held = every row's stored tokens less those.
+        Blocks become shared or null only when owners change (a prefix hit comes with a new request): in other
+        steps a full-attention group only appends fresh blocks, so its shared and extra entries stay as counted."""
+        st = self.state
+        kv_len = self.kv_len[live]
+        out = [len(live), int(kv_len.sum()), 0]
+        recount, self.dirty = self.dirty, False
+        for g, table in enumerate(st.block_tables):
+            lay0 = self.layouts[0][g]
+            nb = st.num_blocks[g, live]
+            skip = None
+            if lay0.kind in WINDOWED:  # vLLM frees the blocks before the window: the held range moves each step
+                skip = np.minimum(lay0.readable_lo(self.computed[live]) // lay0.virtual_block_size, nb)
+            if recount or skip is not None:
+                self.known[g] = self._count(table, live, nb, skip)
+            shared, extra = self.known[g]  # blocks held by several rows; entries that are not a distinct block
+            entries = int(nb.sum()) - (int(skip.sum()) if skip is not None else 0)
+            out += [entries - extra, shared]
+            if g not in self.kv_groups:
+                continue
+            dropped = int(skip.sum()) if skip is not None else 0  # leading blocks freed (full on every rank)
+            for k in range(len(self.ranks)):
+                lay = self.layouts[k][g]
+                end = np.minimum(kv_len, nb * lay.virtual_block_size)
+                if lay.cp_size > 1:
+                    end = _rank_tokens(end, lay.cp_size, lay.cp_rank, lay.interleave)
+                out.append(int(end.sum()) - (extra + dropped) * lay.block_size)
+        return out
+
+    def _count(self, table: np.ndarray, live: np.ndarray, nb: np.ndarray, skip: np.ndarray | None) -> tuple[int, int]:
+        """(blocks held by more than one row, held entries that are not a distinct block: shares and nulls)."""
+        width = int(nb.max()) if len(nb) else 0
+        mask = self.block_index[:width] < nb[:, None]  # [live, width] the rows' entries
+        if skip is not None:
+            mask &= self.block_index[:width] >= skip[:, None]
+        ids = table[live, :width][mask]
+        count = np.bincount(ids, minlength=self.pool)
+        if self.null is not None:
+            count[self.null] = 0
+        return int(np.count_nonzero(count > 1)), len(ids) - int(np.count_nonzero(count))
+
+    def finish(self, steps: int) -> tuple[np.ndarray, dict]:
+        """After `steps` replayed steps: (the recorded steps' series [recorded, len(cols)], int32 or int64 as the
+        values need, empty without keep_series; the summary {efficiency: {name: {mean, p5, min, steps}}, groups:
+        {g: {max_in_use, max_shared}}}). The lives still running end with the trace."""
+        _grow(self, "diff", 0)
+        for r in self.alive:
+            n = int(self.kv_len[r])
+            _bump(self, self.first[r], n)
+            _bump(self, steps, -n)
+        reserve = np.cumsum(np.frombuffer(self.diff, dtype=self.diff.typecode), dtype=np.int64)[:steps]
+        self.diff = array("i")
+        if self.measured_from is not None:  # contiguous_final over the measured steps, in one pass
+            m = self.measured_from
+            tokens = np.frombuffer(self.tokens, dtype=self.tokens.typecode)
+            self.running["contiguous_final"].add_many(_ratio(tokens, reserve[m : m + len(tokens)]))
+        self.tokens = array("i")
+        out = np.frombuffer(self.rows, dtype=np.int64).reshape(-1, len(self.cols)).copy()
+        self.rows = array("q")
+        if len(out):
+            out[:, 2] = reserve[steps - len(out):]
+        summary = {"efficiency": {k: x.summary() for k, x in self.running.items()},
+                   "groups": {g: {"max_in_use": a, "max_shared": b} for g, (a, b) in self.top.items()}}
+        return _compact(out), summary
+
+
+def _efficiency_columns(cols: list[str], block_sizes: list[int], ranks: list[int]) -> list[tuple]:
+    """(summary name, in_use column, held columns, block_size) per KV group, then per rank with several."""
+    out = []
+    for g, bs in enumerate(block_sizes):
+        held = [cols.index(f"g{g}.held.r{r}") for r in ranks if f"g{g}.held.r{r}" in cols]
+        if not held:
+            continue
+        in_use = cols.index(f"g{g}.in_use")
+        out.append((f"g{g}", in_use, held, bs))
+        if len(held) > 1:
+            out += [(f"g{g}.r{r}", in_use, [c], bs) for r, c in zip(ranks, held)]
+    return out
+
+
+def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    b = b.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(b > 0, a / np.where(b > 0, b, 1.0), np.nan)
+
+
+def _grow(tally, name: str, value: int) -> None:
+    """Append to an int32 array, widened to int64 the first time a value needs it."""
+    arr = getattr(tally, name)
+    try:
+        arr.append(value)
+    except OverflowError:
+        setattr(tally, name, array("q", arr))
+        getattr(tally, name).append(value)
+
+
+def _bump(tally, at: int, delta: int) -> None:
+    """diff[at] += delta, widening diff to int64 when the sum needs it."""
+    try:
+        tally.diff[at] += delta
+    except OverflowError:
+        tally.diff = array("q", tally.diff)
+        tally.diff[at] += delta
+
+
+def _compact(a: np.ndarray) -> np.ndarray:
+    """int32 when every value fits (the same integers in half the memory), else as it is."""
+    return a.astype(np.int32) if not a.size or (a.min() >= -2**31 and a.max() < 2**31) else a
