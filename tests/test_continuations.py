@@ -120,6 +120,7 @@ def test_two_sessions_continuing_in_one_step_keep_their_rows(tmp_path, backend, 
     assert res.kv_mismatches == 0
 
 
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_backend_dumps_what_the_reference_dumps(tmp_path, backend):
     _skip_missing(backend)
@@ -266,7 +267,13 @@ def test_a_preempted_request_sent_as_new_is_still_refused(tmp_path):
 # ------------------------------------------------------------------------------ recorded from vLLM's scheduler
 
 DATA = Path(__file__).parent / "data"
-RECORDED = ["streaming_sessions.jsonl", "streaming_sessions_async.jsonl"]  # `kvmap record` of the .yaml beside
+BUNDLED = Path(__file__).parent.parent / "traces"
+# `kvmap record` of the workload of the same name: the bundled trace (traces/workloads/) and its async twin
+RECORDED = [BUNDLED / "streaming_sessions.jsonl", DATA / "streaming_sessions_async.jsonl"]
+
+
+def _workload(path: Path) -> Path:
+    return (BUNDLED / "workloads" if path.parent == BUNDLED else DATA) / path.name.replace(".jsonl", ".yaml")
 
 
 def _continuations(path: Path) -> list[tuple[int, list[str]]]:
@@ -283,9 +290,8 @@ def _continuations(path: Path) -> list[tuple[int, list[str]]]:
     return out
 
 
-@pytest.mark.parametrize("name", RECORDED)
-def test_recorded_sessions_validate_and_replay_alike_in_every_backend(name):
-    path = DATA / name
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.name)
+def test_recorded_sessions_validate_and_replay_alike_in_every_backend(path):
     cont = _continuations(path)
     assert len(cont) == 3 and any(len(ids) == 2 for _, ids in cont)  # talk, chat (queued), talk2 + chat together
     r = validate(Trace(path))
@@ -304,7 +310,7 @@ def test_the_chunks_key_of_a_workload(tmp_path):
     from kvmap.errors import KvmapError
     from kvmap.record.workload import arrivals, load_workload
 
-    w = load_workload(DATA / "streaming_sessions.yaml")
+    w = load_workload(BUNDLED / "workloads" / "streaming_sessions.yaml")
     a = arrivals(w)
     chat = [(x.step, len(x.prompt), x.max_tokens, x.resumable, x.end) for x in a if x.req_id == "chat"]
     assert chat == [(0, 40, 6, True, False), (0, 12, 4, True, False), (30, 20, 5, True, False), (30, 0, 1, False, True)]
@@ -319,11 +325,11 @@ HAVE_VLLM = __import__("importlib").util.find_spec("vllm") is not None
 
 
 @pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (CI records in .venv-record)")
-@pytest.mark.parametrize("name", RECORDED)
-def test_recording_the_sessions_reproduces_the_trace(tmp_path, name):
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.name)
+def test_recording_the_sessions_reproduces_the_trace(tmp_path, path):
     from kvmap.record.engine import record
     from kvmap.record.workload import load_workload
 
-    out = tmp_path / name
-    record(load_workload(DATA / name.replace(".jsonl", ".yaml")), str(out))
-    assert out.read_bytes() == (DATA / name).read_bytes()
+    out = tmp_path / path.name
+    record(load_workload(_workload(path)), str(out))
+    assert out.read_bytes() == path.read_bytes()
