@@ -1,6 +1,7 @@
 """Bounded memory (issue 29): replay's per-step records are kept compactly and spilled (run/steplog.py), so a
-long trace's peak RSS stays near a short one's, with the same outputs byte for byte; validate bounds the line
-length it reads on every input form (a file, gzip, a pipe) and names the line."""
+long trace's peak RSS stays near a short one's, with the same outputs byte for byte; validate keeps the ids of
+a whole trace as hashes (validate/idset.py) and bounds the line length it reads on every input form (a file,
+gzip, a pipe) and names the line."""
 
 from __future__ import annotations
 
@@ -52,14 +53,53 @@ def _peak_kib(*args: str) -> int:
     return int(p.stdout)
 
 
-def test_replay_peak_rss_stays_flat_on_a_long_trace(tmp_path):
-    """50 x the long bundled trace (about 96k steps): peak RSS within 1.3x of the trace once (today's code,
-    keeping every step's clock reads in growing arrays, takes 1.5x here and 1.9x at 100 x)."""
-    short, long_ = tmp_path / "x1.jsonl", tmp_path / "x50.jsonl"
+@pytest.fixture(scope="module")
+def long_traces(tmp_path_factory):
+    """The long bundled trace once and 50 times (about 96k steps, 15000 request ids)."""
+    d = tmp_path_factory.mktemp("long")
+    short, long_ = d / "x1.jsonl", d / "x50.jsonl"
     longer(TRACES / "long_mixed.jsonl.gz", short, 1)
     assert longer(TRACES / "long_mixed.jsonl.gz", long_, 50) == 50 * 1919
+    return short, long_
+
+
+def test_replay_peak_rss_stays_flat_on_a_long_trace(long_traces):
+    """50 x: peak RSS within 1.3x of the trace once (today's code, keeping every step's clock reads in growing
+    arrays, takes 1.5x here and 1.9x at 100 x)."""
+    short, long_ = long_traces
     a, b = _peak_kib("replay", str(short), "--no-progress"), _peak_kib("replay", str(long_), "--no-progress")
     assert b < 1.3 * a, (a, b)
+
+
+def test_validate_peak_rss_stays_flat_on_a_long_trace(long_traces):
+    """50 x: peak RSS within 1.1x of the trace once (sets of every request id as strings took 1.15x here and
+    1.44x at 100 x; as validate/idset.py keeps them, 1.06x and 1.07x)."""
+    short, long_ = long_traces
+    a, b = _peak_kib("validate", str(short)), _peak_kib("validate", str(long_))
+    assert b < 1.1 * a, (a, b)
+
+
+def test_an_id_set_keeps_old_ids_as_hashes(monkeypatch):
+    from kvmap.validate import idset
+
+    monkeypatch.setattr(idset, "RECENT", 4)
+    s = idset.IdSet()
+    for r in ["a", "b", "c", "a", "d"]:  # the 4th distinct id moves all 4 into the hashes
+        s.add(r)
+    assert s.recent == set() and list(s.hashes) == sorted(hash(r) for r in "abcd") and len(s) == 4
+    s.add("e")
+    s.add("b")  # kept once: among the hashes already
+    assert s.recent == {"e"} and len(s) == 5
+    assert all(r in s for r in "abcde") and "f" not in s
+    s.discard("c")  # from the hashes
+    s.discard("e")  # from the recent ids
+    s.discard("zz")  # not there: nothing
+    assert [r in s for r in "abcde"] == [True, True, False, True, False] and len(s) == 3
+    for r in ["c", "x", "y", "z"]:  # merged again: still sorted and distinct
+        s.add(r)
+    assert list(s.hashes) == sorted(hash(r) for r in "abcdxyz") and len(s) == 4 + 3
+    s.clear()
+    assert len(s) == 0 and "a" not in s
 
 
 def test_spilled_records_equal_the_steps_byte_for_byte(monkeypatch):
