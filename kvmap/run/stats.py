@@ -3,14 +3,14 @@ words), and the warnings a run carries.
 
 Rules: every figure is over the measured steps (result.py's one definition); nothing here measures or draws.
 Percentiles and medians are numpy's (linear interpolation), from one sort each (of the integer ns: the us
-follow in the same order), means numpy's to the bit (`mean_us`). Memory stays near the result's own arrays: the
-derived series are made one at a time, int32 where they fit, and the cost model judges long runs in parts. A step is slow against a
-per-step cost model, not against the median step: time = a + b * scheduled tokens + c * requests, fitted by least
-squares on relative error over the measured steps (refitted FIT_PASSES times without the steps it flags); a
-step is flagged where its time over the model's, in log, has a MAD-based modified z-score (hyperfine's) over
-OUTLIER_Z. The work phases (all but read_step) and read_step (reading the trace: I/O, and for gzip the inflation
-of a 64 KiB chunk, paid by the step whose line crosses it) are modelled and reported apart. The noise warning
-fires when the median absolute deviation of step time exceeds NOISE_MAD of the median.
+follow in the same order), means numpy's to the bit (`mean_us`). Memory stays near the result's own arrays:
+the derived series are made one at a time, int32 where they fit, and the cost model judges long runs in parts.
+A step is slow against a per-step cost model, not against the median step: time = a + b * scheduled tokens + c *
+requests, fitted by least squares on relative error over the measured steps (refitted FIT_PASSES times without the
+steps it flags); a step is flagged where its time over the model's, in log, has a MAD-based modified z-score
+(hyperfine's) over OUTLIER_Z. The work phases (all but read_step) and read_step (reading the trace: I/O, and for
+gzip the inflation of a 64 KiB chunk, paid by the step whose line crosses it) are modelled and reported apart. The
+noise warning fires when the median absolute deviation of step time exceeds NOISE_MAD of the median.
 """
 
 from __future__ import annotations
