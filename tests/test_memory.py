@@ -219,3 +219,56 @@ def test_validate_stdin_with_an_endless_line_names_it(tmp_path):
     problems = json.loads(p.stdout)["problems"]
     assert [(x["kind"], x["line"]) for x in problems] == [("json", 4)], problems
     assert "without ending" in problems[0]["message"]
+
+
+# ------------------------------------------------------------------------ a line past the limit: bounded reads
+
+def test_read_line_reads_in_pieces_and_refuses_at_the_limit(monkeypatch):
+    import io
+
+    from kvmap.trace import streams
+
+    monkeypatch.setattr(streams, "LINE_PIECE", 4)
+    data = b"ab\n" + b"0123456789\n" + b"x" * 12 + b"\n" + b"tail"
+    f = io.BufferedReader(io.BytesIO(data), 8)
+    got = [streams.read_line(f.readline, 11) for _ in range(2)]
+    assert got == [b"ab\n", b"0123456789\n"]  # 3 bytes in one piece; 10 + newline = the limit, in 3 pieces
+    assert streams.read_line(f.readline, 11) is None  # 11 bytes without their newline: refused
+    f = io.BufferedReader(io.BytesIO(data), 8)
+    assert [streams.read_line(f.readline, 64) for _ in range(5)] == [b"ab\n", b"0123456789\n", b"x" * 12 + b"\n",
+                                                                    b"tail", b""]
+
+
+def test_gzip_is_inflated_a_bounded_amount_at_a_time(monkeypatch):
+    import io
+
+    from kvmap.trace import streams
+
+    monkeypatch.setattr(streams, "INFLATE_MAX", 1000)
+    data = b"x" * 300_000 + b"\n" + bytes(range(256)) * 40
+    gz = gzip.compress(data[:100_000]) + gzip.compress(data[100_000:]) + bytes(500)  # two members, zero padding
+    src = streams._Gunzip(io.BytesIO(gz))
+    sizes = []
+    inflate = src.inflater.inflate_some
+    src.inflater.inflate_some = lambda d, m: (lambda r: sizes.append(len(r[0])) or r)(inflate(d, m))
+    assert io.BufferedReader(src, 4096).read() == data and src.stopped is None
+    assert max(sizes) == 1000 and sum(sizes) == len(data)
+
+
+@pytest.mark.parametrize("opener", [open, gzip.open], ids=["plain", "gzip"])
+def test_a_line_past_the_limit_is_refused_holding_at_most_the_limit(tmp_path, opener):
+    """The step line limit at its smallest (64 MiB), a line 4 MiB past it: validate's memory grows by about the
+    limit (65 MiB measured), not twice it (129 MiB plain and 132 MiB gzip before reads were bounded)."""
+    from kvmap.trace.streams import LINE_MIN
+
+    path = tmp_path / "long.jsonl"
+    _with_long_line(path, opener, LINE_MIN + (4 << 20))
+    code = ("import resource, sys; from kvmap.trace import reader; reader.available_memory = lambda: (0, 'memory');"
+            "from kvmap.trace import Trace; from kvmap.validate.driver import validate;"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+            "r = validate(Trace(sys.argv[1], warn=lambda m: None));"
+            "print(r.problems[0].kind, r.problems[0].line, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)")
+    p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=ENV, timeout=120)
+    kind, line, grew_kib = p.stdout.split()
+    assert (kind, line) == ("json", "4"), p.stderr
+    assert int(grew_kib) < 1.5 * (LINE_MIN >> 10), grew_kib

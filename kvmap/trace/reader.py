@@ -35,8 +35,8 @@ from kvmap.trace.checks import Where, loads
 from kvmap.trace.header import available_memory, parse_header
 from kvmap.trace.parse import parse_step
 from kvmap.trace.records import Step
-from kvmap.trace.streams import (CHUNK, GZIP_MAGIC, HEADER_LIMIT, LINE_MAX, LINE_MIN, STDIN, _column, _Gunzip, _size,
-                                 _source, _spool)
+from kvmap.trace.streams import (CHUNK, GZIP_MAGIC, HEADER_LIMIT, LINE_MAX, LINE_MIN, STDIN, _column, _Gunzip,
+                                 _size, _source, _spool, read_line)
 
 
 class Trace:
@@ -122,10 +122,10 @@ class Trace:
     def _numbered(self, f: BinaryIO, gz: _Gunzip | None, report: bool) -> Iterator[tuple[int, bytes]]:
         line, limit, readline = 0, HEADER_LIMIT, f.readline
         try:
-            while raw := readline(limit):
+            while (raw := read_line(readline, limit)) != b"":
                 line += 1
-                if raw[-1] != 10:  # no newline: the limit cut it, or the file's last line
-                    if len(raw) == limit:
+                if raw is None or raw[-1] != 10:  # no newline: the limit cut it, or the file's last line
+                    if raw is None or len(raw) == limit:
                         raise TraceError(f"the line runs past {_size(limit)} without ending (the memory left "
                                          "allows no longer line)", kind="json", path=self.name, line=line)
                     if gz is not None and gz.stopped or not self._parses(raw):  # complete only if it is JSON

@@ -33,6 +33,8 @@ CHUNK = 1 << 16
 HEADER_LIMIT = 16 << 20  # bytes of line 1
 PADDING_LIMIT = 1 << 20  # zero bytes after a gzip stream's end that a stream may carry
 LINE_MIN, LINE_MAX = 64 << 20, 1 << 30  # a step line's limit: 1/32 of the memory left, within these
+LINE_PIECE = 1 << 20  # a line longer than this is read in pieces of it (`read_line`)
+INFLATE_MAX = 1 << 20  # bytes inflated at a time from a file (64 KiB of gzip can hold 64 MiB)
 GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -51,7 +53,14 @@ class _Inflater:
 
     def inflate(self, data: bytes) -> tuple[bytes, zlib.error | None]:
         """(bytes inflated from `data`, the error where it turned corrupt or None)."""
-        out = []
+        out, error, _ = self.inflate_some(data, 0)
+        return out, error
+
+    def inflate_some(self, data: bytes, max_out: int) -> tuple[bytes, zlib.error | None, bytes | None]:
+        """(bytes inflated from `data`, at most `max_out` of them (0: all), the error where it turned corrupt
+        or None, what is left to inflate: input not yet consumed, b"" when output may still be pending without
+        more input, None when `data` is done)."""
+        out, n = [], 0
         try:
             while data:
                 if self.z.eof:  # a member ended: what follows is zero padding or the next member
@@ -59,11 +68,15 @@ class _Inflater:
                         self.padding += len(data)
                         break
                     self.z = zlib.decompressobj(wbits=31)
-                out.append(self.z.decompress(data))
-                data = self.z.unused_data if self.z.eof else b""
+                piece = self.z.decompress(data, max_out - n if max_out else 0)
+                out.append(piece)
+                n += len(piece)
+                data = self.z.unused_data if self.z.eof else self.z.unconsumed_tail
+                if max_out and n >= max_out:
+                    return b"".join(out), None, data
         except zlib.error as e:
-            return b"".join(out), e
-        return b"".join(out), None
+            return b"".join(out), e, None
+        return b"".join(out), None, None
 
 
 class _Gunzip(io.RawIOBase):
@@ -74,6 +87,7 @@ class _Gunzip(io.RawIOBase):
         self.src = src
         self.inflater = _Inflater()
         self.pending = memoryview(b"")  # inflated, not yet handed out (a view: handing out copies nothing twice)
+        self.rest: bytes | None = None  # read, not yet inflated (b"": output may be pending in the inflater)
         self.stopped: str | None = None
         self.done = False
 
@@ -89,13 +103,16 @@ class _Gunzip(io.RawIOBase):
         return n
 
     def _inflate(self) -> None:
-        data = self.src.read(CHUNK)
-        if not data:
+        """At most `INFLATE_MAX` bytes more into `pending` (a highly compressed chunk inflates over calls)."""
+        data = self.rest if self.rest is not None else self.src.read(CHUNK)
+        if not data and self.rest is None:
             if not self.inflater.complete:
                 self.stopped = "the gzip stream ends before its end marker (a recording cut short?)"
             self.done = True
             return
-        out, error = self.inflater.inflate(data)
+        out, error, self.rest = self.inflater.inflate_some(data, INFLATE_MAX)
+        if not out and self.rest == b"":  # nothing was pending after all
+            self.rest = None
         self.pending = memoryview(out)
         if error is not None:  # keep what inflated before the corrupt part
             self.stopped, self.done = f"the gzip data is corrupt ({error})", True
@@ -180,6 +197,27 @@ def _spool(f: BinaryIO, name: str, check_header: Callable[[bytes], None], line_l
     finally:
         f.close()
     return spool
+
+
+def read_line(readline: Callable[[int], bytes], limit: int) -> bytes | None:
+    """The next line as `readline(limit)` gives it (b"" at the end; without its newline at the end of the data),
+    or None when it runs past `limit` bytes without ending. Read in pieces of `LINE_PIECE`, so that a line
+    refused holds at most `limit` bytes, never those and their joined copy."""
+    raw = readline(min(limit, LINE_PIECE))
+    if len(raw) < LINE_PIECE or raw[-1] == 10:  # the common case: one call
+        return None if len(raw) == limit and raw[-1] != 10 else raw
+    parts, n = [raw], len(raw)
+    while n < limit:
+        piece = readline(min(limit - n, LINE_PIECE))
+        if not piece:
+            break
+        parts.append(piece)
+        n += len(piece)
+        if piece[-1] == 10:
+            break
+    if n == limit and parts[-1][-1] != 10:
+        return None
+    return b"".join(parts)
 
 
 def _size(n: int) -> str:
