@@ -255,10 +255,12 @@ def test_gzip_is_inflated_a_bounded_amount_at_a_time(monkeypatch):
     assert max(sizes) == 1000 and sum(sizes) == len(data)
 
 
-@pytest.mark.parametrize("opener", [open, gzip.open], ids=["plain", "gzip"])
-def test_a_line_past_the_limit_is_refused_holding_at_most_the_limit(tmp_path, opener):
+@pytest.mark.parametrize("opener, stdin", [(open, False), (gzip.open, False), (gzip.open, True)],
+                         ids=["plain", "gzip", "gzip-stdin"])
+def test_a_line_past_the_limit_is_refused_holding_at_most_the_limit(tmp_path, opener, stdin):
     """The step line limit at its smallest (64 MiB), a line 4 MiB past it: validate's memory grows by about the
-    limit (65 MiB measured), not twice it (129 MiB plain and 132 MiB gzip before reads were bounded)."""
+    limit (65 MiB measured), not twice it (129 MiB plain and 132 MiB gzip before reads were bounded); a gzip
+    stream on `-` is spooled inflating 1 MiB at a time."""
     from kvmap.trace.streams import LINE_MIN
 
     path = tmp_path / "long.jsonl"
@@ -267,8 +269,11 @@ def test_a_line_past_the_limit_is_refused_holding_at_most_the_limit(tmp_path, op
             "from kvmap.trace import Trace; from kvmap.validate.driver import validate;"
             "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
             "r = validate(Trace(sys.argv[1], warn=lambda m: None));"
-            "print(r.problems[0].kind, r.problems[0].line, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)")
-    p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=ENV, timeout=120)
+            "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+            "print(r.problems[0].kind, r.problems[0].line, after - before)")
+    with open(path, "rb") as f:
+        p = subprocess.run([sys.executable, "-c", code, "-" if stdin else str(path)], stdin=f, capture_output=True,
+                           text=True, env=ENV, timeout=120)
     kind, line, grew_kib = p.stdout.split()
     assert (kind, line) == ("json", "4"), p.stderr
     assert int(grew_kib) < 1.5 * (LINE_MIN >> 10), grew_kib

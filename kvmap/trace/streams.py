@@ -51,29 +51,28 @@ class _Inflater:
     def complete(self) -> bool:
         return self.z.eof
 
-    def inflate(self, data: bytes) -> tuple[bytes, zlib.error | None]:
-        """(bytes inflated from `data`, the error where it turned corrupt or None)."""
-        out, error, _ = self.inflate_some(data, 0)
-        return out, error
-
     def inflate_some(self, data: bytes, max_out: int) -> tuple[bytes, zlib.error | None, bytes | None]:
-        """(bytes inflated from `data`, at most `max_out` of them (0: all), the error where it turned corrupt
-        or None, what is left to inflate: input not yet consumed, b"" when output may still be pending without
-        more input, None when `data` is done)."""
+        """(bytes inflated from `data`, at most `max_out` of them, the error where it turned corrupt or None,
+        what is left to inflate: input not yet consumed, b"" when output may still be pending without more input
+        (call again with b""), None when `data` is done)."""
         out, n = [], 0
         try:
-            while data:
+            while True:
                 if self.z.eof:  # a member ended: what follows is zero padding or the next member
+                    if not data:
+                        break
                     if not data.strip(b"\0"):
                         self.padding += len(data)
                         break
                     self.z = zlib.decompressobj(wbits=31)
-                piece = self.z.decompress(data, max_out - n if max_out else 0)
+                piece = self.z.decompress(data, max_out - n)
                 out.append(piece)
                 n += len(piece)
                 data = self.z.unused_data if self.z.eof else self.z.unconsumed_tail
-                if max_out and n >= max_out:
+                if n >= max_out:
                     return b"".join(out), None, data
+                if not data and not self.z.eof:  # all consumed, the output below the cap: nothing pending
+                    break
         except zlib.error as e:
             return b"".join(out), e, None
         return b"".join(out), None, None
@@ -149,10 +148,18 @@ class _StreamCheck:
             self.started = True
             if chunk[:2] == GZIP_MAGIC:
                 self.z = _Inflater()
-        if self.z is not None:
-            chunk, error = self.z.inflate(chunk)
+        if self.z is None:
+            return self._watch(chunk)
+        first, rest = None, chunk
+        while rest is not None and not self.stop:  # at most INFLATE_MAX bytes inflated at a time
+            out, error, rest = self.z.inflate_some(rest, INFLATE_MAX)
+            first = self._watch(out) or first
             if error is not None or self.z.padding > PADDING_LIMIT:  # the reader stops at the same place
                 self.stop = True
+        return first
+
+    def _watch(self, chunk: bytes) -> bytes | None:
+        """`feed` on bytes as the reader sees them (inflated)."""
         end = chunk.rfind(b"\n")
         self.run = self.run + len(chunk) if end < 0 else len(chunk) - end - 1
         first = None
