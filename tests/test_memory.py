@@ -223,20 +223,34 @@ def test_validate_stdin_with_an_endless_line_names_it(tmp_path):
 
 # ------------------------------------------------------------------------ a line past the limit: bounded reads
 
-def test_read_line_reads_in_pieces_and_refuses_at_the_limit(monkeypatch):
+def test_a_long_line_is_read_on_in_pieces_and_refused_at_the_limit(monkeypatch):
     import io
 
     from kvmap.trace import streams
 
     monkeypatch.setattr(streams, "LINE_PIECE", 4)
-    data = b"ab\n" + b"0123456789\n" + b"x" * 12 + b"\n" + b"tail"
+    data = b"0123456789\n" + b"x" * 12 + b"\n" + b"tail"
     f = io.BufferedReader(io.BytesIO(data), 8)
-    got = [streams.read_line(f.readline, 11) for _ in range(2)]
-    assert got == [b"ab\n", b"0123456789\n"]  # 3 bytes in one piece; 10 + newline = the limit, in 3 pieces
-    assert streams.read_line(f.readline, 11) is None  # 11 bytes without their newline: refused
+    assert streams.read_rest(f.readline, f.readline(4), 11) == b"0123456789\n"  # 10 + newline: the limit
+    assert streams.read_rest(f.readline, f.readline(4), 11) is None  # 11 bytes without their newline: refused
     f = io.BufferedReader(io.BytesIO(data), 8)
-    assert [streams.read_line(f.readline, 64) for _ in range(5)] == [b"ab\n", b"0123456789\n", b"x" * 12 + b"\n",
-                                                                    b"tail", b""]
+    assert streams.read_rest(f.readline, f.readline(4), 64) == b"0123456789\n"
+    assert streams.read_rest(f.readline, f.readline(4), 64) == b"x" * 12 + b"\n"
+    assert streams.read_rest(f.readline, f.readline(4), 64) == b"tail"  # the data's end
+
+
+@pytest.mark.parametrize("opener", [open, gzip.open], ids=["plain", "gzip"])
+def test_lines_around_a_piece_read_alike(tmp_path, monkeypatch, opener):
+    """Lines shorter than, as long as and longer than a piece: the same (line, bytes) as whole reads."""
+    from kvmap.trace import streams
+
+    src = TRACES / "worked_example.jsonl"
+    path = tmp_path / "t.jsonl"
+    with opener(path, "wb") as f:
+        f.write(src.read_bytes())
+    want = list(Trace(src).raw_lines())
+    monkeypatch.setattr(streams, "LINE_PIECE", 64)
+    assert list(Trace(path).raw_lines()) == want and max(len(raw) for _, raw in want) > 64
 
 
 def test_gzip_is_inflated_a_bounded_amount_at_a_time(monkeypatch):

@@ -33,7 +33,7 @@ CHUNK = 1 << 16
 HEADER_LIMIT = 16 << 20  # bytes of line 1
 PADDING_LIMIT = 1 << 20  # zero bytes after a gzip stream's end that a stream may carry
 LINE_MIN, LINE_MAX = 64 << 20, 1 << 30  # a step line's limit: 1/32 of the memory left, within these
-LINE_PIECE = 1 << 20  # a line longer than this is read in pieces of it (`read_line`)
+LINE_PIECE = 1 << 20  # a line longer than this is read in pieces of it (`read_rest`)
 INFLATE_MAX = 1 << 20  # bytes inflated at a time from a file (64 KiB of gzip can hold 64 MiB)
 GZIP_MAGIC = b"\x1f\x8b"
 
@@ -206,14 +206,12 @@ def _spool(f: BinaryIO, name: str, check_header: Callable[[bytes], None], line_l
     return spool
 
 
-def read_line(readline: Callable[[int], bytes], limit: int) -> bytes | None:
-    """The next line as `readline(limit)` gives it (b"" at the end; without its newline at the end of the data),
-    or None when it runs past `limit` bytes without ending. Read in pieces of `LINE_PIECE`, so that a line
-    refused holds at most `limit` bytes, never those and their joined copy."""
-    raw = readline(min(limit, LINE_PIECE))
-    if len(raw) < LINE_PIECE or raw[-1] == 10:  # the common case: one call
-        return None if len(raw) == limit and raw[-1] != 10 else raw
-    parts, n = [raw], len(raw)
+def read_rest(readline: Callable[[int], bytes], first: bytes, limit: int) -> bytes | None:
+    """A line whose first `LINE_PIECE` bytes, `first`, came without its newline: the whole line as
+    `readline(limit)` would give it (without its newline at the end of the data), or None when it runs past
+    `limit` bytes without ending. Read in pieces, so that a line refused holds at most `limit` bytes, never
+    those and their joined copy."""
+    parts, n = [first], len(first)
     while n < limit:
         piece = readline(min(limit - n, LINE_PIECE))
         if not piece:
