@@ -6,10 +6,15 @@ Rules (one output policy for every command that writes files):
   `/dev/null` may be shared); at most one output is standard output (`-`, or a path that is the file standard
   output already writes, such as `/dev/stdout`); a missing folder, a directory or a folder kvmap cannot
   create a file in is refused in milliseconds, naming the path.
-- A regular file is written to a short temporary name beside its target (`.kvmap-XXXXXXXX.tmp`), with the
-  permissions the umask gives a new file, and renamed into place only when complete: an error part-way (a bad
-  step at line 5000, a full disk, SIGTERM) leaves the target as it was and no temporary file behind. A
-  symbolic link stays a link: the file it names is replaced.
+- A regular file is written to a short temporary name beside its target (`.kvmap-PID-HOST-XXXXXXXX.tmp`: the
+  writing process, 4 hex digits of its host's name), with the permissions the umask gives a new file, and
+  renamed into place only when complete: an error part-way (a bad step at line 5000, a full disk, SIGTERM)
+  leaves the target as it was and no temporary file behind. A symbolic link stays a link: the file it names
+  is replaced.
+- Only SIGKILL (or a crash of the machine) can leave a temporary file behind: the first output a later run
+  writes into that folder removes every one whose process is gone (`os.kill(pid, 0)` finds no such process)
+  and was made on this host (a folder shared across hosts or PID namespaces keeps the others, as it keeps names
+  without a pid, from older kvmap versions).
 - A special file is written in place, never renamed over: standard output, an existing device, FIFO or
   socket, and every path whose links pass through /proc (`/dev/stdout`, `/dev/fd/N`, `/proc/self/fd/N`).
 - Every OS error (no space, permission, read-only, name too long, a missing folder) becomes a `KvmapError`
@@ -20,10 +25,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import sys
 import tempfile
+import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +40,8 @@ from kvmap.errors import KvmapError
 
 STDOUT = "-"
 _MAX_LINKS = 40  # as the kernel's ELOOP limit
+_STAGED = re.compile(r"\.kvmap-([0-9]+)-([0-9a-f]{4})-[^/]+\.tmp\Z")  # a temporary output's name: pid, host
+_swept: set[str] = set()  # folders this process has removed stale temporary files from
 
 
 def _umask() -> int:
@@ -85,6 +94,50 @@ def output_kind(path: str | Path) -> str:
     return "stream" if _through_proc(path) else "file"
 
 
+def _host() -> str:
+    return format(zlib.crc32(os.uname().nodename.encode()) & 0xFFFF, "04x")
+
+
+def _stage_prefix() -> str:
+    """The start of this process's temporary output names (module rules)."""
+    return f".kvmap-{os.getpid()}-{_host()}-"
+
+
+def _gone(pid: int) -> bool:
+    """Whether no process `pid` exists (one of another user's exists: PermissionError)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def sweep_stale(folder: str | Path) -> list[str]:
+    """Remove the temporary outputs in `folder` of processes of this host that are gone (module rules), once per
+    folder and process; the names removed."""
+    folder = os.path.realpath(folder)
+    if folder in _swept:
+        return []
+    _swept.add(folder)
+    removed = []
+    try:
+        with os.scandir(folder) as entries:
+            names = [e.name for e in entries if e.name.startswith(".kvmap-")]
+    except OSError:
+        return []
+    for name in names:
+        m = _STAGED.match(name)
+        if m and m[2] == _host() and int(m[1]) > 0 and _gone(int(m[1])):
+            try:
+                os.unlink(os.path.join(folder, name))
+                removed.append(name)
+            except OSError:  # gone meanwhile, or not ours to remove
+                pass
+    return removed
+
+
 def _check_folder(option: str, path: Path) -> None:
     """A regular output: not a directory, in a folder where kvmap can create its temporary file."""
     target = Path(os.path.realpath(path))
@@ -93,7 +146,7 @@ def _check_folder(option: str, path: Path) -> None:
     if not target.parent.is_dir():
         raise KvmapError(f"cannot write: folder {target.parent} does not exist", path=str(path), field=option)
     try:  # the probe the write will need: a temporary name in that folder
-        fd, tmp = tempfile.mkstemp(prefix=".kvmap-", suffix=".tmp", dir=target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=_stage_prefix(), suffix=".tmp", dir=target.parent)
     except OSError as e:
         raise KvmapError(f"cannot write: {e.strerror or e}", path=str(path), field=option) from None
     os.close(fd)
@@ -171,8 +224,9 @@ def _beside(path: Path) -> Iterator[tuple[int, str]]:
         raise KvmapError("is a directory; give a file name", path=str(path))
     if not target.parent.is_dir():
         raise KvmapError(f"cannot write: folder {target.parent} does not exist", path=str(path))
+    sweep_stale(target.parent)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".kvmap-", suffix=".tmp", dir=target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=_stage_prefix(), suffix=".tmp", dir=target.parent)
     except OSError as e:
         raise _os_error(e, path) from None
     try:

@@ -17,7 +17,7 @@ from .conftest import TRACES
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 SMALL = ["worked_example.jsonl", "chunked_prefill.jsonl", "prefix_caching.jsonl", "spec_decode.jsonl",
-         "hybrid_sliding_window.jsonl", "preemption_v1.jsonl", "preemption_v2.jsonl"]
+         "hybrid_sliding_window.jsonl", "preemption_v1.jsonl", "preemption_v2.jsonl", "streaming_sessions.jsonl"]
 
 
 @pytest.fixture(scope="module")

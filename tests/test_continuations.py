@@ -120,6 +120,53 @@ def test_two_sessions_continuing_in_one_step_keep_their_rows(tmp_path, backend, 
     assert res.kv_mismatches == 0
 
 
+def _frees_then_adds(finished: list[str], preempted: list[str]) -> list[dict]:
+    """a, b, c take rows 3, 2, 1 at step 0 (free list [0] left). Step 1 frees a and c (listed c first, as
+    finished or preempted), then adds d, continues session b, adds e, in that scheduled_new_reqs order."""
+    L = _lines()
+    h, s0, s1 = L[0], L[1], L[2]
+
+    def new(r, prompt, block, nc):
+        return {"req_id": r, "prompt_token_ids": prompt, "block_ids": [[block]], "num_computed_tokens": nc,
+                "prefill_token_ids": prompt}
+
+    so = s0["scheduler_output"]
+    so["scheduled_new_reqs"] = [new("a", [100, 101], 1, 0), new("b", [200, 201], 2, 0), new("c", [300, 301], 3, 0)]
+    so["num_scheduled_tokens"] = {"a": 2, "b": 2, "c": 2}
+    s0["sampled_token_ids"] = {"a": [102], "b": [202], "c": [302]}
+    so = s1["scheduler_output"]
+    so["scheduled_new_reqs"] = [new("d", [400, 401], 4, 0), new("b", [200, 201, 210], 2, 2),
+                                new("e", [500, 501], 5, 0)]
+    so["scheduled_cached_reqs"].update(req_ids=[], new_block_ids=[], num_computed_tokens=[], num_output_tokens=[])
+    so["num_scheduled_tokens"] = {"d": 2, "b": 1, "e": 2}
+    so["finished_req_ids"], so["preempted_req_ids"] = finished, preempted
+    s1["sampled_token_ids"] = {"d": [402], "b": [211], "e": [502]}
+    for x in (s0["scheduler_output"], s1["scheduler_output"]):
+        x["total_num_scheduled_tokens"] = sum(x["num_scheduled_tokens"].values())
+    return [h, s0, s1]
+
+
+@pytest.mark.parametrize("finished, preempted", [(["c", "a"], []), (["c"], ["a"])], ids=["finished", "preempted"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_are_freed_in_sorted_id_order(tmp_path, backend, finished, preempted):
+    """MRV2's `finish_requests` frees `sorted(finished_req_ids | preempted_req_ids)` (so every TP rank frees
+    rows alike), not the trace's order: a (row 3) then c (row 1) onto the free list [0] -> [0, 3, 1]; d pops 1,
+    b's continuation gives row 2 back and takes it again, e pops 3. In the trace's order (c, a) d and e would
+    swap rows."""
+    _skip_missing(backend)
+    path = _write(tmp_path, _frees_then_adds(finished, preempted))
+    assert validate(Trace(path)).valid
+    dumps, res = _dumps(path, backend, "mrv2")
+    assert {r: i for r, i in zip(dumps[0]["req_ids"], dumps[0]["idx_mapping"])} == {"a": 4 - 1, "b": 4 - 2,
+                                                                                   "c": 4 - 3}
+    d = dumps[1]
+    assert d["req_ids"] == ["b", "d", "e"]  # sorted by scheduled tokens (1, 2, 2), ties in scheduler order
+    assert d["idx_mapping"] == [2, 1, 3]
+    assert d["block_tables"] == [[[2], [4], [5]]]
+    assert d["slot_mapping"] == [[2 * 16 + 2, 4 * 16 + 0, 4 * 16 + 1, 5 * 16 + 0, 5 * 16 + 1]]
+    assert res.kv_mismatches == 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_backend_dumps_what_the_reference_dumps(tmp_path, backend):
     _skip_missing(backend)
@@ -266,7 +313,13 @@ def test_a_preempted_request_sent_as_new_is_still_refused(tmp_path):
 # ------------------------------------------------------------------------------ recorded from vLLM's scheduler
 
 DATA = Path(__file__).parent / "data"
-RECORDED = ["streaming_sessions.jsonl", "streaming_sessions_async.jsonl"]  # `kvmap record` of the .yaml beside
+BUNDLED = Path(__file__).parent.parent / "traces"
+# `kvmap record` of the workload of the same name: the bundled trace (traces/workloads/) and its async twin
+RECORDED = [BUNDLED / "streaming_sessions.jsonl", DATA / "streaming_sessions_async.jsonl"]
+
+
+def _workload(path: Path) -> Path:
+    return (BUNDLED / "workloads" if path.parent == BUNDLED else DATA) / path.name.replace(".jsonl", ".yaml")
 
 
 def _continuations(path: Path) -> list[tuple[int, list[str]]]:
@@ -283,9 +336,8 @@ def _continuations(path: Path) -> list[tuple[int, list[str]]]:
     return out
 
 
-@pytest.mark.parametrize("name", RECORDED)
-def test_recorded_sessions_validate_and_replay_alike_in_every_backend(name):
-    path = DATA / name
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.name)
+def test_recorded_sessions_validate_and_replay_alike_in_every_backend(path):
     cont = _continuations(path)
     assert len(cont) == 3 and any(len(ids) == 2 for _, ids in cont)  # talk, chat (queued), talk2 + chat together
     r = validate(Trace(path))
@@ -304,7 +356,7 @@ def test_the_chunks_key_of_a_workload(tmp_path):
     from kvmap.errors import KvmapError
     from kvmap.record.workload import arrivals, load_workload
 
-    w = load_workload(DATA / "streaming_sessions.yaml")
+    w = load_workload(BUNDLED / "workloads" / "streaming_sessions.yaml")
     a = arrivals(w)
     chat = [(x.step, len(x.prompt), x.max_tokens, x.resumable, x.end) for x in a if x.req_id == "chat"]
     assert chat == [(0, 40, 6, True, False), (0, 12, 4, True, False), (30, 20, 5, True, False), (30, 0, 1, False, True)]
@@ -319,11 +371,11 @@ HAVE_VLLM = __import__("importlib").util.find_spec("vllm") is not None
 
 
 @pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (CI records in .venv-record)")
-@pytest.mark.parametrize("name", RECORDED)
-def test_recording_the_sessions_reproduces_the_trace(tmp_path, name):
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.name)
+def test_recording_the_sessions_reproduces_the_trace(tmp_path, path):
     from kvmap.record.engine import record
     from kvmap.record.workload import load_workload
 
-    out = tmp_path / name
-    record(load_workload(DATA / name.replace(".jsonl", ".yaml")), str(out))
-    assert out.read_bytes() == (DATA / name).read_bytes()
+    out = tmp_path / path.name
+    record(load_workload(_workload(path)), str(out))
+    assert out.read_bytes() == path.read_bytes()

@@ -185,6 +185,52 @@ def test_signal_mid_replay_leaves_no_temp_file(tmp_path, sig):
     assert leftovers(tmp_path) == [] and not out.exists()
 
 
+def test_a_sigkilled_runs_temporary_file_is_removed_by_the_next_run_in_its_folder(tmp_path):
+    """SIGKILL runs no handler, so the temporary dump stays; the next run writing into that folder removes it
+    (its process is gone) before writing its own output."""
+    out = tmp_path / "m.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "kvmap", "replay", str(LONG), "--backend", "reference",
+                             "--no-progress", "-q", "--dump-mappings", str(out)], cwd=tmp_path, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not leftovers(tmp_path) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert proc.poll() is None and leftovers(tmp_path), "the replay ended before the signal"
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = leftovers(tmp_path)
+    assert left and all(n.startswith(f".kvmap-{proc.pid}-") for n in left) and not out.exists()
+    p = subprocess.run([sys.executable, "-m", "kvmap", "replay", str(TRACES / "worked_example.jsonl"), "-q",
+                        "--no-progress", "--json", str(tmp_path / "run.json")], env=ENV, capture_output=True)
+    assert p.returncode == 0, p.stderr
+    assert leftovers(tmp_path) == [] and (tmp_path / "run.json").exists()
+
+
+def test_only_the_temporary_files_of_gone_processes_of_this_host_are_removed(tmp_path):
+    from kvmap import files
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = files._host()
+    other = format((int(host, 16) + 1) & 0xFFFF, "04x")
+    names = [f".kvmap-{gone.pid}-{host}-abcd1234.tmp",  # removed: its process is gone
+             f".kvmap-{os.getpid()}-{host}-abcd1234.tmp",  # kept: this process
+             f".kvmap-{gone.pid}-{other}-abcd1234.tmp",  # kept: another host's (a shared folder)
+             ".kvmap-abcd1234.tmp",  # kept: no pid (an older kvmap)
+             f".kvmap-0-{host}-abcd1234.tmp",  # kept: no process 0
+             f"kvmap-{gone.pid}-{host}-abcd1234.tmp", "data.jsonl"]  # kept: not a temporary output
+    for n in names:
+        (tmp_path / n).write_text("x")
+    assert files.sweep_stale(tmp_path) == [names[0]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+    (tmp_path / names[0]).write_text("x")
+    assert files.sweep_stale(tmp_path) == []  # once per folder and process
+
+
 # ---------------------------------------------------------------------------------- header bombs
 
 BOMBS = [  # (header changes, the field the message must name)

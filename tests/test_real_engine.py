@@ -56,6 +56,8 @@ WORKLOADS = {
     "preemption_async": {"async": True, "preemptions": True},
     "spec_ngram": {"spec": True},
     "async_stop": {"async": True, "discarded": True},
+    "streaming": {"continuations": True},  # streaming-input sessions (issue 25), driven step by step
+    "streaming_async": {"async": True, "continuations": True},
 }
 
 
@@ -86,6 +88,14 @@ def _kvmap(*args: str) -> subprocess.CompletedProcess:
 def _trace_facts(path: Path) -> dict:
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     h, steps = lines[0], lines[1:]
+    live: set[str] = set()
+    continuations = 0  # live ids sent again in scheduled_new_reqs (streaming-input sessions)
+    for s in steps:
+        so = s["scheduler_output"]
+        live -= set(so["finished_req_ids"]) | set(so["preempted_req_ids"])
+        new = [n["req_id"] for n in so["scheduled_new_reqs"]]
+        continuations += sum(r in live for r in new)
+        live |= set(new)
     sampled: dict[str, int] = {}
     for s in steps:
         for r, t in (s["sampled_token_ids"] or {}).items():
@@ -95,6 +105,7 @@ def _trace_facts(path: Path) -> dict:
             "preemptions": sum(len(s["scheduler_output"]["preempted_req_ids"]) for s in steps),
             "prefix_hits": sum(n["num_computed_tokens"] for s in steps for n in s["scheduler_output"]
                                ["scheduled_new_reqs"]),
+            "continuations": continuations,
             "spec_steps": sum(bool(s["scheduler_output"]["scheduled_spec_decode_tokens"]) for s in steps)}
 
 
@@ -135,6 +146,8 @@ def test_replay_equals_the_real_worker_per_request_every_step(name, workdir):
         assert f["prefix_hits"] > 0
     if want.get("spec"):
         assert f["spec_steps"] > 0
+    if want.get("continuations"):
+        assert f["continuations"] >= 3
     if want.get("partial_prefills"):
         assert any(t == [] for s in f["steps"] for t in (s["sampled_token_ids"] or {}).values())
     if want.get("discarded"):
@@ -183,7 +196,7 @@ def test_multiprocess_engine_records_through_the_plugin(workdir):
     assert res.returncode == 0, res.stderr[-2000:]
 
 
-@pytest.mark.parametrize("name", ["sync", "async", "preemption", "chunked_prefill"])
+@pytest.mark.parametrize("name", ["sync", "async", "preemption", "chunked_prefill", "streaming", "streaming_async"])
 def test_batch_order_v1_equals_the_v1_cpu_runner(name, workdir):
     """The capture records the V1 CPU runner's batch order per step (its req_ids in row order)."""
     out = workdir / name

@@ -233,7 +233,8 @@ def _replay_runs(t, config, dump_mappings: Path | None, progress: bool, runs: in
     medians = []
     for k in range(runs):
         result = _replay_here(t, config, dump_mappings if k == runs - 1 else None, progress)
-        medians.append(run_medians(result))
+        if runs > 1:
+            medians.append(run_medians(result))
     if runs > 1:
         result.runs_p50_us = medians
     return result

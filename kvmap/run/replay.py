@@ -89,6 +89,7 @@ def replay(
                      on_mappings, on_step)
     except KvmapError as e:
         raise e.located(path=trace.name) from None
+    del steps, kv, worker  # the run lets go of them in `store`, before the result's arrays are made
     run.store(check if c.verify_kv else None, measure_from)
     result.kv_checked, result.kv_mismatches = check.checked, check.mismatches
     result.kv_examples = [asdict(e) for e in check.examples]
@@ -205,6 +206,15 @@ class _Run:
         result, worker = self.result, self.worker
         if self.ranks_tally is not None:
             self.ranks_tally.store(result, check)
+        if self.events:
+            result.device_phase_ns = self.events.finish()
+        result.device = worker.device
+        result.h2d_bytes = worker.h2d_bytes
+        result.h2d_bytes_measured = worker.h2d_bytes - self.h2d_before
+        result.standin_tokens = worker.num_standin_tokens
+        # the worker, its KV cache and the stages that hold them go before the arrays are made (a long run's
+        # arrays are its largest part), unless the caller holds the worker
+        self.worker = self.stages = self.ranks_tally = worker = None
         result.steps, result.num_reqs, result.num_tokens, result.step_start_ns, result.phase_ns = self.rec.arrays()
         if self.mix is not None:
             result.mix_columns, result.mix_series = list(MIX_COLUMNS), self.mix.arrays()
@@ -212,17 +222,11 @@ class _Run:
             series, result.kv_memory = self.occupancy.finish(result.steps_replayed)
             if self.occupancy.keep:
                 result.kv_columns, result.kv_series = self.occupancy.cols, series
-        if self.events:
-            result.device_phase_ns = self.events.finish()
-        result.device = worker.device
-        result.h2d_bytes = worker.h2d_bytes
-        result.h2d_bytes_measured = worker.h2d_bytes - self.h2d_before
         result.wall_s = time.perf_counter() - self.wall0
         result.requests_seen = len(self.seen)
         # a state learns requests only as new ones, each scheduled in its first step: from step 0 the requests
         # scheduled in the measured steps are the new ones (no per-step id list)
         result.requests_measured = len(self.seen_measured) if measure_from else len(self.seen)
-        result.standin_tokens = worker.num_standin_tokens
         result.warmup = int((result.steps < measure_from).sum())
 
 

@@ -6,8 +6,8 @@ Rules:
   replay's origin, each phase's time as the difference of two clock reads) and spilled to an unlinked
   temporary file, so memory stays flat however long the trace (a run shorter than a block never makes one).
 - The result's arrays are filled block by block from the spill at the end, so the run never holds its figures
-  twice. Values are the same integers in any dtype: counts and phase times are int32 when every value fits
-  (a phase of 2.1 s or more keeps int64), step starts are int64.
+  twice. Values are the same integers in any dtype: num_reqs and num_tokens are int16 or int32, steps int32,
+  phase times int32, each when every value fits (a phase of 2.1 s or more keeps int64), step starts int64.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 
 BLOCK = 4096  # steps per block
 _INT32_MAX = np.iinfo(np.int32).max
+_INT16_MAX = np.iinfo(np.int16).max
 
 
 class StepLog:
@@ -32,7 +33,8 @@ class StepLog:
         self.buf = array("q")  # the open block, row after row
         self.spill: BinaryIO | None = None  # the closed blocks, each as counts [3, k], start [k], phases [k, P]
         self.sizes: list[int] = []  # steps of each closed block
-        self.top = self.phase_top = self.phase_bottom = 0  # largest count, largest and smallest phase time
+        self.tops = [0, 0, 0]  # largest step, num_reqs, num_tokens
+        self.phase_top = self.phase_bottom = 0  # largest and smallest phase time
         self.n = 0
 
     def add(self, step: int, num_reqs: int, num_tokens: int, ts: list[int]) -> None:
@@ -51,7 +53,7 @@ class StepLog:
         counts, start, phases = rows[:, :3].T.copy(), rows[:, 3] - self.origin, np.diff(rows[:, 3:], axis=1)
         self.buf = array("q")
         if len(rows):
-            self.top = max(self.top, int(counts.max()))
+            self.tops = [max(a, int(b)) for a, b in zip(self.tops, counts.max(axis=1))]
             self.phase_top = max(self.phase_top, int(phases.max(initial=0)))
             self.phase_bottom = min(self.phase_bottom, int(phases.min(initial=0)))
         return counts, start, phases
@@ -68,7 +70,8 @@ class StepLog:
         empty afterwards."""
         last = self._close()
         n, P = self.n, self.num_phases
-        counts = np.empty((3, n), dtype=_fitting(self.top))  # [3, n]: steps, num_reqs, num_tokens
+        # steps (int32 or int64), num_reqs and num_tokens (int16 too)
+        counts = [np.empty(n, dtype=_fitting(top, narrow=k > 0)) for k, top in enumerate(self.tops)]
         start = np.empty(n, dtype=np.int64)
         phases = np.empty((n, P), dtype=_fitting(self.phase_top, self.phase_bottom))
         at = 0
@@ -86,15 +89,19 @@ class StepLog:
         return counts[0], counts[1], counts[2], start, phases
 
     @staticmethod
-    def _place(blk, counts: np.ndarray, start: np.ndarray, phases: np.ndarray, at: int) -> None:
+    def _place(blk, counts: list[np.ndarray], start: np.ndarray, phases: np.ndarray, at: int) -> None:
         c, s, p = blk
         k = len(s)
-        counts[:, at : at + k] = c
+        for row, values in zip(counts, c):
+            row[at : at + k] = values
         start[at : at + k] = s
         phases[at : at + k] = p
 
 
-def _fitting(top: int, bottom: int = 0) -> type:
+def _fitting(top: int, bottom: int = 0, narrow: bool = False) -> type:
+    """The narrowest of int32 and int64 (`narrow`, for counts: int16 too) that holds bottom..top."""
+    if narrow and -_INT16_MAX <= bottom and top <= _INT16_MAX:
+        return np.int16
     return np.int32 if -_INT32_MAX <= bottom and top <= _INT32_MAX else np.int64
 
 

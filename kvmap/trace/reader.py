@@ -34,9 +34,10 @@ from kvmap.errors import TraceError
 from kvmap.trace.checks import Where, loads
 from kvmap.trace.header import available_memory, parse_header
 from kvmap.trace.parse import parse_step
+from kvmap.trace import streams
 from kvmap.trace.records import Step
-from kvmap.trace.streams import (CHUNK, GZIP_MAGIC, HEADER_LIMIT, LINE_MAX, LINE_MIN, STDIN, _column, _Gunzip, _size,
-                                 _source, _spool)
+from kvmap.trace.streams import (CHUNK, GZIP_MAGIC, HEADER_LIMIT, LINE_MAX, LINE_MIN, STDIN, _column, _Gunzip,
+                                 _size, _source, _spool, read_rest)
 
 
 class Trace:
@@ -121,11 +122,14 @@ class Trace:
 
     def _numbered(self, f: BinaryIO, gz: _Gunzip | None, report: bool) -> Iterator[tuple[int, bytes]]:
         line, limit, readline = 0, HEADER_LIMIT, f.readline
+        piece = min(limit, streams.LINE_PIECE)  # a longer line is read on in pieces (streams.read_rest)
         try:
-            while raw := readline(limit):
+            while raw := readline(piece):
+                if raw[-1] != 10 and len(raw) == piece < limit:
+                    raw = read_rest(readline, raw, limit)
                 line += 1
-                if raw[-1] != 10:  # no newline: the limit cut it, or the file's last line
-                    if len(raw) == limit:
+                if raw is None or raw[-1] != 10:  # no newline: the limit cut it, or the file's last line
+                    if raw is None or len(raw) == limit:
                         raise TraceError(f"the line runs past {_size(limit)} without ending (the memory left "
                                          "allows no longer line)", kind="json", path=self.name, line=line)
                     if gz is not None and gz.stopped or not self._parses(raw):  # complete only if it is JSON
@@ -134,6 +138,7 @@ class Trace:
                         return
                 if line == 1:
                     limit = self._line_limit
+                    piece = min(limit, streams.LINE_PIECE)
                 yield line, raw
         except OSError as e:
             self._stop(line + 1, f"cannot read further ({e.strerror or e})", report)

@@ -33,6 +33,8 @@ CHUNK = 1 << 16
 HEADER_LIMIT = 16 << 20  # bytes of line 1
 PADDING_LIMIT = 1 << 20  # zero bytes after a gzip stream's end that a stream may carry
 LINE_MIN, LINE_MAX = 64 << 20, 1 << 30  # a step line's limit: 1/32 of the memory left, within these
+LINE_PIECE = 1 << 20  # a line longer than this is read in pieces of it (`read_rest`)
+INFLATE_MAX = 1 << 20  # bytes inflated at a time from a file (64 KiB of gzip can hold 64 MiB)
 GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -49,21 +51,31 @@ class _Inflater:
     def complete(self) -> bool:
         return self.z.eof
 
-    def inflate(self, data: bytes) -> tuple[bytes, zlib.error | None]:
-        """(bytes inflated from `data`, the error where it turned corrupt or None)."""
-        out = []
+    def inflate_some(self, data: bytes, max_out: int) -> tuple[bytes, zlib.error | None, bytes | None]:
+        """(bytes inflated from `data`, at most `max_out` of them, the error where it turned corrupt or None,
+        what is left to inflate: input not yet consumed, b"" when output may still be pending without more input
+        (call again with b""), None when `data` is done)."""
+        out, n = [], 0
         try:
-            while data:
+            while True:
                 if self.z.eof:  # a member ended: what follows is zero padding or the next member
+                    if not data:
+                        break
                     if not data.strip(b"\0"):
                         self.padding += len(data)
                         break
                     self.z = zlib.decompressobj(wbits=31)
-                out.append(self.z.decompress(data))
-                data = self.z.unused_data if self.z.eof else b""
+                piece = self.z.decompress(data, max_out - n)
+                out.append(piece)
+                n += len(piece)
+                data = self.z.unused_data if self.z.eof else self.z.unconsumed_tail
+                if n >= max_out:
+                    return b"".join(out), None, data
+                if not data and not self.z.eof:  # all consumed, the output below the cap: nothing pending
+                    break
         except zlib.error as e:
-            return b"".join(out), e
-        return b"".join(out), None
+            return b"".join(out), e, None
+        return b"".join(out), None, None
 
 
 class _Gunzip(io.RawIOBase):
@@ -74,6 +86,7 @@ class _Gunzip(io.RawIOBase):
         self.src = src
         self.inflater = _Inflater()
         self.pending = memoryview(b"")  # inflated, not yet handed out (a view: handing out copies nothing twice)
+        self.rest: bytes | None = None  # read, not yet inflated (b"": output may be pending in the inflater)
         self.stopped: str | None = None
         self.done = False
 
@@ -89,13 +102,16 @@ class _Gunzip(io.RawIOBase):
         return n
 
     def _inflate(self) -> None:
-        data = self.src.read(CHUNK)
-        if not data:
+        """At most `INFLATE_MAX` bytes more into `pending` (a highly compressed chunk inflates over calls)."""
+        data = self.rest if self.rest is not None else self.src.read(CHUNK)
+        if not data and self.rest is None:
             if not self.inflater.complete:
                 self.stopped = "the gzip stream ends before its end marker (a recording cut short?)"
             self.done = True
             return
-        out, error = self.inflater.inflate(data)
+        out, error, self.rest = self.inflater.inflate_some(data, INFLATE_MAX)
+        if not out and self.rest == b"":  # nothing was pending after all
+            self.rest = None
         self.pending = memoryview(out)
         if error is not None:  # keep what inflated before the corrupt part
             self.stopped, self.done = f"the gzip data is corrupt ({error})", True
@@ -132,10 +148,18 @@ class _StreamCheck:
             self.started = True
             if chunk[:2] == GZIP_MAGIC:
                 self.z = _Inflater()
-        if self.z is not None:
-            chunk, error = self.z.inflate(chunk)
+        if self.z is None:
+            return self._watch(chunk)
+        first, rest = None, chunk
+        while rest is not None and not self.stop:  # at most INFLATE_MAX bytes inflated at a time
+            out, error, rest = self.z.inflate_some(rest, INFLATE_MAX)
+            first = self._watch(out) or first
             if error is not None or self.z.padding > PADDING_LIMIT:  # the reader stops at the same place
                 self.stop = True
+        return first
+
+    def _watch(self, chunk: bytes) -> bytes | None:
+        """`feed` on bytes as the reader sees them (inflated)."""
         end = chunk.rfind(b"\n")
         self.run = self.run + len(chunk) if end < 0 else len(chunk) - end - 1
         first = None
@@ -180,6 +204,25 @@ def _spool(f: BinaryIO, name: str, check_header: Callable[[bytes], None], line_l
     finally:
         f.close()
     return spool
+
+
+def read_rest(readline: Callable[[int], bytes], first: bytes, limit: int) -> bytes | None:
+    """A line whose first `LINE_PIECE` bytes, `first`, came without its newline: the whole line as
+    `readline(limit)` would give it (without its newline at the end of the data), or None when it runs past
+    `limit` bytes without ending. Read in pieces, so that a line refused holds at most `limit` bytes, never
+    those and their joined copy."""
+    parts, n = [first], len(first)
+    while n < limit:
+        piece = readline(min(limit - n, LINE_PIECE))
+        if not piece:
+            break
+        parts.append(piece)
+        n += len(piece)
+        if piece[-1] == 10:
+            break
+    if n == limit and parts[-1][-1] != 10:
+        return None
+    return b"".join(parts)
 
 
 def _size(n: int) -> str:

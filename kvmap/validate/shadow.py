@@ -22,6 +22,7 @@ from __future__ import annotations
 from kvmap.trace import Step, TraceHeader
 from kvmap.validate.blocks import BlockOwners, PoolHolders, context_start, still_held
 from kvmap.validate import continuation, model_output, multirank
+from kvmap.validate.idset import IdSet
 from kvmap.validate.problems import KINDS, Problem
 from kvmap.validate.salvage import read_bad_line
 
@@ -50,10 +51,10 @@ class Validator:
         self.max_problems = max_problems
         self.problems: list[Problem] = []
         self.reqs: dict[str, _Req] = {}
-        self.finished: set[str] = set()
-        self.freed: set[str] = set()  # finished since the last lost line and not added again
+        self.finished = IdSet()  # the sets kept over the whole trace: about 8 bytes an id (idset.py)
+        self.freed = IdSet()  # finished since the last lost line and not added again
         self.uncertain: set[str] = set()
-        self.seen: set[str] = set()
+        self.seen = IdSet()
         self.blind = False  # the line before was not JSON: unknown requests now may have been added there
         self.full = [g.kind == "full_attention" for g in header.kv_cache_groups]
         self.null = header.null_block_id if header.null_block_id is not None else 0

@@ -91,12 +91,12 @@ class ReferenceWorker(Worker):
         if so.total_num_scheduled_tokens > budget:
             raise TraceError(f"{so.total_num_scheduled_tokens} tokens exceed the header's token budget {budget}",
                              line=step.line, step=step.step, field="total_num_scheduled_tokens")
-        for r in so.finished_req_ids:
+        v2 = self.header.model_runner_protocol == "v2"
+        freed = set(so.finished_req_ids) | (set(so.preempted_req_ids) if v2 else set())
+        for r in sorted(freed):  # MRV2's finish_requests: sorted ids, whatever the trace's order
             self._free(r)
         for r in so.preempted_req_ids:
-            if self.header.model_runner_protocol == "v2":
-                self._free(r)
-            elif r in self.requests:
+            if not v2 and r in self.requests:
                 self.requests[r].preempted = True
         for nr in so.scheduled_new_reqs:
             self._add(step, nr)

