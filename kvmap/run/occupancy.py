@@ -32,6 +32,7 @@ from kvmap.run.kvsummary import Running
 
 CONTIGUOUS = ("contiguous_max_len", "contiguous_final")  # the summaries of contiguous allocation
 WINDOWED = ("sliding_window", "chunked_local")  # kinds whose blocks before the window vLLM frees
+CHUNK = 1 << 14  # steps a summary pass holds at once (a long run never makes a float64 copy of a whole series)
 
 
 def columns(num_groups: int, ranks: list[int], kv_groups: list[int]) -> list[str]:
@@ -194,17 +195,25 @@ class Occupancy:
             n = int(self.kv_len[r])
             _bump(self, self.first[r], n)
             _bump(self, steps, -n)
-        reserve = np.cumsum(np.frombuffer(self.diff, dtype=self.diff.typecode), dtype=np.int64)[:steps]
-        self.diff = array("i")
-        if self.measured_from is not None:  # contiguous_final over the measured steps, in one pass
+        diff = np.frombuffer(self.diff, dtype=self.diff.typecode)[:steps]
+        reserve = np.cumsum(diff, dtype=np.int64) if self.keep else None  # [steps] (the series' column)
+        if self.measured_from is not None:  # contiguous_final over the measured steps, CHUNK steps at a time
             m = self.measured_from
             tokens = np.frombuffer(self.tokens, dtype=self.tokens.typecode)
-            self.running["contiguous_final"].add_many(_ratio(tokens, reserve[m : m + len(tokens)]))
+            carry = int(diff[:m].sum(dtype=np.int64))
+            for s in range(0, len(tokens), CHUNK):
+                part = np.cumsum(diff[m + s : m + s + CHUNK], dtype=np.int64)
+                part += carry
+                carry = int(part[-1])
+                self.running["contiguous_final"].add_many(_ratio(tokens[s : s + CHUNK], part))
+        del diff
+        self.diff = array("i")
         self.tokens = array("i")
         out = np.frombuffer(self.rows, dtype=np.int64).reshape(-1, len(self.cols)).copy()
         self.rows = array("q")
         if len(out):
             out[:, 2] = reserve[steps - len(out):]
+        del reserve
         summary = {"efficiency": {k: x.summary() for k, x in self.running.items()},
                    "groups": {g: {"max_in_use": a, "max_shared": b} for g, (a, b) in self.top.items()}}
         return _compact(out), summary
