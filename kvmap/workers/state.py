@@ -84,6 +84,10 @@ class WorkerState:
         self._ones = np.ones(R, dtype=np.int32)  # [R] counts of a step that samples one token per request
         self._zeros = np.zeros(R, dtype=np.int32)  # [R] draft counts of a step without drafts (never written)
         self.missing_samples = False  # some step had no sampled_token_ids
+        # the last step's scheduled ids and their rows, valid while no row was taken or freed since
+        # (`_generation` counts those changes): a step scheduling the same ids reuses the lookups
+        self._generation = 0
+        self._last: tuple[list[str], np.ndarray, int] = ([], self._zeros[:0], 0)
 
     # ------------------------------------------------------------------ rows
 
@@ -92,6 +96,19 @@ class WorkerState:
         if len(req_ids) > 1:
             return np.array(itemgetter(*req_ids)(self.req_id_to_index), dtype=np.int32)
         return np.fromiter(map(self.req_id_to_index.__getitem__, req_ids), np.int32, len(req_ids))
+
+    def _cached_rows(self, step: Step, req_ids: list[str]) -> np.ndarray:
+        """[n] int32 rows of the cached requests: the last step's when it scheduled the same ids and no row
+        changed hands since, else looked up (naming the first unknown id)."""
+        ids, rows, generation = self._last
+        if generation == self._generation and req_ids == ids:
+            return rows
+        try:
+            return self._rows(req_ids)
+        except KeyError:  # name the first unknown one
+            for r in req_ids:
+                self.row_of(r, step, "scheduled_cached_reqs.req_ids")
+            raise AssertionError("unreachable") from None  # pragma: no cover
 
     def row_of(self, req_id: str, step: Step, field: str) -> int:
         row = self.req_id_to_index.get(req_id)
@@ -108,6 +125,7 @@ class WorkerState:
         del self.index_to_req_id[row]
         self.preempted.discard(req_id)
         self.free_indices.append(row)
+        self._generation += 1
 
     def _take_row(self, req_id: str, step: Step) -> int:
         """A free row for a new request (the one rule for adding)."""
@@ -120,6 +138,7 @@ class WorkerState:
         row = self.free_indices.pop()
         self.req_id_to_index[req_id] = row
         self.index_to_req_id[row] = req_id
+        self._generation += 1
         return row
 
     def _set_tokens(self, row: int, tokens: list[int], step: Step, req_id: str, field: str) -> None:
@@ -176,12 +195,7 @@ class WorkerState:
         c = so.scheduled_cached_reqs
         crows = self._zeros[:0]
         if c.req_ids:
-            try:
-                crows = self._rows(c.req_ids)
-            except KeyError:  # name the first unknown one
-                for r in c.req_ids:
-                    self.row_of(r, step, "scheduled_cached_reqs.req_ids")
-                raise AssertionError("unreachable") from None  # pragma: no cover
+            crows = self._cached_rows(step, c.req_ids)
             nc = np.fromiter(c.num_computed_tokens, np.int32, len(crows))
             if step.async_spec is not None and step.async_spec.num_computed_tokens_correction:
                 self._correct(step, c.req_ids, nc)
@@ -210,7 +224,11 @@ class WorkerState:
             rows = crows
         else:
             rows = self._rows(req_ids)
-        counts = np.fromiter(nst.values(), np.int32, len(nst))
+        self._last = (req_ids, rows, self._generation)
+        n = len(req_ids)
+        # every count is >= 1 (both decoders check it) and they add up to the total (`check_step`): a total of
+        # one per request is a decode step, all ones
+        counts = self._ones[:n] if so.total_num_scheduled_tokens == n else np.fromiter(nst.values(), np.int32, n)
         spec = so.scheduled_spec_decode_tokens
         num_drafts = self._zeros[: len(req_ids)]  # read-only: a step with drafts gets its own array
         if spec:
@@ -245,24 +263,26 @@ class WorkerState:
             if not sel:
                 return
         if len(sel) <= ROW_WRITES_MAX:  # the usual step: a few rows cross into a new block
-            num_blocks, sizes, kv_groups = self.num_blocks, self.block_spans, self.kv_groups
+            num_blocks, spans, widths = self.num_blocks, self.block_spans, self.max_num_blocks
+            kv_groups, write_row, capacity = self.kv_groups, self.writes.write_row, self.capacity
+            max_model_len = self.header.max_model_len
             for i in sel:
-                row = int(crows[i])
-                cap = self.header.max_model_len
+                row = crows.item(i)
+                cap = max_model_len
                 for g, ids in enumerate(nb[i]):
-                    have = int(num_blocks[g, row])
+                    have = num_blocks.item(g, row)
                     if ids:
-                        if have + len(ids) > self.max_num_blocks[g]:
-                            raise TraceError(f"appending {len(ids)} blocks overflows the row width "
-                                             f"{self.max_num_blocks[g]}", line=step.line, step=step.step,
-                                             req_id=c.req_ids[i], group=g, field="new_block_ids",
-                                             kind="row_width")
-                        self.writes.write_row(g, row, have, ids)
-                        have += len(ids)
+                        k = len(ids)
+                        if have + k > widths[g]:
+                            raise TraceError(f"appending {k} blocks overflows the row width {widths[g]}",
+                                             line=step.line, step=step.step, req_id=c.req_ids[i], group=g,
+                                             field="new_block_ids", kind="row_width")
+                        write_row(g, row, have, ids)
+                        have += k
                         num_blocks[g, row] = have
-                    if g in kv_groups:
-                        cap = min(cap, have * sizes[g])
-                self.capacity[row] = cap
+                    if g in kv_groups and have * spans[g] < cap:
+                        cap = have * spans[g]
+                capacity[row] = cap
             return
         rows = crows[sel]
         G = self.header.num_groups
