@@ -121,9 +121,6 @@ def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step
                 or c.resumed_req_token_ids is not UNSET and c.all_token_ids is None:
             return None  # a legacy form (or a null where the key decides): the checked path converts it
         req_ids = c.req_ids or []
-        keys = list(so.num_scheduled_tokens)
-        if keys == req_ids:  # the usual step: the same ids, as the dict's key objects (msgspec caches dict keys),
-            req_ids = keys  # so that every later comparison of the two lists is one of identities
         nb = c.new_block_ids
         resumed = c.resumed_req_ids
         step = Step(step, line, SchedulerOutput(  # positional, in field order: cheaper than keywords per line

@@ -193,9 +193,14 @@ class WorkerState:
             self._set_blocks(row, nr.block_ids, step, nr.req_id, "block_ids")
 
         c = so.scheduled_cached_reqs
+        nst = so.num_scheduled_tokens
+        req_ids = list(nst)  # the scheduled batch, in scheduler order
+        steady = not so.scheduled_new_reqs and req_ids == c.req_ids  # the usual step: cached rows are its rows
         crows = self._zeros[:0]
         if c.req_ids:
-            crows = self._cached_rows(step, c.req_ids)
+            # steady: this step's and the last step's lists of dict keys, which the typed decoder builds from one
+            # cache of key objects (msgspec's), compare by identity
+            crows = self._cached_rows(step, req_ids if steady else c.req_ids)
             nc = np.fromiter(c.num_computed_tokens, np.int32, len(crows))
             if step.async_spec is not None and step.async_spec.num_computed_tokens_correction:
                 self._correct(step, c.req_ids, nc)
@@ -217,18 +222,9 @@ class WorkerState:
                                      kind="preempted_scheduled")
             self._append_blocks(step, crows)
 
-        # the scheduled batch, in scheduler order
-        nst = so.num_scheduled_tokens
-        req_ids = list(nst)
-        if not so.scheduled_new_reqs and req_ids == c.req_ids:  # the usual steady state: reuse the lookups
-            rows = crows
-        else:
-            rows = self._rows(req_ids)
+        rows = crows if steady else self._rows(req_ids)
         self._last = (req_ids, rows, self._generation)
-        n = len(req_ids)
-        # every count is >= 1 (both decoders check it) and they add up to the total (`check_step`): a total of
-        # one per request is a decode step, all ones
-        counts = self._ones[:n] if so.total_num_scheduled_tokens == n else np.fromiter(nst.values(), np.int32, n)
+        counts = np.fromiter(nst.values(), np.int32, len(nst))
         spec = so.scheduled_spec_decode_tokens
         num_drafts = self._zeros[: len(req_ids)]  # read-only: a step with drafts gets its own array
         if spec:
@@ -374,7 +370,7 @@ class WorkerState:
             srows = self._rows(sampled)
         values = sampled.values()
         flat = np.fromiter(chain.from_iterable(values), np.int32)
-        if len(flat) == len(sampled) and [] not in values:  # one token each, the usual decode step
+        if len(flat) == len(sampled) and all(values):  # one token each (no list is empty), the usual decode step
             counts = self._ones[: len(flat)]
         else:
             counts = np.fromiter(map(len, values), np.int32, len(sampled))

@@ -55,10 +55,7 @@ class StagedWrites:
         if self.record:
             values = np.asarray(values, dtype=np.int32)
             self.log.append((table, self._one * row, self._one * start, self._one * len(values), values))
-        if len(values) == 1:  # one element (a row crossing into its next block): no slice to build
-            self.tables[table][row, start] = values[0]
-        else:
-            self.tables[table][row, start : start + len(values)] = values
+        self.tables[table][row, start : start + len(values)] = values
 
     def drain(self) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """The recorded writes since the last drain, oldest first."""
