@@ -13,7 +13,8 @@ Rules:
   device workers set to record; the whole-batch operations (position check, sampled-token append, scatter of
   `num_computed_tokens`) go through `self.ops`, vectorized or compiled (workers/state_ops.py).
 - One update, `update(step)`, from the decoded `Step` (the trace layer's one record): rows are added only
-  through `_take_row` and removed only through `_remove`.
+  through `_take_row` and removed only through `_remove`, which count every change (`_generation`); a step
+  that schedules the last step's requests with no change since takes the last step's rows.
 - A live request sent again in `scheduled_new_reqs` is a streaming-input continuation (vLLM's resumable
   sessions; MRV2 `add_requests`): its state is removed and added again, so the LIFO free list gives its row
   back, one request at a time in `scheduled_new_reqs` order; its tokens, block rows and `num_computed_tokens`
