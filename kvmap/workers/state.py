@@ -15,7 +15,8 @@ Rules:
   device workers set to record; the whole-batch operations (position check, sampled-token append, scatter of
   `num_computed_tokens`) go through `self.ops`, vectorized or compiled (workers/state_ops.py).
 - One update, `update(step)`, from the decoded `Step` (the trace layer's one record): rows are added only
-  through `_take_row` and removed only through `_remove`.
+  through `_take_row` and removed only through `_remove`, which count every change (`_generation`); a step
+  that schedules the last step's requests with no change since takes the last step's rows.
 - A live request sent again in `scheduled_new_reqs` is a streaming-input continuation (vLLM's resumable
   sessions; MRV2 `add_requests`): its state is removed and added again, so the LIFO free list gives its row
   back, one request at a time in `scheduled_new_reqs` order; its tokens, block rows and `num_computed_tokens`
@@ -88,6 +89,10 @@ class WorkerState:
         self._ones = np.ones(R, dtype=np.int32)  # [R] counts of a step that samples one token per request
         self._zeros = np.zeros(R, dtype=np.int32)  # [R] draft counts of a step without drafts (never written)
         self.missing_samples = False  # some step had no sampled_token_ids
+        # the last step's scheduled ids and their rows, valid while no row was taken or freed since
+        # (`_generation` counts those changes): a step scheduling the same ids reuses the lookups
+        self._generation = 0
+        self._last: tuple[list[str], np.ndarray, int] = ([], self._zeros[:0], 0)
 
     # ------------------------------------------------------------------ rows
 
@@ -96,6 +101,19 @@ class WorkerState:
         if len(req_ids) > 1:
             return np.array(itemgetter(*req_ids)(self.req_id_to_index), dtype=np.int32)
         return np.fromiter(map(self.req_id_to_index.__getitem__, req_ids), np.int32, len(req_ids))
+
+    def _cached_rows(self, step: Step, req_ids: list[str]) -> np.ndarray:
+        """[n] int32 rows of the cached requests: the last step's when it scheduled the same ids and no row
+        changed hands since, else looked up (naming the first unknown id)."""
+        ids, rows, generation = self._last
+        if generation == self._generation and req_ids == ids:
+            return rows
+        try:
+            return self._rows(req_ids)
+        except KeyError:  # name the first unknown one
+            for r in req_ids:
+                self.row_of(r, step, "scheduled_cached_reqs.req_ids")
+            raise AssertionError("unreachable") from None  # pragma: no cover
 
     def row_of(self, req_id: str, step: Step, field: str) -> int:
         row = self.req_id_to_index.get(req_id)
@@ -112,6 +130,7 @@ class WorkerState:
         del self.index_to_req_id[row]
         self.preempted.discard(req_id)
         self.free_indices.append(row)
+        self._generation += 1
 
     def _take_row(self, req_id: str, step: Step) -> int:
         """A free row for a new request (the one rule for adding)."""
@@ -124,6 +143,7 @@ class WorkerState:
         row = self.free_indices.pop()
         self.req_id_to_index[req_id] = row
         self.index_to_req_id[row] = req_id
+        self._generation += 1
         return row
 
     def _set_tokens(self, row: int, tokens: list[int], step: Step, req_id: str, field: str) -> None:
@@ -178,14 +198,14 @@ class WorkerState:
             self._set_blocks(row, nr.block_ids, step, nr.req_id, "block_ids")
 
         c = so.scheduled_cached_reqs
+        nst = so.num_scheduled_tokens
+        req_ids = list(nst)  # the scheduled batch, in scheduler order
+        steady = not so.scheduled_new_reqs and req_ids == c.req_ids  # the usual step: cached rows are its rows
         crows = self._zeros[:0]
         if c.req_ids:
-            try:
-                crows = self._rows(c.req_ids)
-            except KeyError:  # name the first unknown one
-                for r in c.req_ids:
-                    self.row_of(r, step, "scheduled_cached_reqs.req_ids")
-                raise AssertionError("unreachable") from None  # pragma: no cover
+            # steady: this step's and the last step's lists of dict keys, which the typed decoder builds from one
+            # cache of key objects (msgspec's), compare by identity
+            crows = self._cached_rows(step, req_ids if steady else c.req_ids)
             nc = np.fromiter(c.num_computed_tokens, np.int32, len(crows))
             if step.async_spec is not None and step.async_spec.num_computed_tokens_correction:
                 self._correct(step, c.req_ids, nc)
@@ -210,13 +230,8 @@ class WorkerState:
                                      kind="preempted_scheduled")
             self._append_blocks(step, crows)
 
-        # the scheduled batch, in scheduler order
-        nst = so.num_scheduled_tokens
-        req_ids = list(nst)
-        if not so.scheduled_new_reqs and req_ids == c.req_ids:  # the usual steady state: reuse the lookups
-            rows = crows
-        else:
-            rows = self._rows(req_ids)
+        rows = crows if steady else self._rows(req_ids)
+        self._last = (req_ids, rows, self._generation)
         counts = np.fromiter(nst.values(), np.int32, len(nst))
         spec = so.scheduled_spec_decode_tokens
         num_drafts = self._zeros[: len(req_ids)]  # read-only: a step with drafts gets its own array
@@ -252,24 +267,26 @@ class WorkerState:
             if not sel:
                 return
         if len(sel) <= ROW_WRITES_MAX:  # the usual step: a few rows cross into a new block
-            num_blocks, sizes, kv_groups = self.num_blocks, self.block_spans, self.kv_groups
+            num_blocks, spans, widths = self.num_blocks, self.block_spans, self.max_num_blocks
+            kv_groups, write_row, capacity = self.kv_groups, self.writes.write_row, self.capacity
+            max_model_len = self.header.max_model_len
             for i in sel:
-                row = int(crows[i])
-                cap = self.header.max_model_len
+                row = crows.item(i)
+                cap = max_model_len
                 for g, ids in enumerate(nb[i]):
-                    have = int(num_blocks[g, row])
+                    have = num_blocks.item(g, row)
                     if ids:
-                        if have + len(ids) > self.max_num_blocks[g]:
-                            raise TraceError(f"appending {len(ids)} blocks overflows the row width "
-                                             f"{self.max_num_blocks[g]}", line=step.line, step=step.step,
-                                             req_id=c.req_ids[i], group=g, field="new_block_ids",
-                                             kind="row_width")
-                        self.writes.write_row(g, row, have, ids)
-                        have += len(ids)
+                        k = len(ids)
+                        if have + k > widths[g]:
+                            raise TraceError(f"appending {k} blocks overflows the row width {widths[g]}",
+                                             line=step.line, step=step.step, req_id=c.req_ids[i], group=g,
+                                             field="new_block_ids", kind="row_width")
+                        write_row(g, row, have, ids)
+                        have += k
                         num_blocks[g, row] = have
-                    if g in kv_groups:
-                        cap = min(cap, have * sizes[g])
-                self.capacity[row] = cap
+                    if g in kv_groups and have * spans[g] < cap:
+                        cap = have * spans[g]
+                capacity[row] = cap
             return
         rows = crows[sel]
         G = self.header.num_groups
@@ -361,7 +378,7 @@ class WorkerState:
             srows = self._rows(sampled)
         values = sampled.values()
         flat = np.fromiter(chain.from_iterable(values), np.int32)
-        if len(flat) == len(sampled) and [] not in values:  # one token each, the usual decode step
+        if len(flat) == len(sampled) and all(values):  # one token each (no list is empty), the usual decode step
             counts = self._ones[: len(flat)]
         else:
             counts = np.fromiter(map(len, values), np.int32, len(sampled))
