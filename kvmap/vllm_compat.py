@@ -117,6 +117,12 @@ def prepare_cpu() -> None:
     for name, mod in list(sys.modules.items()):  # every imported vLLM module's own copy of the flag
         if name.startswith("vllm") and getattr(mod, "PIN_MEMORY", None) is True:
             mod.PIN_MEMORY = False
+    import vllm.v1.utils as vu
+
+    # a default bound when vllm.v1.utils was imported before this ran (`pin_memory: bool = PIN_MEMORY`)
+    init = vu.CpuGpuBuffer.__init__
+    if (init.__kwdefaults__ or {}).get("pin_memory") is True:
+        init.__kwdefaults__["pin_memory"] = False
 
 
 def prepare_gpu() -> None:
