@@ -37,3 +37,12 @@ def test_the_fit_equals_numpys_least_squares():
 def test_no_spread_in_x_gives_the_mean_and_no_r2():
     f = fit_line(np.array([4, 4, 4]), np.array([1.0, 2.0, 3.0]))
     assert f == {"fixed": 2.0, "slope": 0.0, "r2": None, "steps": 3, "left_out": 0}
+
+
+def test_nanoseconds_scaled_to_microseconds_over_several_chunks():
+    from kvmap.run import costfit
+
+    x = np.arange(1, 3 * costfit.CHUNK + 7, dtype=np.int32)  # more than three passes' worth of steps
+    ns = (12_000 + 300 * x).astype(np.int64)  # 12 us + 0.3 us a token, in ns
+    f = fit_line(x, ns, 1e3)
+    assert f["fixed"] == pytest.approx(12.0) and f["slope"] == pytest.approx(0.3) and f["steps"] == len(x)

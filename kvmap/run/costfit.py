@@ -16,25 +16,36 @@ from kvmap.run.result import ReplayResult
 from kvmap.run.stats import median, phase_series
 
 OUTLIER_FACTOR = 10.0  # steps slower than this many medians of their phase are left out of the fit
+CHUNK = 1 << 14  # steps a pass holds at once
 
 
-def fit_line(x: np.ndarray, y: np.ndarray) -> dict:
-    """{fixed, slope, r2, steps, left_out} of y = fixed + slope * x (least squares, the closed form over centred
-    sums: no design matrix, so a long run's fit costs a few series-sized temporaries), outliers of y left out."""
+def fit_line(x: np.ndarray, y: np.ndarray, scale: float = 1.0) -> dict:
+    """{fixed, slope, r2, steps, left_out} of y / scale = fixed + slope * x (least squares, the closed form over
+    centred sums), outliers of y left out. Two passes of CHUNK steps each (the means, then the centred sums):
+    a long run's fit holds no series-sized float64 copy."""
     med = median(y) if len(y) else 0.0
-    keep = y <= OUTLIER_FACTOR * med if med > 0 else np.ones(len(y), dtype=bool)
-    xs, ys = x[keep].astype(np.float64), y[keep].astype(np.float64)
-    left_out = int(len(y) - len(ys))
-    if len(xs) < 2 or np.ptp(xs) == 0:
-        fixed = float(ys.mean()) if len(ys) else 0.0
-        return {"fixed": fixed, "slope": 0.0, "r2": None, "steps": int(len(xs)), "left_out": left_out}
-    mx, my = xs.mean(), ys.mean()
-    xs -= mx
-    ys -= my
-    sxx, sxy, syy = float(xs @ xs), float(xs @ ys), float(ys @ ys)
+    limit = OUTLIER_FACTOR * med if med > 0 else np.inf
+    n, sx, sy = 0, 0.0, 0.0
+    for c in range(0, len(y), CHUNK):
+        keep = y[c : c + CHUNK] <= limit
+        n += int(np.count_nonzero(keep))
+        sx += float(x[c : c + CHUNK][keep].sum(dtype=np.float64))
+        sy += float(y[c : c + CHUNK][keep].sum(dtype=np.float64))
+    left_out = int(len(y) - n)
+    if n == 0:
+        return {"fixed": 0.0, "slope": 0.0, "r2": None, "steps": 0, "left_out": left_out}
+    mx, my = sx / n, sy / n
+    sxx = sxy = syy = 0.0
+    for c in range(0, len(y), CHUNK):
+        keep = y[c : c + CHUNK] <= limit
+        dx = x[c : c + CHUNK][keep].astype(np.float64) - mx
+        dy = y[c : c + CHUNK][keep].astype(np.float64) - my
+        sxx, sxy, syy = sxx + float(dx @ dx), sxy + float(dx @ dy), syy + float(dy @ dy)
+    if n < 2 or sxx == 0:  # no spread in x: the mean
+        return {"fixed": my / scale, "slope": 0.0, "r2": None, "steps": n, "left_out": left_out}
     slope = sxy / sxx
     r2 = sxy * sxy / (sxx * syy) if syy else None
-    return {"fixed": float(my - slope * mx), "slope": slope, "r2": r2, "steps": int(len(xs)), "left_out": left_out}
+    return {"fixed": (my - slope * mx) / scale, "slope": slope / scale, "r2": r2, "steps": n, "left_out": left_out}
 
 
 def cost_dict(r: ReplayResult) -> dict:
@@ -42,8 +53,7 @@ def cost_dict(r: ReplayResult) -> dict:
     reqs, toks = r.measured_counts()
     out = {}
     for name, ns in phase_series(r):
-        us = ns / 1e3
-        t, q = fit_line(toks, us), fit_line(reqs, us)
+        t, q = fit_line(toks, ns, 1e3), fit_line(reqs, ns, 1e3)
         out[name] = {"fixed_us": t["fixed"], "per_token_us": t["slope"], "r2_tokens": t["r2"],
                      "fixed_us_by_reqs": q["fixed"], "per_request_us": q["slope"], "r2_reqs": q["r2"],
                      "steps": t["steps"], "left_out": t["left_out"]}
