@@ -47,6 +47,7 @@ class ForwardConfig:
     num_speculative_tokens: int  # k; > 0: a speculative config exists (V1 builds SpecDecodeMetadata)
     dcp_size: int  # decode context parallel world size
     skipped: tuple[str, ...] = ()  # what cannot be computed from this header, one sentence each
+    cp_kv_cache_interleave_size: int = 1  # DCP interleave (tokens per rank run)
 
     @property
     def eager(self) -> bool:
@@ -122,4 +123,4 @@ def resolve(header: TraceHeader, runner: str | None = None, attention_backend: s
                        "metadata is not computed (--attention-backend names it)")
     return ForwardConfig(runner, mode, tuple(sizes), groups, header.max_num_seqs, header.max_num_batched_tokens,
                          header.max_model_len, header.num_speculative_tokens, header.decode_context_parallel_size,
-                         tuple(skipped))
+                         tuple(skipped), header.cp_kv_cache_interleave_size)
