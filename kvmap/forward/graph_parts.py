@@ -175,11 +175,11 @@ def cudagraph_host(cfg: ForwardConfig, step, buf: PaddingBuffers) -> Padding:
     desc = buf.dispatcher.dispatch(R, T, max_q, cfg.runner == "v1" or _eligible_host(r, T, R, max_q))
     tables = _tables(m)
     if desc.num_tokens_padded == T and desc.num_reqs_padded == R:  # nothing padded: the arrays themselves
-        tails = C.PaddedTails(qsl, r.seq_lens, m.slot_mapping, tables, np.zeros(T, bool),
+        tails = C.PaddedTails(qsl, r.seq_lens, m.slot_mapping, tables, None,
                               None if cfg.runner == "mrv2" else m.positions)
     else:
-        tails = replace(C.pad_tails(cfg.runner, desc, qsl, r.seq_lens, m.slot_mapping, [], m.positions),
-                        block_tables=tables)
+        t = C.pad_tails(cfg.runner, desc, qsl, r.seq_lens, m.slot_mapping, [], m.positions)
+        tails = C.PaddedTails(t.query_start_loc, t.seq_lens, t.slot_mapping, tables, t.is_padding, t.positions)
     return Padding(desc, tails, buf.sizes[-1] if buf.sizes else 0)
 
 
@@ -235,7 +235,21 @@ def _empty(cfg: ForwardConfig) -> Attention:
     return Attention([None] * G, [None] * G, [None] * G, [g.kind == "chunked_local" for g in cfg.groups])
 
 
-def attention_host(cfg: ForwardConfig, step, _buf) -> Attention:
+def _with_group(cm: A.CommonAttentionMetadata, table: np.ndarray, slots: np.ndarray) -> A.CommonAttentionMetadata:
+    """The shared metadata with one group's table and slots (vLLM's shallow copy per group)."""
+    return A.CommonAttentionMetadata(cm.query_start_loc, cm.seq_lens, cm.num_reqs, cm.num_actual_tokens,
+                                     cm.max_query_len, cm.max_seq_len, table, slots, cm.is_prefilling,
+                                     cm.seq_lens_cpu_upper_bound, cm.causal)
+
+
+class SplitRules:
+    """What the host form keeps across steps: each group's split rule."""
+
+    def __init__(self, cfg: ForwardConfig) -> None:
+        self.rules = [_rules(cfg, grp) for grp in cfg.groups]  # [G] (threshold, require_uniform)
+
+
+def attention_host(cfg: ForwardConfig, step, buf: SplitRules) -> Attention:
     pad: Padding = step.parts["cudagraph"]
     if pad.desc.num_reqs == 0:
         return _empty(cfg)
@@ -252,12 +266,12 @@ def attention_host(cfg: ForwardConfig, step, _buf) -> Attention:
             thresholds.append(None)
             splits.append(None)
             continue
-        cm = replace(cm0, block_table_tensor=pad.tails.block_tables[g], slot_mapping=pad.tails.slot_mapping[g])
+        cm = _with_group(cm0, pad.tails.block_tables[g], pad.tails.slot_mapping[g])
         if is_local:
-            cm = L.virtual_batches(replace(cm, block_table_tensor=_local_table_host(cfg, grp, m, g, cm.num_reqs)),
+            cm = L.virtual_batches(_with_group(cm, _local_table_host(cfg, grp, m, g, cm.num_reqs), cm.slot_mapping),
                                    grp.attention_chunk_size, grp.kernel_block_size)
         common.append(cm)
-        t, uniform = _rules(cfg, grp)
+        t, uniform = buf.rules[g]
         thresholds.append(t)
         if t is None:
             splits.append(None)

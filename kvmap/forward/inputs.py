@@ -61,7 +61,7 @@ PARTS: tuple[Part, ...] = (
     Part("sampler", _sampler_host, _sampler_spec,
          lambda cfg, T: SamplerBuffers(cfg.max_num_seqs, cfg.num_speculative_tokens, T)),
     Part("cudagraph", gp.cudagraph_host, gp.cudagraph_spec, lambda cfg, T: gp.PaddingBuffers(cfg)),
-    Part("attention", gp.attention_host, gp.attention_spec, lambda cfg, T: None),
+    Part("attention", gp.attention_host, gp.attention_spec, lambda cfg, T: gp.SplitRules(cfg)),
     Part("backends", gp.backends_host, gp.backends_spec, lambda cfg, T: None),
 )
 
