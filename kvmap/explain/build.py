@@ -42,17 +42,20 @@ def first_scheduled_step(trace: Trace, req_id: str) -> int:
 
 
 def explain(trace: Trace, step: int, req_id: str | None = None, token: int | None = None,
-            group: int | None = None, geometry: KVGeometry | None = None, runner: str | None = None) -> dict:
+            group: int | None = None, geometry: KVGeometry | None = None, runner: str | None = None,
+            forward: tuple = (None, None, None)) -> dict:
     """The step as plain data; with `req_id` (or a flat `token` index) its request, with `token` the token's
     whole chain, in every KV cache group (or only `group`). `runner` (default: the header's, else mrv2) sets the
-    batch order and the forward-pass rules (`forward`: the sampler indices with their arithmetic)."""
+    batch order and the forward-pass rules (`forward`: the sampler indices, the padded shape, the split and the
+    FlashInfer indices with their arithmetic); `forward`: the overrides (attention backend, cudagraph mode,
+    capture sizes) of the header's keys."""
     h = trace.header
     geometry = (geometry or KVGeometry()).check()
     if step < 0:
         raise KvmapError(f"step {step} does not exist: steps are numbered from 0", field="--step")
     if group is not None and not 0 <= group < h.num_groups:
         raise KvmapError(f"group {group} does not exist: the trace has groups 0..{h.num_groups - 1}", field="--group")
-    worker, target, held = _replay_to(trace, step, resolve(h, runner))
+    worker, target, held = _replay_to(trace, step, resolve(h, runner, *forward))
     m = worker.mappings()
     qsl = m.query_start_loc.tolist()
     groups = [g for g in range(h.num_groups) if group is None or g == group]
