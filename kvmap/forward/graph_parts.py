@@ -105,10 +105,9 @@ class Attention:
 
     def to_dict(self) -> dict:
         cm = next((c for c, loc in zip(self.common, self.local) if c is not None and not loc), None)
-        d: dict = {}
-        if cm is not None:  # the same in every full/sliding group: once
-            d.update(num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
-                     max_seq_len=cm.max_seq_len, is_prefilling=_tolist(cm.is_prefilling))
+        d: dict = {}  # the shared fields, the same in every full/sliding group: once (null: no request)
+        d.update(num_actual_tokens=cm and cm.num_actual_tokens, max_query_len=cm and cm.max_query_len,
+                 max_seq_len=cm and cm.max_seq_len, is_prefilling=cm and _tolist(cm.is_prefilling))
         d["reorder_batch_threshold"] = self.thresholds
         for k in ("num_decodes", "num_decode_tokens", "num_prefills", "num_prefill_tokens"):
             d[k] = [None if s is None else getattr(s, k) for s in self.splits]
@@ -127,17 +126,18 @@ class Backends:
     """The `backends` part: [G] each group's backend metadata (None: unknown backend, or a state group)."""
 
     metadata: list[Any]  # [G] FlashInferMetadata | FlashAttentionMetadata | TritonAttentionMetadata | None
+    names: list[str | None]  # [G] the groups' attention_backend (the keys present: by the configuration)
     dcp: bool
 
     def to_dict(self) -> dict:
         d: dict = {}
         fi = [x if isinstance(x, FI.FlashInferMetadata) else None for x in self.metadata]
-        if any(x is not None for x in fi):
+        if "FLASHINFER" in self.names:
             d.update(paged_kv_indptr=_per_group(fi, lambda x: x.paged_kv_indptr.tolist()),
                      paged_kv_indices=_per_group(fi, lambda x: x.paged_kv_indices.tolist()),
                      paged_kv_last_page_len=_per_group(fi, lambda x: x.paged_kv_last_page_len.tolist()))
         fa = [x if isinstance(x, FA.FlashAttentionMetadata) else None for x in self.metadata]
-        if any(x is not None for x in fa):
+        if "FLASH_ATTN" in self.names:
             d["max_num_splits"] = _per_group(fa, lambda x: x.max_num_splits)
             if self.dcp:
                 d.update(dcp_context_kv_lens=_per_group(fa, lambda x: x.dcp_context_kv_lens.tolist()),
@@ -336,7 +336,7 @@ def _backends(cfg: ForwardConfig, step, fi_build, fa_build) -> Backends:
             out.append(FA.triton_attn(cm))
         else:
             out.append(None)
-    return Backends(out, cfg.dcp_size > 1)
+    return Backends(out, [g.attention_backend if _attends(g) else None for g in cfg.groups], cfg.dcp_size > 1)
 
 
 def backends_host(cfg: ForwardConfig, step, _buf) -> Backends:
