@@ -18,6 +18,7 @@ import numpy as np
 from kvmap.errors import KvmapError
 from kvmap.explain.forward import forward_dict
 from kvmap.forward.config import ForwardConfig, resolve
+from kvmap.forward.graph_parts import v1_reorder_threshold
 from kvmap.kv.cache import KVGeometry
 from kvmap.layout import PAD_SLOT_ID, GroupLayout, rank_layouts
 from kvmap.trace import Trace
@@ -87,7 +88,7 @@ def _replay_to(trace: Trace, step: int, config: ForwardConfig) -> tuple[NumpyWor
     """A numpy worker (no KV cache) replayed through `step` under `config`'s runner, computing the forward
     inputs; (the worker, the step, what each continued session held just before it: `_held`)."""
     worker = NumpyWorker(trace.header)
-    worker.use_batch_order(config.runner)
+    worker.use_batch_order(config.runner, v1_reorder_threshold(config) if config.runner == "v1" else None)
     worker.use_forward(config)
     target = None
     last = -1

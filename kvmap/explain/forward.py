@@ -149,11 +149,12 @@ def flashinfer_list(config: ForwardConfig, be, m) -> list[dict]:
         for b in range(len(kv)):
             name = m.req_ids[b] if b < len(m.req_ids) else f"padding row {b}"
             nb = ip[b + 1] - ip[b]
-            rows.append(f"{name}: kv_len {kv[b]}, num_blocks = ceil({kv[b]} / {P}) = {nb}; paged_kv_indptr[{b + 1}] = "
-                        f"{ip[b]} + {nb} = {ip[b + 1]}; paged_kv_indices[{ip[b]}:{ip[b + 1]}] = block_table[{b}, :{nb}] "
-                        f"= {_short(md.paged_kv_indices[ip[b]: ip[b + 1]].tolist())}; paged_kv_last_page_len = "
-                        f"{kv[b]} % {P} = {kv[b] % P}" + (f" -> {P} (a full last page)" if last[b] != kv[b] % P
-                                                              else ""))
+            pages = _short(md.paged_kv_indices[ip[b]: ip[b + 1]].tolist())
+            full = f" -> {P} (a full last page)" if last[b] != kv[b] % P else ""
+            rows.append(f"{name}: kv_len {kv[b]}, num_blocks = ceil({kv[b]} / {P}) = {nb}; "
+                        f"paged_kv_indptr[{b + 1}] = {ip[b]} + {nb} = {ip[b + 1]}; "
+                        f"paged_kv_indices[{ip[b]}:{ip[b + 1]}] = block_table[{b}, :{nb}] = {pages}; "
+                        f"paged_kv_last_page_len = {kv[b]} % {P} = {kv[b] % P}{full}")
         item = {"group": g, "page_size": P, "paged_kv_indptr": ip, "paged_kv_indices": md.paged_kv_indices.tolist(),
                 "paged_kv_last_page_len": last, "rows": rows}
         if md.prefill is not None:

@@ -70,6 +70,13 @@ def _attends(grp: GroupForward) -> bool:
     return grp.kind != "mamba"
 
 
+def v1_reorder_threshold(cfg: ForwardConfig) -> int | None:
+    """V1's batch reorder threshold: the least `reorder_batch_threshold` any group's builder sets (None: none
+    sets one, V1 keeps its persistent order; vllm/v1/worker/gpu_model_runner.py:6817-6835)."""
+    ts = [t for t, _ in (_rules(cfg, grp) for grp in cfg.groups) if t is not None]
+    return min(ts) if ts else None
+
+
 # ------------------------------------------------------------------------------------------ results
 
 def _per_group(values: list, key) -> list:

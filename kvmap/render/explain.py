@@ -58,7 +58,8 @@ def _forward(f: dict | None, console: Console) -> None:
     p = f.get("padding")
     if p:
         say(console, f"forward: padded shape: {p['cudagraph_mode']}, num_tokens_padded {p['num_tokens_padded']} "
-                     f"(of {p['num_tokens']}), num_reqs_padded {p['num_reqs_padded']} (of {p['num_reqs']})", style="bold")
+                     f"(of {p['num_tokens']}), num_reqs_padded {p['num_reqs_padded']} (of {p['num_reqs']})",
+            style="bold")
         for line in p["why"]:
             say(console, f"forward: {line}")
     for item in f.get("split", []):
