@@ -163,14 +163,14 @@ class PaddingBuffers:
                                        cfg.num_speculative_tokens)
 
 
-def _eligible_host(r, T: int, R: int, max_q: int) -> bool:
-    """MRV2's decode_graph_eligible, only where it decides (a uniform shape)."""
+def _eligible_host(r, q: np.ndarray, T: int, R: int, max_q: int) -> bool:
+    """MRV2's decode_graph_eligible, only where it decides (a uniform shape). q: [R] query lengths."""
     if T != max_q * R:
         return True  # not uniform whatever it says
     nc = r.num_computed_tokens
-    pre = r.prefill_len[r.idx_mapping]
-    q = r.query_start_loc[1:] - r.query_start_loc[:-1]
-    prefilling = nc < pre
+    prefilling = nc < r.prefill_len[r.idx_mapping]
+    if not prefilling.any():
+        return True
     return not (prefilling & ~((q - r.num_draft_tokens == 1) & (nc > 0))).any()
 
 
@@ -178,8 +178,9 @@ def cudagraph_host(cfg: ForwardConfig, step, buf: PaddingBuffers) -> Padding:
     r, m = step.rows, step.mappings()
     qsl = r.query_start_loc
     R, T = len(r.idx_mapping), int(qsl[-1])
-    max_q = int((qsl[1:] - qsl[:-1]).max()) if R else 0
-    desc = buf.dispatcher.dispatch(R, T, max_q, cfg.runner == "v1" or _eligible_host(r, T, R, max_q))
+    q = m.num_scheduled_tokens
+    max_q = int(q.max()) if R else 0
+    desc = buf.dispatcher.dispatch(R, T, max_q, cfg.runner == "v1" or _eligible_host(r, q, T, R, max_q))
     tables = _tables(m)
     if desc.num_tokens_padded == T and desc.num_reqs_padded == R:  # nothing padded: the arrays themselves
         tails = C.PaddedTails(qsl, r.seq_lens, m.slot_mapping, tables, None,
