@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kvmap.forward import flashinfer as FI
 from kvmap.forward.config import ForwardConfig
+from kvmap.forward.graph_parts import split_rule
 from kvmap.forward.inputs import ForwardInputs, ForwardStep
 from kvmap.forward.sampler import NUM_NEW_SAMPLED_TOKENS, STALE_INPUT_ID, mrv2_input_ids_spec
 
@@ -119,13 +120,19 @@ def split_list(config: ForwardConfig, att) -> list[dict]:
         ql = [qsl[b + 1] - qsl[b] for b in range(cm.num_reqs)]
         local = " (its chunked-local virtual batches)" if att.local[g] else ""
         b = sp.num_decodes
+        uniform = split_rule(config, grp)[1]
         if sp.num_prefills == 0:
             rule = f"every row is a decode (query lengths {_short(ql)}, threshold {t})"
+        elif b == 0 and ql[0] > t:
+            rule = (f"row 0's query length {ql[0]} > threshold {t}: every row is a prefill, num_prefills = "
+                    f"{cm.num_reqs}, num_prefill_tokens = num_actual_tokens = {cm.num_actual_tokens}")
         else:
-            rule = (f"row {b} (query length {ql[b]}) is the first prefill by threshold {t}: num_decodes = {b}, "
-                    f"num_decode_tokens = query_start_loc[{b}] = {sp.num_decode_tokens}, num_prefills = "
-                    f"{cm.num_reqs} - {b} = {sp.num_prefills}, num_prefill_tokens = num_actual_tokens "
-                    f"{cm.num_actual_tokens} - {sp.num_decode_tokens} = {sp.num_prefill_tokens}")
+            why = (f"query length {ql[b]} differs from row 0's {ql[0]} and is not 0 (require_uniform)" if uniform
+                   else f"query length {ql[b]} > threshold {t}")
+            rule = (f"row {b} is the first prefill ({why}): num_decodes = {b}, num_decode_tokens = "
+                    f"query_start_loc[{b}] = {sp.num_decode_tokens}, num_prefills = {cm.num_reqs} - {b} = "
+                    f"{sp.num_prefills}, num_prefill_tokens = num_actual_tokens {cm.num_actual_tokens} - "
+                    f"{sp.num_decode_tokens} = {sp.num_prefill_tokens}")
         item.update(num_decodes=sp.num_decodes, num_decode_tokens=sp.num_decode_tokens, num_prefills=sp.num_prefills,
                     num_prefill_tokens=sp.num_prefill_tokens,
                     line=f"group {g} ({grp.attention_backend}){local}: {rule}")

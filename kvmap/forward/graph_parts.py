@@ -73,7 +73,7 @@ def _attends(grp: GroupForward) -> bool:
 def v1_reorder_threshold(cfg: ForwardConfig) -> int | None:
     """V1's batch reorder threshold: the least `reorder_batch_threshold` any group's builder sets (None: none
     sets one, V1 keeps its persistent order; vllm/v1/worker/gpu_model_runner.py:6817-6835)."""
-    ts = [t for t, _ in (_rules(cfg, grp) for grp in cfg.groups) if t is not None]
+    ts = [t for t, _ in (split_rule(cfg, grp) for grp in cfg.groups) if t is not None]
     return min(ts) if ts else None
 
 
@@ -229,7 +229,7 @@ def _local_table_spec(cfg, grp, m, g: int, n: int) -> np.ndarray:
     return np.array(rows, dtype=np.int32).reshape(n, W)
 
 
-def _rules(cfg: ForwardConfig, grp: GroupForward) -> tuple[int | None, bool]:
+def split_rule(cfg: ForwardConfig, grp: GroupForward) -> tuple[int | None, bool]:
     """(reorder_batch_threshold, require_uniform) of the group's backend; (None, False): no split."""
     if not _attends(grp) or grp.attention_backend not in A.BACKENDS:
         return None, False
@@ -254,7 +254,7 @@ class SplitRules:
     """What the host form keeps across steps: each group's split rule."""
 
     def __init__(self, cfg: ForwardConfig) -> None:
-        self.rules = [_rules(cfg, grp) for grp in cfg.groups]  # [G] (threshold, require_uniform)
+        self.rules = [split_rule(cfg, grp) for grp in cfg.groups]  # [G] (threshold, require_uniform)
 
 
 def attention_host(cfg: ForwardConfig, step, buf: SplitRules) -> Attention:
@@ -315,7 +315,7 @@ def attention_spec(cfg: ForwardConfig, step) -> Attention:
                                                                                           cm.num_reqs)),
                                         grp.attention_chunk_size, grp.kernel_block_size)
         common.append(cm)
-        t, uniform = _rules(cfg, grp)
+        t, uniform = split_rule(cfg, grp)
         thresholds.append(t)
         splits.append(None if t is None else A.split_decodes_and_prefills_spec(
             cm.query_start_loc, cm.num_reqs, cm.num_actual_tokens, cm.max_query_len, t, uniform))
