@@ -123,8 +123,9 @@ def test_no_forward_dump_keeps_its_keys():
 
 # ------------------------------------------------------------------------------- validate --deep
 
-def trace_with_keys(tmp_path, name: str = "spec_decode.jsonl"):
+def trace_with_keys(tmp_path, name: str = "spec_decode.jsonl", **keys):
     lines = read_lines(TRACES / name)
+    lines[0].update(keys)
     lines[0]["cudagraph_mode"] = "FULL_AND_PIECEWISE"
     lines[0]["cudagraph_capture_sizes"] = [1, 2, 4, 8, 16, 24, 32]
     for grp in lines[0]["kv_cache_groups"]:
@@ -161,6 +162,20 @@ def test_deep_validate_catches_a_planted_bug(tmp_path, monkeypatch, module, name
     r = deep_check(t, ["numpy"])
     assert r["backends"]["numpy"]["differing_steps"] > 0
     assert next(p for p in r["problems"] if p["kind"] == "conformance")["field"] == field
+
+
+def test_deep_validate_a_v1_trace_with_backends(tmp_path):
+    """A V1 header naming FlashInfer: the reference and the backend both reorder V1's batch decode-first (the
+    backends' reorder_batch_threshold), so they agree; the order differs from V1's without a threshold."""
+    from kvmap.validate.deep import deep_check
+
+    t = trace_with_keys(tmp_path, "async_decode.jsonl", runner="v1")
+    assert deep_check(t, ["numpy"])["backends"]["numpy"]["differing_steps"] == 0
+    plain, reordered = [], []
+    replay(Trace(TRACES / "async_decode.jsonl"), ReplayConfig(batch_order="v1", nvtx=False, warmup=0,
+                                                                 write_kv=False), on_mappings=plain.append)
+    replay(t, ReplayConfig(batch_order="v1", nvtx=False, warmup=0, write_kv=False), on_mappings=reordered.append)
+    assert [d["req_ids"] for d in plain] != [d["req_ids"] for d in reordered]
 
 
 # ------------------------------------------------------------------------------- explain

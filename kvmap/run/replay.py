@@ -70,7 +70,7 @@ def replay(
     if worker is None:
         reorder = c.reorder_batch_threshold
         if reorder is None and c.batch_order == "v1":  # the attention backends' own reorder threshold
-            reorder = _v1_reorder(header, fcfg)
+            reorder = v1_reorder(header, fcfg)
         worker = make_worker(c.backend, header, c.device, c.batch_order, reorder)
     if c.ranks is not None:
         worker.set_ranks(c.ranks)
@@ -101,7 +101,7 @@ def replay(
     return result
 
 
-def _v1_reorder(header, fcfg):
+def v1_reorder(header, fcfg=None):
     """V1's reorder threshold from the groups' attention backends (the options' with --forward, else the
     header's; None when none is named or none sets one)."""
     from kvmap.forward.config import resolve
