@@ -2,10 +2,13 @@
 
     python scripts/bench.py [--reps 200] [--json out.json] [--trace traces/long_mixed.jsonl.gz]
     python scripts/bench.py --forward [--replay-runs 1]   # part 2 only, with the forward phase
+    python scripts/bench.py --forward --cudagraph-mode FULL_AND_PIECEWISE --attention-backend FLASHINFER
 
 `--forward` runs only part 2, each replay with the forward pass's other inputs (`replay --forward`: the
 `prepare_forward` phase, kvmap/forward), and reports that phase's median against the four mapping phases'
-(issue 26's floor: at most as much).
+(issue 26's floor: at most as much). The forward-pass overrides of `kvmap replay` apply
+(`--attention-backend`, `--cudagraph-mode`, `--cudagraph-capture-sizes`; without sizes a graph mode gets vLLM's
+default sizes for the trace's limits).
 
 Part 1, synthetic steps (perf-facts.md section 4): 1024 request rows, token rows of 8192, block-table rows of
 512, block size 16, histories of 100-4000 tokens; each step takes B distinct rows in random order, 10% of them
@@ -211,7 +214,7 @@ class BaselineWorker(HostWorker):
 
 
 def bench_replay(trace_path: Path, runs: int, backends: list[str], args_device: str = "cpu",
-                 forward: bool = False) -> dict:
+                 forward: bool = False, overrides: dict | None = None) -> dict:
     from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
     from kvmap.run.result import MAPPING_PHASES
@@ -223,14 +226,15 @@ def bench_replay(trace_path: Path, runs: int, backends: list[str], args_device: 
     names = list(makers)
     dumps: dict[str, list] = {name: [] for name in names}  # an untimed pass first: every worker agrees
     for name in names:
-        replay(Trace(trace_path), ReplayConfig(nvtx=False, forward=forward), worker=makers[name](),
+        replay(Trace(trace_path), ReplayConfig(nvtx=False, forward=forward, **(overrides or {})), worker=makers[name](),
                on_mappings=dumps[name].append)
     for name, d in dumps.items():
         assert d == dumps["v1_baseline"], f"{name} and the baseline worker disagree on the trace"
     dumps.clear()
     for i in range(runs):
         for name in names[i % len(names):] + names[: i % len(names)]:
-            results[name].append(replay(Trace(trace_path), ReplayConfig(nvtx=False, warmup=20, forward=forward),
+            results[name].append(replay(Trace(trace_path), ReplayConfig(nvtx=False, warmup=20, forward=forward,
+                                                                        **(overrides or {})),
                                         worker=makers[name]()))
     out = {"trace": str(trace_path), "runs": runs, "steps": results[names[0]][0].steps_replayed, "phases": {}}
     for name, rs in results.items():
@@ -326,10 +330,14 @@ def main() -> None:
                     help="runs per command of the whole-process benchmark (scripts/bench_process.py); 0 skips it")
     ap.add_argument("--forward", action="store_true",
                     help="only the whole replay, with the forward phase (prepare_forward) against the mapping phases")
+    ap.add_argument("--attention-backend", help="--forward: as `kvmap replay --attention-backend`")
+    ap.add_argument("--cudagraph-mode", help="--forward: as `kvmap replay --cudagraph-mode`")
+    ap.add_argument("--cudagraph-capture-sizes", help="--forward: comma-separated (default: vLLM's defaults)")
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
     if args.forward:
-        bench_forward(Path(args.trace), args.replay_runs, [b for b in args.backends.split(",") if b], args.json_out)
+        bench_forward(Path(args.trace), args.replay_runs, [b for b in args.backends.split(",") if b], args.json_out,
+                      forward_overrides(Path(args.trace), args))
         return
     sizes = [int(x) for x in args.sizes.split(",")]
     backends = [b for b in args.backends.split(",") if b]
@@ -381,11 +389,27 @@ def main() -> None:
                                                    "process": proc}, indent=1))
 
 
-def bench_forward(trace: Path, runs: int, backends: list[str], json_out: str | None) -> dict:
+def forward_overrides(trace: Path, args) -> dict:
+    """The replay's forward-pass overrides; a graph mode without sizes gets vLLM's default sizes."""
+    from kvmap.forward.cudagraph import default_capture_sizes
+
+    sizes = args.cudagraph_capture_sizes
+    if args.cudagraph_mode not in (None, "NONE") and sizes is None:
+        h = Trace(trace).header
+        sizes = ",".join(map(str, default_capture_sizes(h.max_num_seqs, h.max_num_batched_tokens,
+                                                        h.num_speculative_tokens)))
+    return {"attention_backend": args.attention_backend, "cudagraph_mode": args.cudagraph_mode,
+            "cudagraph_capture_sizes": sizes}
+
+
+def bench_forward(trace: Path, runs: int, backends: list[str], json_out: str | None,
+                  overrides: dict | None = None) -> dict:
     """Part 2 with `--forward`: each worker's median prepare_forward against its four mapping phases together."""
-    rep = bench_replay(trace, runs, backends, forward=True)
-    print(f"whole replay of {trace.name} with --forward ({rep['steps']} steps, {runs} run(s) each, KV write on): "
-          "median us per step")
+    rep = bench_replay(trace, runs, backends, forward=True, overrides=overrides)
+    said = ", ".join(f"{k} {v if k != 'cudagraph_capture_sizes' else str(v)[:20] + '...'}"
+                     for k, v in (overrides or {}).items() if v)
+    print(f"whole replay of {trace.name} with --forward ({rep['steps']} steps, {runs} run(s) each, KV write on"
+          f"{'; ' + said if said else ''}): median us per step")
     print(f"{'worker':<14} {'mappings':>10} {'prepare_forward':>16} {'forward / mappings':>19} {'step':>8}")
     for name, ph in rep["phases"].items():
         print(f"{name:<14} {ph['mappings']:>10.1f} {ph['prepare_forward']:>16.1f} "

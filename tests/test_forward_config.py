@@ -102,9 +102,16 @@ def test_forward_dump_and_its_options(tmp_path):
     r = invoke("replay", SPEC, "-q", "--no-progress", "--no-kv", "--forward", "--runner", "v1", "--dump-mappings", d)
     assert r.exit_code == 0, r.output
     first = json.loads(d.read_text().splitlines()[3])
-    assert list(first)[-8:] == ["logits_indices", "num_draft_tokens", "cu_num_draft_tokens", "cu_num_sampled_tokens",
+    keys = list(first)
+    at = keys.index("logits_indices")
+    assert keys[at: at + 8] == ["logits_indices", "num_draft_tokens", "cu_num_draft_tokens", "cu_num_sampled_tokens",
                                 "target_logits_indices", "bonus_logits_indices", "draft_token_ids",
                                 "num_decode_draft_tokens"]
+    # an older trace: eager, the backend unknown (the split is null, no backend keys)
+    assert keys[at + 8:] == ["cudagraph_mode", "num_tokens_padded", "num_reqs_padded", "num_actual_tokens",
+                             "max_query_len", "max_seq_len", "is_prefilling", "reorder_batch_threshold",
+                             "num_decodes", "num_decode_tokens", "num_prefills", "num_prefill_tokens"]
+    assert first["cudagraph_mode"] == "NONE" and first["num_decodes"] == [None]
     r = invoke("replay", SPEC, "-q", "--no-progress", "--cudagraph-mode", "FULL")
     assert r.exit_code == 2 and "option --" in r.output
     r = invoke("replay", SPEC, "-q", "--no-progress", "--attention-backend", "FLASHINFER")

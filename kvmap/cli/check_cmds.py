@@ -11,7 +11,7 @@ import typer
 
 from kvmap.cli.console import Spinner, out, pass_bars
 from kvmap.cli.guard import user_errors
-from kvmap.cli.options import TraceArg, complete_trace
+from kvmap.cli.options import AttentionBackendOpt, CaptureSizesOpt, CudagraphModeOpt, TraceArg, complete_trace
 from kvmap import defaults
 from kvmap.errors import KvmapError
 
@@ -106,6 +106,9 @@ def explain(
     runner: Annotated[Optional[str], typer.Option("--runner", help="mrv2 or v1: the batch order and the "
                                                   "forward-pass rules (default: the header's runner, else mrv2).",
                                                   show_default=False, rich_help_panel="What to explain")] = None,
+    attention_backend: AttentionBackendOpt = None,
+    cudagraph_mode: CudagraphModeOpt = None,
+    cudagraph_capture_sizes: CaptureSizesOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the explanation as JSON.",
                                            rich_help_panel="Outputs")] = False,
     html_out: Annotated[Optional[Path], typer.Option("--html", metavar="FILE", help="Write the explainer's figures "
@@ -130,7 +133,8 @@ def explain(
     t = Trace(trace_path)
     if step is None:
         step = first_scheduled_step(t, req) if req is not None else 1
-    d = run_explain(t, step, req, token, group, KVGeometry(kv_heads, head_size, kv_dtype), runner)
+    d = run_explain(t, step, req, token, group, KVGeometry(kv_heads, head_size, kv_dtype), runner,
+                    (attention_backend, cudagraph_mode, cudagraph_capture_sizes))
     if html_out or svg_out:
         from kvmap.files import write_text
         from kvmap.render.html.explain_page import explain_html, explain_svg

@@ -15,8 +15,8 @@ import typer
 from kvmap.errors import KvmapError
 from kvmap.workers.registry import BUILTIN
 
-__all__ = ["BACKEND_HELP", "BackendOpt", "PercentilesOpt", "StepsOpt", "TraceArg", "WarmupOpt", "parse_percentiles",
-           "parse_steps"]
+__all__ = ["BACKEND_HELP", "AttentionBackendOpt", "BackendOpt", "CaptureSizesOpt", "CudagraphModeOpt",
+           "PercentilesOpt", "StepsOpt", "TraceArg", "WarmupOpt", "parse_percentiles", "parse_steps"]
 
 MAX_PERCENTILES = 5  # columns the phase table can hold at 80 columns
 
@@ -92,3 +92,16 @@ PercentilesOpt = Annotated[Optional[str], typer.Option("--percentiles", metavar=
                                                        "of the phase table and --json (default 50,90,99; at most "
                                                        f"{MAX_PERCENTILES}, each 0..100).", show_default=False,
                                                        rich_help_panel="Outputs")]
+
+
+# the forward-pass overrides of the header's keys (kvmap/forward/config.py `resolve`): replay --forward, explain
+AttentionBackendOpt = Annotated[Optional[str], typer.Option(
+    "--attention-backend", metavar="NAME", help="The attention backend of every KV cache group (vLLM's enum name: "
+    "FLASH_ATTN, FLASHINFER, TRITON_ATTN or another), or g=NAME per group, comma-separated; overrides the "
+    "header's.", rich_help_panel="Forward pass")]
+CudagraphModeOpt = Annotated[Optional[str], typer.Option(
+    "--cudagraph-mode", metavar="MODE", help="vLLM's CUDAGraphMode (NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, "
+    "FULL_AND_PIECEWISE); overrides the header's (none: eager).", rich_help_panel="Forward pass")]
+CaptureSizesOpt = Annotated[Optional[str], typer.Option(
+    "--cudagraph-capture-sizes", metavar="SIZES", help="The captured batch sizes in tokens, comma-separated, or "
+    "'default' (vLLM's defaults for the trace's limits); override the header's.", rich_help_panel="Forward pass")]

@@ -15,8 +15,8 @@ import typer
 
 from kvmap.cli.console import ProgressBar, Spinner, err, out
 from kvmap.cli.guard import user_errors
-from kvmap.cli.options import (BackendOpt, PercentilesOpt, StepsOpt, TraceArg, WarmupOpt, parse_percentiles,
-                               parse_steps)
+from kvmap.cli.options import (AttentionBackendOpt, BackendOpt, CaptureSizesOpt, CudagraphModeOpt, PercentilesOpt,
+                               StepsOpt, TraceArg, WarmupOpt, parse_percentiles, parse_steps)
 from kvmap import defaults
 from kvmap.errors import KvmapError
 
@@ -83,24 +83,14 @@ def replay(
     warmup: WarmupOpt = defaults.WARMUP,
     runs: RunsOpt = 1,
     forward: Annotated[bool, typer.Option("--forward", help="Also compute every step's other forward-pass inputs "
-                                          "(sampler indices; docs/trace-format.md, \"Forward-pass dump keys\") as "
-                                          "the timed phase prepare_forward; --dump-mappings then carries them.",
+                                          "(sampler indices, CUDA-graph padding, attention metadata and the "
+                                          "decode/prefill split, backend metadata; docs/trace-format.md, "
+                                          "\"Forward-pass dump keys\") as the timed phase prepare_forward; "
+                                          "--dump-mappings then carries them.",
                                           rich_help_panel="Forward pass")] = False,
-    attention_backend: Annotated[Optional[str], typer.Option("--attention-backend", metavar="NAME",
-                                                             help="The attention backend of every KV cache group "
-                                                             "(vLLM's enum name: FLASH_ATTN, FLASHINFER, "
-                                                             "TRITON_ATTN or another), or g=NAME per group, "
-                                                             "comma-separated; overrides the header's.",
-                                                             rich_help_panel="Forward pass")] = None,
-    cudagraph_mode: Annotated[Optional[str], typer.Option("--cudagraph-mode", metavar="MODE",
-                                                          help="vLLM's CUDAGraphMode (NONE, PIECEWISE, FULL, "
-                                                          "FULL_DECODE_ONLY, FULL_AND_PIECEWISE); overrides the "
-                                                          "header's (none: eager).",
-                                                          rich_help_panel="Forward pass")] = None,
-    cudagraph_capture_sizes: Annotated[Optional[str], typer.Option("--cudagraph-capture-sizes", metavar="SIZES",
-                                                                   help="The captured batch sizes in tokens, "
-                                                                   "comma-separated; override the header's.",
-                                                                   rich_help_panel="Forward pass")] = None,
+    attention_backend: AttentionBackendOpt = None,
+    cudagraph_mode: CudagraphModeOpt = None,
+    cudagraph_capture_sizes: CaptureSizesOpt = None,
     verify_kv: Annotated[bool, typer.Option("--verify-kv", help="Read back every scheduled request's "
                                             "readable context from the KV cache each step and check it bit "
                                             "for bit.", rich_help_panel="KV cache")] = False,

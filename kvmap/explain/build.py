@@ -18,6 +18,7 @@ import numpy as np
 from kvmap.errors import KvmapError
 from kvmap.explain.forward import forward_dict
 from kvmap.forward.config import ForwardConfig, resolve
+from kvmap.forward.graph_parts import v1_reorder_threshold
 from kvmap.kv.cache import KVGeometry
 from kvmap.layout import PAD_SLOT_ID, GroupLayout, rank_layouts
 from kvmap.trace import Trace
@@ -42,17 +43,20 @@ def first_scheduled_step(trace: Trace, req_id: str) -> int:
 
 
 def explain(trace: Trace, step: int, req_id: str | None = None, token: int | None = None,
-            group: int | None = None, geometry: KVGeometry | None = None, runner: str | None = None) -> dict:
+            group: int | None = None, geometry: KVGeometry | None = None, runner: str | None = None,
+            forward: tuple = (None, None, None)) -> dict:
     """The step as plain data; with `req_id` (or a flat `token` index) its request, with `token` the token's
     whole chain, in every KV cache group (or only `group`). `runner` (default: the header's, else mrv2) sets the
-    batch order and the forward-pass rules (`forward`: the sampler indices with their arithmetic)."""
+    batch order and the forward-pass rules (`forward`: the sampler indices, the padded shape, the split and the
+    FlashInfer indices with their arithmetic); `forward`: the overrides (attention backend, cudagraph mode,
+    capture sizes) of the header's keys."""
     h = trace.header
     geometry = (geometry or KVGeometry()).check()
     if step < 0:
         raise KvmapError(f"step {step} does not exist: steps are numbered from 0", field="--step")
     if group is not None and not 0 <= group < h.num_groups:
         raise KvmapError(f"group {group} does not exist: the trace has groups 0..{h.num_groups - 1}", field="--group")
-    worker, target, held = _replay_to(trace, step, resolve(h, runner))
+    worker, target, held = _replay_to(trace, step, resolve(h, runner, *forward))
     m = worker.mappings()
     qsl = m.query_start_loc.tolist()
     groups = [g for g in range(h.num_groups) if group is None or g == group]
@@ -84,7 +88,7 @@ def _replay_to(trace: Trace, step: int, config: ForwardConfig) -> tuple[NumpyWor
     """A numpy worker (no KV cache) replayed through `step` under `config`'s runner, computing the forward
     inputs; (the worker, the step, what each continued session held just before it: `_held`)."""
     worker = NumpyWorker(trace.header)
-    worker.use_batch_order(config.runner)
+    worker.use_batch_order(config.runner, v1_reorder_threshold(config) if config.runner == "v1" else None)
     worker.use_forward(config)
     target = None
     last = -1

@@ -10,6 +10,8 @@ Rules:
   Runner V2, `vllm/v1/worker/gpu/`) or "v1" (`vllm/v1/worker/gpu_model_runner.py`). The header's `runner`
   key, when present, is the default; otherwise "mrv2".
 - `--attention-backend NAME` sets every group's backend; `g=NAME` (comma-separated) sets group g's.
+- `--cudagraph-capture-sizes default`: vLLM's default sizes for the header's max_num_seqs,
+  max_num_batched_tokens and speculative tokens (`cudagraph.default_capture_sizes`, not Blackwell).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmap.errors import KvmapError
+from kvmap.forward.cudagraph import default_capture_sizes
 from kvmap.trace import TraceHeader
 from kvmap.trace.header import CUDAGRAPH_MODES, RUNNERS
 
@@ -47,6 +50,7 @@ class ForwardConfig:
     num_speculative_tokens: int  # k; > 0: a speculative config exists (V1 builds SpecDecodeMetadata)
     dcp_size: int  # decode context parallel world size
     skipped: tuple[str, ...] = ()  # what cannot be computed from this header, one sentence each
+    cp_kv_cache_interleave_size: int = 1  # DCP interleave (tokens per rank run)
 
     @property
     def eager(self) -> bool:
@@ -101,6 +105,9 @@ def resolve(header: TraceHeader, runner: str | None = None, attention_backend: s
         raise KvmapError(f"unknown cudagraph mode {cudagraph_mode!r}: use one of {', '.join(CUDAGRAPH_MODES)}",
                          field="--cudagraph-mode")
     mode = cudagraph_mode or header.cudagraph_mode or "NONE"
+    if cudagraph_capture_sizes == "default":  # vLLM's default sizes for the header's limits
+        cudagraph_capture_sizes = ",".join(map(str, default_capture_sizes(
+            header.max_num_seqs, header.max_num_batched_tokens, header.num_speculative_tokens)))
     sizes = parse_capture_sizes(cudagraph_capture_sizes)
     if sizes is None:
         sizes = header.cudagraph_capture_sizes or ()
@@ -122,4 +129,4 @@ def resolve(header: TraceHeader, runner: str | None = None, attention_backend: s
                        "metadata is not computed (--attention-backend names it)")
     return ForwardConfig(runner, mode, tuple(sizes), groups, header.max_num_seqs, header.max_num_batched_tokens,
                          header.max_model_len, header.num_speculative_tokens, header.decode_context_parallel_size,
-                         tuple(skipped))
+                         tuple(skipped), header.cp_kv_cache_interleave_size)

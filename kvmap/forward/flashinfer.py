@@ -144,8 +144,9 @@ def build(cm: CommonAttentionMetadata, sp: Split, page_size: int, num_speculativ
     `page_size`: the group's kernel block size; DCP: this rank's index and the interleave size."""
     n = cm.num_reqs
     src = cm.seq_lens_cpu_upper_bound if num_speculative_tokens == 0 else cm.seq_lens
-    kv = src[:n].astype(np.int32)
+    kv = np.asarray(src[:n], dtype=np.int32)  # a view: never written below
     if dcp_size > 1:
+        kv = kv.copy()
         if sp.num_prefills > 0:
             kv[sp.num_decodes:] -= np.diff(cm.query_start_loc[sp.num_decodes: n + 1])
         kv = dcp_local_seq_lens(kv, dcp_size, dcp_rank, interleave)
@@ -154,11 +155,12 @@ def build(cm: CommonAttentionMetadata, sp: Split, page_size: int, num_speculativ
     np.cumsum(nb, out=indptr[1:])
     table = np.ascontiguousarray(cm.block_table_tensor[:n])
     # each row's first nb pages, concatenated: flat index = row * width + (i - indptr[row])
-    shift = np.arange(n, dtype=np.int64) * table.shape[1] - indptr[:n]
+    shift = np.arange(0, n * table.shape[1], table.shape[1], dtype=np.int64) - indptr[:n]
     indices = table.ravel()[np.arange(int(indptr[n]), dtype=np.int64) + np.repeat(shift, nb)]
-    last = kv % page_size
-    last = np.where((last == 0) & (kv != 0), page_size, last).astype(np.int32)
-    seq = (np.maximum(nb - 1, 0) * page_size + last).astype(np.int32)  # get_seq_lens of every row
+    # kv - (nb - 1) * page_size lies in 1..page_size for kv > 0 (the rule's remainder, page_size for 0) and is
+    # 0 for kv = 0; FlashInfer's get_seq_lens of every row is then kv itself
+    last = kv - np.maximum(nb - 1, 0) * page_size
+    seq = kv
     prefill = decode = None
     if sp.num_prefills > 0:
         d = sp.num_decodes
@@ -170,4 +172,4 @@ def build(cm: CommonAttentionMetadata, sp: Split, page_size: int, num_speculativ
             N, q_len = sp.num_decodes, sp.num_decode_tokens // sp.num_decodes
         decode = DecodePlan(indptr[: N + 1], last[:N], seq[:N], page_size, q_len, dcp_size)
     return FlashInferMetadata(sp.num_decodes, sp.num_prefills, sp.num_decode_tokens, sp.num_prefill_tokens, kv,
-                              indptr, indices.astype(np.int32), last, prefill, decode)
+                              indptr, indices.astype(np.int32, copy=False), last, prefill, decode)

@@ -9,9 +9,10 @@ Rules:
   and the step's core `BatchMappings`), never the worker: the parts are pure functions, so a device form can
   be added beside the host one later (not written yet: device backends compute the forward inputs on host
   copies of their mappings).
-- Parts to come (the lead wires them here): `cudagraph` (kvmap/forward/cudagraph.py), `attention`
-  (kvmap/forward/attention.py: CommonAttentionMetadata per group and the decode/prefill split), then the
-  backend builders (flash_attn.py, flashinfer.py, local_attention.py).
+- A part may read the results of the parts before it in `PARTS` (`step.parts[name]`): `cudagraph` (the
+  step's graph choice and padded tails), `attention` (CommonAttentionMetadata per group, chunked_local virtual
+  batches, the decode/prefill split) and `backends` (each group's backend metadata) chain so
+  (kvmap/forward/graph_parts.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmap.forward import graph_parts as gp
 from kvmap.forward import sampler
 from kvmap.forward.config import ForwardConfig
 from kvmap.forward.sampler import SamplerBuffers, SamplerRows
@@ -32,6 +34,7 @@ class ForwardStep:
     rows: SamplerRows  # the core per-request arrays (batch order) and the per-row state the rules read
     mappings: Callable[[], Any]  # () -> the step's BatchMappings (workers/mappings.py): tables, slot_mapping
     last_sampled_tokens: Callable[[], Any]  # () -> [max_num_seqs] req_state_idx -> last sampled id (explain)
+    parts: dict[str, Any] = field(default_factory=dict)  # the results of the parts computed so far this step
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +60,9 @@ def _sampler_spec(cfg: ForwardConfig, step: ForwardStep):
 PARTS: tuple[Part, ...] = (
     Part("sampler", _sampler_host, _sampler_spec,
          lambda cfg, T: SamplerBuffers(cfg.max_num_seqs, cfg.num_speculative_tokens, T)),
-    # the lead adds: Part("cudagraph", ...), Part("attention", ...), Part("flashinfer", ...), ...
+    Part("cudagraph", gp.cudagraph_host, gp.cudagraph_spec, lambda cfg, T: gp.PaddingBuffers(cfg)),
+    Part("attention", gp.attention_host, gp.attention_spec, lambda cfg, T: gp.SplitRules(cfg)),
+    Part("backends", gp.backends_host, gp.backends_spec, lambda cfg, T: None),
 )
 
 
@@ -90,10 +95,15 @@ class ForwardBuilder:
         self.buffers = [p.buffers(config, max_num_tokens) for p in PARTS]
 
     def host(self, step: ForwardStep) -> ForwardInputs:
-        cfg = self.config
-        return ForwardInputs(cfg.runner, {p.name: p.host(cfg, step, b) for p, b in zip(PARTS, self.buffers)})
+        cfg, done = self.config, step.parts
+        for p, b in zip(PARTS, self.buffers):
+            done[p.name] = p.host(cfg, step, b)
+        return ForwardInputs(cfg.runner, dict(done))
 
 
 def forward_spec(config: ForwardConfig, step: ForwardStep) -> ForwardInputs:
     """A step's `ForwardInputs` with the scalar specs (the reference worker)."""
-    return ForwardInputs(config.runner, {p.name: p.spec(config, step) for p in PARTS})
+    done = step.parts
+    for p in PARTS:
+        done[p.name] = p.spec(config, step)
+    return ForwardInputs(config.runner, dict(done))

@@ -55,6 +55,23 @@ def _forward(f: dict | None, console: Console) -> None:
     if f["sampler"].get("stale_input_ids"):
         say(console, f"forward: flat tokens MRV2 would read stale input ids at: {f['sampler']['stale_input_ids']}",
             style="yellow")
+    p = f.get("padding")
+    if p:
+        say(console, f"forward: padded shape: {p['cudagraph_mode']}, num_tokens_padded {p['num_tokens_padded']} "
+                     f"(of {p['num_tokens']}), num_reqs_padded {p['num_reqs_padded']} (of {p['num_reqs']})",
+            style="bold")
+        for line in p["why"]:
+            say(console, f"forward: {line}")
+    for item in f.get("split", []):
+        say(console, f"forward: split: {safe(item['line'])}")
+    for fi in f.get("flashinfer", []):
+        say(console, f"forward: FlashInfer group {fi['group']} (page size {fi['page_size']}): paged_kv_indptr "
+                     f"{fi['paged_kv_indptr']}, paged_kv_last_page_len {fi['paged_kv_last_page_len']}", style="bold")
+        for line in fi["rows"]:
+            say(console, f"forward: {safe(line)}")
+        for key in ("prefill_plan", "decode_plan"):
+            if key in fi:
+                say(console, f"forward: {key.replace('_', ' ')}: " + ", ".join(f"{k} {v}" for k, v in fi[key].items()))
     for line in f["skipped"]:
         say(console, f"forward: skipped: {line}", style="dim")
 

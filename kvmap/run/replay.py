@@ -66,12 +66,16 @@ def replay(
     if prewarm:
         _prewarm(trace, c)
     header = trace.header
-    worker = worker if worker is not None else make_worker(c.backend, header, c.device, c.batch_order,
-                                                           c.reorder_batch_threshold)
+    fcfg = forward_config(header, c) if c.forward else None
+    if worker is None:
+        reorder = c.reorder_batch_threshold
+        if reorder is None and c.batch_order == "v1":  # the attention backends' own reorder threshold
+            reorder = v1_reorder(header, fcfg)
+        worker = make_worker(c.backend, header, c.device, c.batch_order, reorder)
     if c.ranks is not None:
         worker.set_ranks(c.ranks)
-    if c.forward:
-        worker.use_forward(forward_config(header, c))
+    if fcfg is not None:
+        worker.use_forward(fcfg)
     geometry = (c.kv_geometry or KVGeometry()).check()
     kv = worker.make_kv_cache(geometry) if (c.write_kv or c.verify_kv) else None
     phases = [p for p in PHASES if (p != "kv_verify" or c.verify_kv) and (not p.startswith("kv_") or kv)
@@ -96,6 +100,22 @@ def replay(
     if len(result.steps) == result.warmup:
         raise empty_window_error(c.start, c.stop, c.warmup, i)
     return result
+
+
+def v1_reorder(header, fcfg=None):
+    """V1's reorder threshold from the groups' attention backends (the options' with --forward, else the
+    header's; None when none is named or none sets one)."""
+    from kvmap.forward.config import resolve
+    from kvmap.forward.graph_parts import v1_reorder_threshold
+
+    if fcfg is None:
+        if not any(g.attention_backend for g in header.kv_cache_groups):
+            return None
+        try:
+            fcfg = resolve(header, "v1")
+        except KvmapError:
+            return None
+    return v1_reorder_threshold(fcfg)
 
 
 def forward_config(header, c: ReplayConfig):

@@ -72,7 +72,7 @@ def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: i
                     on_step: Callable[[int], None] | None = None) -> tuple[dict, list[dict]]:
     """Replay `backend` against the reference dumps `ref` with the KV canary read back every step."""
     from kvmap.run.config import ReplayConfig
-    from kvmap.run.replay import replay
+    from kvmap.run.replay import replay, v1_reorder
     from kvmap.workers.registry import make_worker
 
     order = trace.header.runner or "mrv2"  # the reference `ref` was replayed in this order
@@ -82,8 +82,8 @@ def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: i
             order, ref = worker.native_batch_order, []
             replay(trace, ReplayConfig(backend="reference", write_kv=False, nvtx=False, warmup=0, forward=True,
                                        batch_order=order), on_mappings=ref.append)
-    if order != "mrv2":
-        worker.use_batch_order(order)
+    if order != "mrv2":  # V1: with the reorder threshold of the header's backends, as the reference's replay
+        worker.use_batch_order(order, v1_reorder(trace.header) if order == "v1" else None)
     got: list[dict] = []
     problems: list[dict] = []
     try:
