@@ -140,3 +140,20 @@ def test_composition_equals_the_workers_batch(name):
         want = [sum(n for n in plain if n != 1), plain.count(1), int(b.num_draft_tokens.sum())]
         assert r.mix_series[i, :3].tolist() == want, i
         w.append_sampled()
+
+
+@pytest.mark.parametrize("name", ["long_mixed.jsonl.gz", "preemption_v1.jsonl", "hybrid_sliding_window.jsonl"])
+def test_final_steps_dropped_as_the_run_goes_give_the_same_summary(name, monkeypatch):
+    """Without the series a long run sums each step's contiguous_final into the summary once every life the step
+    saw has ended, and drops it (occupancy.CHUNK made small here so that it happens): the figures equal those
+    of the run that keeps every step."""
+    from kvmap.run import occupancy
+
+    config = ReplayConfig(nvtx=False, write_kv=False)
+    kept = replay(Trace(TRACES / name), config)
+    monkeypatch.setattr(occupancy, "CHUNK", 4)
+    flushed = replay(Trace(TRACES / name), replace(config, series=False))
+    for k, want in kept.kv_memory["efficiency"].items():
+        got = flushed.kv_memory["efficiency"][k]
+        assert got["min"] == want["min"] and got["p5"] == want["p5"] and got["steps"] == want["steps"], k
+        assert got["mean"] == pytest.approx(want["mean"], rel=1e-12), k

@@ -73,12 +73,15 @@ class Occupancy:
         self.first = [0] * R  # [R] row -> the step its current life started
         self.alive: set[int] = set()  # rows a request owns (preempted under v1 included)
         self.live = np.zeros(0, dtype=np.int64)  # [live] rows of the requests holding KV (not preempted)
-        self.diff = array("i")  # [steps + 1] reserve_final's difference array (int64 once a value needs it)
+        self.diff = array("i")  # [steps + 1 - base] reserve_final's difference array (int64 once a value needs it)
+        self.base = 0  # the step diff[0] stands for: the steps before it are summed into the summary and dropped
+        self.carry = 0  # reserve_final's running sum over the dropped steps
+        self.next_flush = 2 * CHUNK  # diff's length at which final steps are next looked for (_maybe_flush)
         self.keep = keep_series  # keep every recorded step's values (the series), not only the summary
         self.rows = array("q")  # the recorded steps' values, row after row (keep_series)
         self.recorded = 0
         self.max_len = h.max_model_len
-        self.tokens = array("i")  # the measured steps' live KV tokens, for contiguous_final at the end
+        self.tokens = array("i")  # the measured steps' live KV tokens from step tok_from, for contiguous_final
         self.measured_from: int | None = None  # the first measured step's index among the replayed steps
         self.effs = _efficiency_columns(self.cols, [g.block_size for g in h.kv_cache_groups], self.ranks)
         self.running = {name: Running() for name in [*(e[0] for e in self.effs), *CONTIGUOUS]}
@@ -94,6 +97,8 @@ class Occupancy:
         owners read again."""
         st = self.state
         _grow(self, "diff", 0)
+        if len(self.diff) >= self.next_flush and not self.keep:
+            self._maybe_flush(i)
         so = step.scheduler_output
         if new_rows or so.finished_req_ids or so.preempted_req_ids or so.scheduled_cached_reqs.resumed_req_ids:
             self._owners(i, new_rows)
@@ -114,7 +119,7 @@ class Occupancy:
     def _measure(self, i: int, v: list[int]) -> None:
         """A measured step's values into the running summaries (memory efficiency, most blocks)."""
         if self.measured_from is None:
-            self.measured_from = i
+            self.measured_from = self.tok_from = i
         _grow(self, "tokens", v[1])
         for name, in_use, held, bs in self.effs:
             if v[in_use]:
@@ -123,6 +128,42 @@ class Occupancy:
             self.running["contiguous_max_len"].add(v[1] / (v[0] * self.max_len))
         for top, k in self.top_cols:  # in_use, then shared
             top[0], top[1] = max(top[0], v[k]), max(top[1], v[k + 1])
+
+    def _maybe_flush(self, i: int) -> None:
+        """Sum the steps whose reserve_final is known into the summary and drop them: a step's is known once every
+        life it saw has ended (before the first step of every life still running, and before this one)."""
+        upto = min([i, *(self.first[r] for r in self.alive)])
+        if upto - self.base >= CHUNK:
+            self._flush(upto)
+        self.next_flush = len(self.diff) + CHUNK
+
+    def _flush(self, upto: int, keep_reserve: bool = False) -> np.ndarray | None:
+        """Steps base..upto-1 are final: their contiguous_final ratios into the summary, CHUNK steps at a time;
+        then they are dropped. Returns their reserve_final values when `keep_reserve` (the series' column)."""
+        n = upto - self.base
+        diff = np.frombuffer(self.diff, dtype=self.diff.typecode)[:n]
+        tokens = np.frombuffer(self.tokens, dtype=self.tokens.typecode)
+        reserve = np.cumsum(diff, dtype=np.int64) + self.carry if keep_reserve else None
+        used = 0
+        if self.measured_from is not None:
+            lo, hi = max(self.base, self.tok_from), min(upto, self.tok_from + len(tokens))
+            carry = self.carry + int(diff[: max(lo - self.base, 0)].sum(dtype=np.int64))
+            for s in range(lo, hi, CHUNK):
+                e = min(s + CHUNK, hi)
+                part = np.cumsum(diff[s - self.base : e - self.base], dtype=np.int64)
+                part += carry
+                carry = int(part[-1])
+                self.running["contiguous_final"].add_many(_ratio(tokens[s - self.tok_from : e - self.tok_from],
+                                                                 part))
+            used = max(hi - self.tok_from, 0)
+        self.carry += int(diff.sum(dtype=np.int64))
+        del diff, tokens
+        self.diff, self.tokens = array(self.diff.typecode, self.diff[n:]), array(self.tokens.typecode,
+                                                                                self.tokens[used:])
+        self.base = upto
+        if self.measured_from is not None:
+            self.tok_from += used
+        return reserve
 
     def _owners(self, i: int, new_rows: list[int]) -> None:
         """Read the rows' owners after step `i`: close the lives that ended (their final reservation spans
@@ -195,18 +236,7 @@ class Occupancy:
             n = int(self.kv_len[r])
             _bump(self, self.first[r], n)
             _bump(self, steps, -n)
-        diff = np.frombuffer(self.diff, dtype=self.diff.typecode)[:steps]
-        reserve = np.cumsum(diff, dtype=np.int64) if self.keep else None  # [steps] (the series' column)
-        if self.measured_from is not None:  # contiguous_final over the measured steps, CHUNK steps at a time
-            m = self.measured_from
-            tokens = np.frombuffer(self.tokens, dtype=self.tokens.typecode)
-            carry = int(diff[:m].sum(dtype=np.int64))
-            for s in range(0, len(tokens), CHUNK):
-                part = np.cumsum(diff[m + s : m + s + CHUNK], dtype=np.int64)
-                part += carry
-                carry = int(part[-1])
-                self.running["contiguous_final"].add_many(_ratio(tokens[s : s + CHUNK], part))
-        del diff
+        reserve = self._flush(steps, keep_reserve=self.keep)  # [steps] when kept (nothing was dropped then)
         self.diff = array("i")
         self.tokens = array("i")
         out = np.frombuffer(self.rows, dtype=np.int64).reshape(-1, len(self.cols)).copy()
@@ -250,12 +280,13 @@ def _grow(tally, name: str, value: int) -> None:
 
 
 def _bump(tally, at: int, delta: int) -> None:
-    """diff[at] += delta, widening diff to int64 when the sum needs it."""
+    """diff[at] += delta (`at` a step index; diff starts at step `base`), widening diff to int64 when the sum
+    needs it."""
     try:
-        tally.diff[at] += delta
+        tally.diff[at - tally.base] += delta
     except OverflowError:
         tally.diff = array("q", tally.diff)
-        tally.diff[at] += delta
+        tally.diff[at - tally.base] += delta
 
 
 def _compact(a: np.ndarray) -> np.ndarray:
