@@ -1,6 +1,7 @@
 """The backends that run vLLM's own code (vllm-mrv2, vllm-v1): every bundled trace replays with dumps identical to
-the reference's in that runner's batch order; a broken copy of one vLLM kernel is named at its step, request and
-DCP rank; without vLLM, one clear line. The vLLM tests run in CI's vLLM environments and skip elsewhere."""
+the reference's in that runner's batch order, the forward keys included (the sampler part vLLM's own, with
+kvmap's dtypes); a broken copy of one vLLM kernel is named at its step, request and DCP rank (or field); without
+vLLM, one clear line. The vLLM tests run in CI's vLLM environments and skip elsewhere."""
 
 from __future__ import annotations
 
@@ -33,11 +34,12 @@ V1_RESUMES = {"preemption_v1": (11, "req-4"), "dcp4_interleave8": (6, "req-4")}
 
 
 def dumps(trace: Trace, backend: str, stop: int | None = None, batch_order: str = "mrv2",
-          threshold: int | None = None) -> list[dict]:
+          threshold: int | None = None, forward: bool = False, worker=None) -> list[dict]:
     out: list[dict] = []
     device = "cuda" if backend.startswith("vllm") and GPU else "cpu"  # natively on a GPU, else interpreted
     replay(trace, ReplayConfig(backend=backend, device=device, write_kv=False, nvtx=False, warmup=0, stop=stop,
-                               batch_order=batch_order, reorder_batch_threshold=threshold), on_mappings=out.append)
+                               batch_order=batch_order, reorder_batch_threshold=threshold, forward=forward),
+           worker=worker, on_mappings=out.append)
     return out
 
 
@@ -60,8 +62,8 @@ def test_mrv2_dumps_equal_the_reference(path):
             dumps(Trace(path), "vllm-mrv2")
         assert (e.value.step, e.value.req_id) == V1_RESUMES[name] and "--backend vllm-v1" in e.value.message
         return
-    got = dumps(Trace(path), "vllm-mrv2", stop)
-    want = dumps(Trace(path), "reference", stop)
+    got = dumps(Trace(path), "vllm-mrv2", stop, forward=True)
+    want = dumps(Trace(path), "reference", stop, forward=True)
     assert len(got) == len(want) > 0
     for g, w in zip(got, want):
         assert g == w, f"step {w['step']}"
@@ -77,8 +79,8 @@ def test_v1_dumps_equal_the_reference_in_v1_order(path):
         with pytest.raises(KvmapError, match="CPU build computes no DCP slot mappings"):
             dumps(trace, "vllm-v1", batch_order="v1")
         return
-    got = dumps(trace, "vllm-v1", stop, batch_order="v1")
-    want = dumps(Trace(path), "reference", stop, batch_order="v1")
+    got = dumps(trace, "vllm-v1", stop, batch_order="v1", forward=True)
+    want = dumps(Trace(path), "reference", stop, batch_order="v1", forward=True)
     assert len(got) == len(want) > 0
     for g, w in zip(got, want):
         assert g == w, f"step {w['step']}"

@@ -17,6 +17,12 @@ Rules:
   descriptor); the gathered block tables are the manager's rows (no sliding-window nulling: the dump compares
   block ids, the forward-pass table is the forward-pass dump's); kernel-block rows (a kernel split) are
   kvmap's layout rule; token rows are `max_model_len + k + 1` wide (sampled tokens never run off a row).
+- With `--forward`, the `sampler` part is vLLM's: `cu_num_logits`, `logits_indices` (from
+  `combine_sampled_and_draft_tokens`), `expanded_idx_mapping` and `expanded_local_pos` (from
+  `expand_idx_mapping`, or `idx_mapping` and zeros on MRV2's no-draft path) of the `InputBatch` its
+  `prepare_inputs` returned, copied to the host with their dtypes. The other parts (`cudagraph`, `attention`,
+  `backends`) are kvmap's numpy forms (kvmap/forward) on vLLM's mappings, as `backend_detail` says; so is an
+  empty step's sampler (vLLM builds no InputBatch for it).
 - DCP: one `BlockTables`; each computed rank's slots by the same kernel with that `cp_rank`.
 - Runs natively on a GPU (`--device cuda`), else on host tensors under the Triton interpreter
   (`vllm_compat.prepare_cpu`). Model Runner V2 gets the v2 protocol; a v1-protocol trace replays until a
@@ -33,6 +39,8 @@ import numpy as np
 from kvmap import vllm_compat
 from kvmap._torch import torch as kvmap_torch
 from kvmap.errors import KvmapError, TraceError
+from kvmap.forward.config import ForwardConfig
+from kvmap.forward.sampler import MRV2Sampler
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers.host import HostWorker
 from kvmap.workers.mappings import BatchTables, Inputs, RankSlots
@@ -238,6 +246,14 @@ class MRV2Ops(MappingOps):
         r.block_tables.cp_rank = 0
         return RankSlots(slots, local)
 
+    def sampler(self) -> MRV2Sampler | None:
+        """The sampler part as vLLM's `prepare_inputs` built it into its InputBatch (None: an empty step)."""
+        ib = self.input_batch
+        if ib is None:
+            return None
+        return MRV2Sampler(_host(ib.cu_num_logits), _host(ib.logits_indices), _host(ib.expanded_idx_mapping),
+                           _host(ib.expanded_local_pos))
+
     def postprocess(self, step: Step) -> None:
         """After the model: the sampled tokens through the runner's `postprocess_sampled` (post_update)."""
         from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
@@ -265,6 +281,15 @@ def _host(t) -> np.ndarray:
     return t.cpu().numpy().copy()
 
 
+def forward_label(native: tuple[str, ...]) -> str:
+    """`backend_detail`'s note of which forward parts vLLM built and which kvmap's numpy forms computed."""
+    from kvmap.forward.inputs import PARTS
+
+    rest = ", ".join(p.name for p in PARTS if p.name not in native)
+    return f"; forward inputs: {', '.join(native)} by vLLM, {rest} by kvmap's numpy forms" if native else \
+        f"; forward inputs: {rest} by kvmap's numpy forms"
+
+
 class VllmMRV2Worker(HostWorker):
     """kvmap's worker shell (trace checks, phase order, KV read-back) around Model Runner V2's own code."""
 
@@ -282,6 +307,19 @@ class VllmMRV2Worker(HostWorker):
 
     def prepare_batch(self) -> None:
         self.batch.order = self.ops.order(self.batch.req_ids)
+
+    def use_forward(self, config: ForwardConfig) -> None:
+        super().use_forward(config)
+        self.native_forward_parts = ("sampler",)
+        self.backend_detail = self.ops.detail + forward_label(self.native_forward_parts)
+
+    def prepare_forward(self) -> None:
+        """The sampler part from vLLM's InputBatch; the other parts by kvmap's numpy forms."""
+        step = self.forward_step()
+        s = self.ops.sampler()
+        if s is not None:
+            step.parts["sampler"] = s
+        self.forward = self.forward_builder.host(step)
 
     def append_sampled(self) -> None:
         super().append_sampled()
