@@ -144,6 +144,79 @@ def test_broken_mrv2_slot_kernel_is_named_at_its_step_request_and_rank():
     assert any(p.kind == "kv_mismatch" for p in r.problems)
 
 
+def sampler_checked(backend: str, trace: Trace, order: str, seen: list):
+    """A `backend` worker whose every step's sampler part is held to kvmap's numpy form (values and dtypes) and,
+    on a non-empty step, is the object vLLM's input preparation gave (`ops.sampler()`), appended to `seen`."""
+    from kvmap.forward import sampler as S
+    from kvmap.workers.registry import make_worker
+
+    from .test_forward_sampler import same
+
+    worker = make_worker(backend, trace.header, "cuda" if GPU else "cpu", order)
+    own_forward, own_sampler, given = worker.prepare_forward, worker.ops.sampler, []
+
+    def sampler():
+        given.append(own_sampler())
+        return given[-1]
+
+    def prepare_forward():
+        given.clear()
+        own_forward()
+        rows, got, k = worker.forward_step().rows, worker.forward.sampler, trace.header.num_speculative_tokens
+        buf = S.SamplerBuffers(trace.header.max_num_seqs, k, max(len(rows.input_ids), 1))
+        same(got, S.mrv2_numpy(rows, buf) if order == "mrv2" else S.v1_numpy(rows, k, buf))
+        if len(rows.idx_mapping):
+            assert given and got is given[0] and worker.native_forward_parts == ("sampler",)
+            seen.append(got)
+
+    worker.ops.sampler, worker.prepare_forward = sampler, prepare_forward
+    return worker
+
+
+@needs_mrv2
+def test_mrv2_sampler_part_is_vllms_with_kvmaps_dtypes():
+    seen: list = []
+    for name in ("spec_decode", "chunked_prefill"):
+        trace = Trace(TRACES / f"{name}.jsonl")
+        dumps(trace, "vllm-mrv2", forward=True, worker=sampler_checked("vllm-mrv2", trace, "mrv2", seen))
+    assert len(seen) > 20
+
+
+@needs_v1
+def test_v1_sampler_part_is_vllms_with_kvmaps_dtypes():
+    seen: list = []
+    for name in ("spec_decode", "chunked_prefill"):  # with a speculative config (SpecDecodeMetadata) and without
+        trace = Trace(TRACES / f"{name}.jsonl")
+        dumps(trace, "vllm-v1", forward=True, batch_order="v1", worker=sampler_checked("vllm-v1", trace, "v1", seen))
+    assert len(seen) > 20
+
+
+@needs_mrv2
+@pytest.mark.skipif(GPU, reason="validate --deep runs backends on host tensors: the Triton interpreter, off here")
+def test_validate_deep_compares_vllms_sampler_and_names_a_broken_expand_idx_mapping(monkeypatch):
+    import vllm.v1.worker.gpu.model_runner as mr
+
+    trace = Trace(TRACES / "spec_decode.jsonl")
+    r = validate(trace, deep=True, backends=["vllm-mrv2"])
+    assert r.valid and not r.problems, [p.message for p in r.problems[:3]]
+    assert r.deep["backends"]["vllm-mrv2"]["forward_parts"] == {
+        "native": ["sampler"], "kvmap": ["cudagraph", "attention", "backends"]}
+    # the plant: each request's last logits row gets local position 0 (right only for one-row requests)
+    first = next(d["step"] for d in dumps(trace, "reference", forward=True) if any(d["expanded_local_pos"]))
+    right = mr.expand_idx_mapping
+
+    def broken(idx_mapping, total_num_logits, cu_num_logits, max_expand_len):
+        idx, pos = right(idx_mapping, total_num_logits, cu_num_logits, max_expand_len)
+        pos[cu_num_logits[1:].long() - 1] = 0
+        return idx, pos
+
+    monkeypatch.setattr(mr, "expand_idx_mapping", broken)
+    r = validate(Trace(TRACES / "spec_decode.jsonl"), deep=True, backends=["vllm-mrv2"])
+    conf = [p for p in r.problems if p.kind == "conformance"]
+    assert conf and (conf[0].step, conf[0].field) == (first, "expanded_local_pos"), conf[:1]
+    assert "vllm-mrv2 differs from the reference in expanded_local_pos" in conf[0].message
+
+
 @needs_mrv2
 def test_mrv2_refuses_the_v1_batch_order():
     with pytest.raises(KvmapError, match="vllm-v1"):
