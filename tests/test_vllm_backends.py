@@ -15,6 +15,7 @@ import pytest
 
 from kvmap import vllm_compat
 from kvmap.errors import KvmapError
+from kvmap.forward import cudagraph as cg
 from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
@@ -166,7 +167,7 @@ def sampler_checked(backend: str, trace: Trace, order: str, seen: list):
         buf = S.SamplerBuffers(trace.header.max_num_seqs, k, max(len(rows.input_ids), 1))
         same(got, S.mrv2_numpy(rows, buf) if order == "mrv2" else S.v1_numpy(rows, k, buf))
         if len(rows.idx_mapping):
-            assert given and got is given[0] and worker.native_forward_parts == ("sampler",)
+            assert given and got is given[0] and "sampler" in worker.native_forward_parts
             seen.append(got)
 
     worker.ops.sampler, worker.prepare_forward = sampler, prepare_forward
@@ -200,7 +201,7 @@ def test_validate_deep_compares_vllms_sampler_and_names_a_broken_expand_idx_mapp
     r = validate(trace, deep=True, backends=["vllm-mrv2"])
     assert r.valid and not r.problems, [p.message for p in r.problems[:3]]
     assert r.deep["backends"]["vllm-mrv2"]["forward_parts"] == {
-        "native": ["sampler"], "kvmap": ["cudagraph", "attention", "backends"]}
+        "native": ["sampler", "cudagraph"], "kvmap": ["attention", "backends"]}
     # the plant: each request's last logits row gets local position 0 (right only for one-row requests)
     first = next(d["step"] for d in dumps(trace, "reference", forward=True) if any(d["expanded_local_pos"]))
     right = mr.expand_idx_mapping
@@ -215,6 +216,47 @@ def test_validate_deep_compares_vllms_sampler_and_names_a_broken_expand_idx_mapp
     conf = [p for p in r.problems if p.kind == "conformance"]
     assert conf and (conf[0].step, conf[0].field) == (first, "expanded_local_pos"), conf[:1]
     assert "vllm-mrv2 differs from the reference in expanded_local_pos" in conf[0].message
+
+
+def planted_no_uniform_decode(h, d: dict) -> tuple:
+    """The planted rule by kvmap's spec: MRV2's FULL_AND_PIECEWISE dispatch (default sizes) that never finds a
+    uniform decode; (mode, padded tokens, padded requests) of dump record `d`."""
+    sizes = cg.default_capture_sizes(h.max_num_seqs, h.max_num_batched_tokens, h.num_speculative_tokens)
+    qsl = d["query_start_loc"]
+    max_q = max(b - a for a, b in zip(qsl, qsl[1:]))
+    p = cg.dispatch_spec("mrv2", "FULL_AND_PIECEWISE", sizes, h.max_num_seqs, h.num_speculative_tokens,
+                         len(d["req_ids"]), qsl[-1], max_q, decode_eligible=False)
+    return p.cudagraph_mode, p.num_tokens_padded, p.num_reqs_padded
+
+
+@needs_mrv2
+def test_mrv2_graph_choice_is_vllms_dispatch(monkeypatch):
+    import vllm.v1.worker.gpu.dp_utils as dp
+
+    trace = Trace(TRACES / "spec_decode.jsonl")  # FULL (requests padded), PIECEWISE and eager steps
+
+    def run(backend):
+        out: list[dict] = []
+        replay(trace, ReplayConfig(backend=backend, device="cuda" if GPU else "cpu", write_kv=False, nvtx=False,
+                                   warmup=0, forward=True, cudagraph_mode="FULL_AND_PIECEWISE",
+                                   cudagraph_capture_sizes="default"), on_mappings=out.append)
+        return out
+
+    want = run("reference")
+    assert {d["cudagraph_mode"] for d in want} == {"FULL", "PIECEWISE", "NONE"}
+    assert any(d["num_reqs_padded"] > len(d["req_ids"]) for d in want)
+    assert run("vllm-mrv2") == want
+    right = dp.dispatch_cg_and_sync_dp
+
+    def eager_decodes(manager, num_reqs, num_tokens, uniform_token_count, *a, **kw):  # the plant: decodes eager
+        return right(manager, num_reqs, num_tokens, None, *a, **kw)
+
+    first = next(w["step"] for w in want if planted_no_uniform_decode(trace.header, w) !=
+                 (w["cudagraph_mode"], w["num_tokens_padded"], w["num_reqs_padded"]))
+    monkeypatch.setattr(dp, "dispatch_cg_and_sync_dp", eager_decodes)
+    got = run("vllm-mrv2")
+    bad = [(w["step"], next(k for k in w if g[k] != w[k])) for g, w in zip(got, want) if g != w]
+    assert bad and bad[0][0] == first and bad[0][1] in ("cudagraph_mode", "num_tokens_padded", "num_reqs_padded")
 
 
 @needs_mrv2
