@@ -1,6 +1,7 @@
 """The backends that run vLLM's own code (vllm-mrv2, vllm-v1): every bundled trace replays with dumps identical to
-the reference's in that runner's batch order; a broken copy of one vLLM kernel is named at its step, request and
-DCP rank; without vLLM, one clear line. The vLLM tests run in CI's vLLM environments and skip elsewhere."""
+the reference's in that runner's batch order, the forward keys included (the sampler part vLLM's own, with
+kvmap's dtypes); a broken copy of one vLLM kernel is named at its step, request and DCP rank (or field); without
+vLLM, one clear line. The vLLM tests run in CI's vLLM environments and skip elsewhere."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from kvmap import vllm_compat
 from kvmap.errors import KvmapError
+from kvmap.forward import cudagraph as cg
 from kvmap.run.config import ReplayConfig
 from kvmap.run.replay import replay
 from kvmap.trace import Trace
@@ -33,11 +35,12 @@ V1_RESUMES = {"preemption_v1": (11, "req-4"), "dcp4_interleave8": (6, "req-4")}
 
 
 def dumps(trace: Trace, backend: str, stop: int | None = None, batch_order: str = "mrv2",
-          threshold: int | None = None) -> list[dict]:
+          threshold: int | None = None, forward: bool = False, worker=None) -> list[dict]:
     out: list[dict] = []
     device = "cuda" if backend.startswith("vllm") and GPU else "cpu"  # natively on a GPU, else interpreted
     replay(trace, ReplayConfig(backend=backend, device=device, write_kv=False, nvtx=False, warmup=0, stop=stop,
-                               batch_order=batch_order, reorder_batch_threshold=threshold), on_mappings=out.append)
+                               batch_order=batch_order, reorder_batch_threshold=threshold, forward=forward),
+           worker=worker, on_mappings=out.append)
     return out
 
 
@@ -60,8 +63,8 @@ def test_mrv2_dumps_equal_the_reference(path):
             dumps(Trace(path), "vllm-mrv2")
         assert (e.value.step, e.value.req_id) == V1_RESUMES[name] and "--backend vllm-v1" in e.value.message
         return
-    got = dumps(Trace(path), "vllm-mrv2", stop)
-    want = dumps(Trace(path), "reference", stop)
+    got = dumps(Trace(path), "vllm-mrv2", stop, forward=True)
+    want = dumps(Trace(path), "reference", stop, forward=True)
     assert len(got) == len(want) > 0
     for g, w in zip(got, want):
         assert g == w, f"step {w['step']}"
@@ -77,8 +80,8 @@ def test_v1_dumps_equal_the_reference_in_v1_order(path):
         with pytest.raises(KvmapError, match="CPU build computes no DCP slot mappings"):
             dumps(trace, "vllm-v1", batch_order="v1")
         return
-    got = dumps(trace, "vllm-v1", stop, batch_order="v1")
-    want = dumps(Trace(path), "reference", stop, batch_order="v1")
+    got = dumps(trace, "vllm-v1", stop, batch_order="v1", forward=True)
+    want = dumps(Trace(path), "reference", stop, batch_order="v1", forward=True)
     assert len(got) == len(want) > 0
     for g, w in zip(got, want):
         assert g == w, f"step {w['step']}"
@@ -140,6 +143,120 @@ def test_broken_mrv2_slot_kernel_is_named_at_its_step_request_and_rank():
     assert conf and (conf[0].step, conf[0].req_id, conf[0].field) == (first[0], first[1], "slot_mapping")
     assert f"on DCP rank {first[2]}" in conf[0].message and "the reference chain" in conf[0].message
     assert any(p.kind == "kv_mismatch" for p in r.problems)
+
+
+def sampler_checked(backend: str, trace: Trace, order: str, seen: list):
+    """A `backend` worker whose every step's sampler part is held to kvmap's numpy form (values and dtypes) and,
+    on a non-empty step, is the object vLLM's input preparation gave (`ops.sampler()`), appended to `seen`."""
+    from kvmap.forward import sampler as S
+    from kvmap.workers.registry import make_worker
+
+    from .test_forward_sampler import same
+
+    worker = make_worker(backend, trace.header, "cuda" if GPU else "cpu", order)
+    own_forward, own_sampler, given = worker.prepare_forward, worker.ops.sampler, []
+
+    def sampler():
+        given.append(own_sampler())
+        return given[-1]
+
+    def prepare_forward():
+        given.clear()
+        own_forward()
+        rows, got, k = worker.forward_step().rows, worker.forward.sampler, trace.header.num_speculative_tokens
+        buf = S.SamplerBuffers(trace.header.max_num_seqs, k, max(len(rows.input_ids), 1))
+        same(got, S.mrv2_numpy(rows, buf) if order == "mrv2" else S.v1_numpy(rows, k, buf))
+        if len(rows.idx_mapping):
+            assert given and got is given[0] and "sampler" in worker.native_forward_parts
+            seen.append(got)
+
+    worker.ops.sampler, worker.prepare_forward = sampler, prepare_forward
+    return worker
+
+
+@needs_mrv2
+def test_mrv2_sampler_part_is_vllms_with_kvmaps_dtypes():
+    seen: list = []
+    for name in ("spec_decode", "chunked_prefill"):
+        trace = Trace(TRACES / f"{name}.jsonl")
+        dumps(trace, "vllm-mrv2", forward=True, worker=sampler_checked("vllm-mrv2", trace, "mrv2", seen))
+    assert len(seen) > 20
+
+
+@needs_v1
+def test_v1_sampler_part_is_vllms_with_kvmaps_dtypes():
+    seen: list = []
+    for name in ("spec_decode", "chunked_prefill"):  # with a speculative config (SpecDecodeMetadata) and without
+        trace = Trace(TRACES / f"{name}.jsonl")
+        dumps(trace, "vllm-v1", forward=True, batch_order="v1", worker=sampler_checked("vllm-v1", trace, "v1", seen))
+    assert len(seen) > 20
+
+
+@needs_mrv2
+@pytest.mark.skipif(GPU, reason="validate --deep runs backends on host tensors: the Triton interpreter, off here")
+def test_validate_deep_compares_vllms_sampler_and_names_a_broken_expand_idx_mapping(monkeypatch):
+    import vllm.v1.worker.gpu.model_runner as mr
+
+    trace = Trace(TRACES / "spec_decode.jsonl")
+    r = validate(trace, deep=True, backends=["vllm-mrv2"])
+    assert r.valid and not r.problems, [p.message for p in r.problems[:3]]
+    assert r.deep["backends"]["vllm-mrv2"]["forward_parts"] == {
+        "native": ["sampler", "cudagraph"], "kvmap": ["attention", "backends"]}
+    # the plant: each request's last logits row gets local position 0 (right only for one-row requests)
+    first = next(d["step"] for d in dumps(trace, "reference", forward=True) if any(d["expanded_local_pos"]))
+    right = mr.expand_idx_mapping
+
+    def broken(idx_mapping, total_num_logits, cu_num_logits, max_expand_len):
+        idx, pos = right(idx_mapping, total_num_logits, cu_num_logits, max_expand_len)
+        pos[cu_num_logits[1:].long() - 1] = 0
+        return idx, pos
+
+    monkeypatch.setattr(mr, "expand_idx_mapping", broken)
+    r = validate(Trace(TRACES / "spec_decode.jsonl"), deep=True, backends=["vllm-mrv2"])
+    conf = [p for p in r.problems if p.kind == "conformance"]
+    assert conf and (conf[0].step, conf[0].field) == (first, "expanded_local_pos"), conf[:1]
+    assert "vllm-mrv2 differs from the reference in expanded_local_pos" in conf[0].message
+
+
+def planted_no_uniform_decode(h, d: dict) -> tuple:
+    """The planted rule by kvmap's spec: MRV2's FULL_AND_PIECEWISE dispatch (default sizes) that never finds a
+    uniform decode; (mode, padded tokens, padded requests) of dump record `d`."""
+    sizes = cg.default_capture_sizes(h.max_num_seqs, h.max_num_batched_tokens, h.num_speculative_tokens)
+    qsl = d["query_start_loc"]
+    max_q = max(b - a for a, b in zip(qsl, qsl[1:]))
+    p = cg.dispatch_spec("mrv2", "FULL_AND_PIECEWISE", sizes, h.max_num_seqs, h.num_speculative_tokens,
+                         len(d["req_ids"]), qsl[-1], max_q, decode_eligible=False)
+    return p.cudagraph_mode, p.num_tokens_padded, p.num_reqs_padded
+
+
+@needs_mrv2
+def test_mrv2_graph_choice_is_vllms_dispatch(monkeypatch):
+    import vllm.v1.worker.gpu.dp_utils as dp
+
+    trace = Trace(TRACES / "spec_decode.jsonl")  # FULL (requests padded), PIECEWISE and eager steps
+
+    def run(backend):
+        out: list[dict] = []
+        replay(trace, ReplayConfig(backend=backend, device="cuda" if GPU else "cpu", write_kv=False, nvtx=False,
+                                   warmup=0, forward=True, cudagraph_mode="FULL_AND_PIECEWISE",
+                                   cudagraph_capture_sizes="default"), on_mappings=out.append)
+        return out
+
+    want = run("reference")
+    assert {d["cudagraph_mode"] for d in want} == {"FULL", "PIECEWISE", "NONE"}
+    assert any(d["num_reqs_padded"] > len(d["req_ids"]) for d in want)
+    assert run("vllm-mrv2") == want
+    right = dp.dispatch_cg_and_sync_dp
+
+    def eager_decodes(manager, num_reqs, num_tokens, uniform_token_count, *a, **kw):  # the plant: decodes eager
+        return right(manager, num_reqs, num_tokens, None, *a, **kw)
+
+    first = next(w["step"] for w in want if planted_no_uniform_decode(trace.header, w) !=
+                 (w["cudagraph_mode"], w["num_tokens_padded"], w["num_reqs_padded"]))
+    monkeypatch.setattr(dp, "dispatch_cg_and_sync_dp", eager_decodes)
+    got = run("vllm-mrv2")
+    bad = [(w["step"], next(k for k in w if g[k] != w[k])) for g, w in zip(got, want) if g != w]
+    assert bad and bad[0][0] == first and bad[0][1] in ("cudagraph_mode", "num_tokens_padded", "num_reqs_padded")
 
 
 @needs_mrv2

@@ -13,6 +13,9 @@ Rules:
   step's graph choice and padded tails), `attention` (CommonAttentionMetadata per group, chunked_local virtual
   batches, the decode/prefill split) and `backends` (each group's backend metadata) chain so
   (kvmap/forward/graph_parts.py).
+- A backend that builds a part with its own code (the vLLM backends: the sampler from vLLM's input
+  preparation) puts that result in `step.parts` before `ForwardBuilder.host`, which computes only the parts not
+  yet there; the worker names those parts in `native_forward_parts` (workers/contract.py).
 """
 
 from __future__ import annotations
@@ -95,10 +98,12 @@ class ForwardBuilder:
         self.buffers = [p.buffers(config, max_num_tokens) for p in PARTS]
 
     def host(self, step: ForwardStep) -> ForwardInputs:
+        """Every part the backend has not already put in `step.parts`, in `PARTS` order."""
         cfg, done = self.config, step.parts
         for p, b in zip(PARTS, self.buffers):
-            done[p.name] = p.host(cfg, step, b)
-        return ForwardInputs(cfg.runner, dict(done))
+            if p.name not in done:
+                done[p.name] = p.host(cfg, step, b)
+        return ForwardInputs(cfg.runner, {p.name: done[p.name] for p in PARTS})
 
 
 def forward_spec(config: ForwardConfig, step: ForwardStep) -> ForwardInputs:

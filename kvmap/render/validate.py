@@ -45,6 +45,10 @@ def render_validation(report, out: Console) -> None:
                 continue
             say(out, f"deep: {b}: {d['steps']} steps, {d['differing_steps']} differ from the reference; KV "
                      f"{d['kv_checked']:,} positions read back, {d['kv_mismatches']} mismatches")
+            fp = d.get("forward_parts")
+            if fp and fp["native"]:  # a backend running another code's forward parts (vLLM's): say whose
+                say(out, f"deep: {b}: forward inputs compared: {', '.join(fp['native'])} built by the backend's "
+                         f"own code, {', '.join(fp['kvmap']) or 'nothing'} by kvmap's host forms on its mappings")
         for b, why in report.deep.get("skipped", {}).items():
             say(out, f"deep: {b} skipped: {why}", style="dim")
     for line in report.info:

@@ -2,10 +2,12 @@
 
 Rules: the reference replays first; any other backend that loads is compared step by step on the dump record
 (the core mappings and the forward inputs, kvmap/forward, by the header's runner: the reference's scalar specs
-against the backend's forms) and its KV cache is read back every step. Problems name the step, request, token
-and group of the first difference, with the chain `kvmap explain` prints for it. Each pass runs inside
-`progress(label, backend)`, a context giving the pass's `on_step` (the CLI's progress bar at a terminal; None:
-nothing drawn).
+against the backend's forms) and its KV cache is read back every step. A backend's summary names who built
+each forward part it produced (`forward_parts`: its own code, e.g. vLLM's, for `native_forward_parts`, kvmap's
+host forms for the rest; None for a backend of the core mappings only, compared on those). Problems name the
+step, request, token and group of the first difference, with the chain `kvmap explain` prints for it. Each
+pass runs inside `progress(label, backend)`, a context giving the pass's `on_step` (the CLI's progress bar at a
+terminal; None: nothing drawn).
 """
 
 from __future__ import annotations
@@ -126,7 +128,17 @@ def compare_backend(trace: Trace, backend: str, ref: list[dict], max_problems: i
                                        f"slot {e['slot']}{rank} found {e['found']}", None, e["step"], e["req_id"],
                                        e["group"])))
     return {"steps": len(got), "differing_steps": diffs, "kv_checked": kv.kv_checked,
-            "kv_mismatches": kv.kv_mismatches}, problems
+            "kv_mismatches": kv.kv_mismatches, "forward_parts": _forward_parts(worker)}, problems
+
+
+def _forward_parts(worker) -> dict | None:
+    """{"native": parts the backend's own code built, "kvmap": parts kvmap's host forms computed}."""
+    from kvmap.forward.inputs import PARTS
+
+    if not worker.computes_forward:
+        return None
+    native = list(worker.native_forward_parts)
+    return {"native": native, "kvmap": [p.name for p in PARTS if p.name not in native]}
 
 
 def deep_check(trace: Trace, backends: list[str] | None = None, progress: Progress | None = None) -> dict:

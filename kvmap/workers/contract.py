@@ -62,6 +62,7 @@ class Worker(ABC):
     has_h2d: ClassVar[bool] = False  # has a timed host-to-device phase (`copy_to_device`)
     native_batch_order: ClassVar[str] = "mrv2"  # the order it computes whatever is asked (vllm-v1: "v1")
     computes_forward: ClassVar[bool] = False  # implements `prepare_forward` (the forward inputs, kvmap/forward)
+    native_forward_parts: tuple[str, ...] = ()  # forward parts its own code builds (vLLM's), set by use_forward
     backend_detail: str = ""  # how this worker runs, shown beside its name in a replay's summary
 
     def __init__(self, header: TraceHeader, device: str = "cpu") -> None:

@@ -17,6 +17,16 @@ Rules:
   descriptor); the gathered block tables are the manager's rows (no sliding-window nulling: the dump compares
   block ids, the forward-pass table is the forward-pass dump's); kernel-block rows (a kernel split) are
   kvmap's layout rule; token rows are `max_model_len + k + 1` wide (sampled tokens never run off a row).
+- With `--forward`, the `sampler` part is vLLM's: `cu_num_logits`, `logits_indices` (from
+  `combine_sampled_and_draft_tokens`), `expanded_idx_mapping` and `expanded_local_pos` (from
+  `expand_idx_mapping`, or `idx_mapping` and zeros on MRV2's no-draft path) of the `InputBatch` its
+  `prepare_inputs` returned, copied to the host with their dtypes. The `cudagraph` part's graph choice
+  (mode, padded tokens and requests) is vLLM's: its `CudaGraphManager` (candidates from the forward config's
+  mode and capture sizes, answering as after capture) through `dispatch_cg_and_sync_dp` (one DP rank) with the
+  uniform token count its `gather_batch_req_state` found; the padded tails of that choice are kvmap's. The
+  `attention` and `backends` parts are kvmap's numpy forms (kvmap/forward) on vLLM's mappings, as
+  `backend_detail` says; so is an empty step's sampler (vLLM builds no InputBatch for it). The step itself runs
+  eager (above): the graph choice is dumped, not applied.
 - DCP: one `BlockTables`; each computed rank's slots by the same kernel with that `cp_rank`.
 - Runs natively on a GPU (`--device cuda`), else on host tensors under the Triton interpreter
   (`vllm_compat.prepare_cpu`). Model Runner V2 gets the v2 protocol; a v1-protocol trace replays until a
@@ -33,6 +43,10 @@ import numpy as np
 from kvmap import vllm_compat
 from kvmap._torch import torch as kvmap_torch
 from kvmap.errors import KvmapError, TraceError
+from kvmap.forward import cudagraph as C
+from kvmap.forward import graph_parts as gp
+from kvmap.forward.config import ForwardConfig
+from kvmap.forward.sampler import MRV2Sampler
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers.host import HostWorker
 from kvmap.workers.mappings import BatchTables, Inputs, RankSlots
@@ -155,6 +169,7 @@ class MRV2Ops(MappingOps):
             " (Triton interpreter)" if self.torch_device.type == "cpu" else "")
         self.so = None  # this step's scheduler output, as the runner reads it
         self.batch_state = None  # the runner's BatchReqState (batch order)
+        self.uniform_token_count = None  # gather_batch_req_state's: tokens per request of a uniform decode, or None
         self.input_batch = None  # the runner's InputBatch
 
     def update(self, step: Step) -> None:
@@ -178,7 +193,7 @@ class MRV2Ops(MappingOps):
         if not req_ids:
             self.batch_state = None
             return np.zeros(0, dtype=np.int32)
-        self.batch_state, _ = self.runner.gather_batch_req_state(self.so, dummy_run=False)
+        self.batch_state, self.uniform_token_count = self.runner.gather_batch_req_state(self.so, dummy_run=False)
         entry = {r: i for i, r in enumerate(req_ids)}
         return np.fromiter(map(entry.__getitem__, self.batch_state.req_ids), np.int32, len(req_ids))
 
@@ -238,6 +253,14 @@ class MRV2Ops(MappingOps):
         r.block_tables.cp_rank = 0
         return RankSlots(slots, local)
 
+    def sampler(self) -> MRV2Sampler | None:
+        """The sampler part as vLLM's `prepare_inputs` built it into its InputBatch (None: an empty step)."""
+        ib = self.input_batch
+        if ib is None:
+            return None
+        return MRV2Sampler(_host(ib.cu_num_logits), _host(ib.logits_indices), _host(ib.expanded_idx_mapping),
+                           _host(ib.expanded_local_pos))
+
     def postprocess(self, step: Step) -> None:
         """After the model: the sampled tokens through the runner's `postprocess_sampled` (post_update)."""
         from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
@@ -261,8 +284,58 @@ class MRV2Ops(MappingOps):
                                         ib.query_start_loc)
 
 
+class VllmGraphDispatch:
+    """The `cudagraph` part's buffers (graph_parts.PaddingBuffers' fields) with vLLM's own dispatch: a Model
+    Runner V2 `CudaGraphManager` built with `object.__new__` for the forward config's mode and capture sizes
+    (as after capture: nothing is captured), asked through `dispatch_cg_and_sync_dp` on one DP rank."""
+
+    def __init__(self, cfg: ForwardConfig, ops: MRV2Ops) -> None:
+        from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+        from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+        self.ops = ops
+        self.sizes = gp.capture_sizes(cfg)  # the configured sizes (the header's or --cudagraph-capture-sizes)
+        k, q = cfg.num_speculative_tokens, 1 + cfg.num_speculative_tokens
+        cc = CompilationConfig(cudagraph_mode=getattr(CUDAGraphMode, cfg.cudagraph_mode))
+        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = list(self.sizes), max(self.sizes, default=0)
+        spec = SimpleNamespace(num_speculative_tokens=k, uses_dynamic_speculative_decoding=lambda: False) if k \
+            else None
+        m = object.__new__(CudaGraphManager)
+        m.vllm_config = SimpleNamespace(compilation_config=cc, speculative_config=spec, num_speculative_tokens=k,
+                                        lora_config=None, cache_config=SimpleNamespace(use_kda_recoverssm=False))
+        m.max_num_reqs, m.compilation_config, m.cudagraph_mode = cfg.max_num_seqs, cc, cc.cudagraph_mode
+        m.decode_query_len, m.varlen_decode, m.ubatch_runner, m.lora_capture_cases = q, False, None, [0]
+        m._lora_dispatch_map, m._max_lora_case = m._build_lora_dispatch_map()
+        m.graphs, m._candidates, m._capture_descs = {}, {}, {}
+        m._init_candidates()
+        m._graphs_captured = True
+        self.manager = m
+        self.dispatcher = self  # graph_parts.cudagraph_host calls `buf.dispatcher.dispatch`
+
+    def dispatch(self, R: int, T: int, max_q: int, eligible: bool) -> C.BatchDescriptor:
+        """vLLM's choice for this step (`eligible`, kvmap's reading of it, is unused: vLLM's own uniform token
+        count carries it)."""
+        from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
+
+        utc = self.ops.uniform_token_count
+        has_prefill = self.ops.batch_state is not None and self.ops.batch_state.has_prefill
+        desc, _ = dispatch_cg_and_sync_dp(self.manager, R, T, utc, dp_size=1, dp_rank=0,
+                                          max_query_len=None if has_prefill else max_q)
+        return C.BatchDescriptor(desc.cg_mode.name, T, R, max(T, desc.num_tokens), desc.num_reqs or R,
+                                 utc is not None)
+
+
 def _host(t) -> np.ndarray:
     return t.cpu().numpy().copy()
+
+
+def forward_label(native: tuple[str, ...]) -> str:
+    """`backend_detail`'s note of which forward parts vLLM built and which kvmap's numpy forms computed."""
+    from kvmap.forward.inputs import PARTS
+
+    rest = ", ".join(p.name for p in PARTS if p.name not in native)
+    return f"; forward inputs: {', '.join(native)} by vLLM, {rest} by kvmap's numpy forms" if native else \
+        f"; forward inputs: {rest} by kvmap's numpy forms"
 
 
 class VllmMRV2Worker(HostWorker):
@@ -282,6 +355,22 @@ class VllmMRV2Worker(HostWorker):
 
     def prepare_batch(self) -> None:
         self.batch.order = self.ops.order(self.batch.req_ids)
+
+    def use_forward(self, config: ForwardConfig) -> None:
+        super().use_forward(config)
+        self.graphs = VllmGraphDispatch(config, self.ops)
+        self.native_forward_parts = ("sampler", "cudagraph")
+        self.backend_detail = self.ops.detail + forward_label(self.native_forward_parts)
+
+    def prepare_forward(self) -> None:
+        """The sampler part from vLLM's InputBatch and the graph choice from vLLM's dispatch; the other parts
+        (and the padded tails) by kvmap's numpy forms."""
+        step = self.forward_step()
+        s = self.ops.sampler()
+        if s is not None:
+            step.parts["sampler"] = s
+        step.parts["cudagraph"] = gp.cudagraph_host(self.forward_config, step, self.graphs)
+        self.forward = self.forward_builder.host(step)
 
     def append_sampled(self) -> None:
         super().append_sampled()

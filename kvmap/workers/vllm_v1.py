@@ -15,6 +15,12 @@ Rules:
   `_bookkeeping_sync`'s, restated here: it needs the sampler's tensors to be called.
 - V1's synchronous path: under async scheduling with drafts, the trace's worker-true `num_computed_tokens`
   (the recorded correction applied) is what the runner is given; V1 would correct it on the device.
+- With `--forward` and `--runner v1`, the `sampler` part is vLLM's: `_prepare_inputs`' own `logits_indices`
+  (int32 `query_start_loc[1:] - 1` without a speculative config) and, with one, the `SpecDecodeMetadata` of
+  `_calc_spec_decode_metadata` (`num_draft_tokens` as an int32 array) with the runner's
+  `num_decode_draft_tokens` buffer; copied to the host with their dtypes. The other parts (`cudagraph`,
+  `attention`, `backends`), an empty step's sampler and every part under `--runner mrv2` are kvmap's numpy
+  forms (kvmap/forward) on vLLM's mappings, as `backend_detail` says.
 - DCP: each computed rank's slots by the same `compute_slot_mapping` with that rank set on the block table;
   `dcp_local_seq_lens` by V1's `get_dcp_local_seq_lens`. Groups without a slot mapping (mamba) give
   PAD_SLOT_ID, as V1's `_get_slot_mappings` does. The block tables hold manager block ids (no kernel split:
@@ -32,12 +38,15 @@ import numpy as np
 from kvmap import vllm_compat
 from kvmap._torch import torch as kvmap_torch
 from kvmap.errors import KvmapError
+from kvmap.forward.config import ForwardConfig
+from kvmap.forward.sampler import V1Sampler
 from kvmap.layout import PAD_SLOT_ID
 from kvmap.trace import Step, TraceHeader
 from kvmap.workers.host import HostWorker
 from kvmap.workers.mappings import BatchTables, Inputs, RankSlots
 from kvmap.workers.ops import MappingOps
 from kvmap.workers.order import check_batch_order
+from kvmap.workers.vllm_mrv2 import forward_label
 
 
 _SLOT_KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
@@ -171,6 +180,7 @@ class V1Ops(MappingOps):
         self.runner = make_runner(state.header, buffers.max_num_tokens, state.max_num_blocks, self.torch_device)
         self.so = None  # this step's scheduler output, as the runner reads it
         self.nst = None  # [num_reqs] int32 scheduled tokens in V1's batch order
+        self.prepared = None  # this step's `_prepare_inputs` result: (logits_indices, spec_decode_metadata, ...)
         self.detail = f"vLLM {self.version} V1 model runner on {self.torch_device}"
 
     def update(self, step: Step) -> None:
@@ -190,10 +200,11 @@ class V1Ops(MappingOps):
     def prepare_inputs(self, batch) -> Inputs:
         n, T, r = len(self.nst), int(self.nst.sum()), self.runner
         rows = batch.rows[batch.order]  # the dump's row labels (V1 has no request-state rows): kvmap's
+        self.prepared = None
         if T == 0:
             z32 = np.zeros(0, np.int32)
             return Inputs(rows, z32, z32, np.zeros(1, np.int32), z32, np.zeros(0, np.int64), z32)
-        r._prepare_inputs(self.so, self.nst)
+        self.prepared = r._prepare_inputs(self.so, self.nst)
         seq_lens = _host(r.seq_lens[:n])
         return Inputs(rows, self.nst, seq_lens - self.nst, _host(r.query_start_loc.gpu[: n + 1]), seq_lens,
                       _host(r.positions[:T]), _host(r.input_ids.gpu[:T]))
@@ -236,6 +247,19 @@ class V1Ops(MappingOps):
             bt.dcp_rank = 0
         return RankSlots(slots, local)
 
+    def sampler(self) -> V1Sampler | None:
+        """The sampler part as `_prepare_inputs` returned it (None: an empty step)."""
+        if self.prepared is None:
+            return None
+        logits_indices, meta, _ = self.prepared
+        if meta is None:
+            return V1Sampler(_host(logits_indices))
+        n = len(self.nst)
+        return V1Sampler(_host(logits_indices), np.array(meta.num_draft_tokens, np.int32),
+                         _host(meta.cu_num_draft_tokens), _host(meta.cu_num_sampled_tokens),
+                         _host(meta.target_logits_indices), _host(meta.bonus_logits_indices),
+                         _host(meta.draft_token_ids), self.runner.num_decode_draft_tokens.np[:n].copy())
+
     def postprocess(self, step: Step) -> None:
         """`_bookkeeping_sync`'s host part: the sampled ids into `token_ids_cpu` and the request's outputs."""
         r = self.runner
@@ -274,6 +298,19 @@ class VllmV1Worker(HostWorker):
 
     def prepare_batch(self) -> None:
         self.batch.order = self.ops.order(self.batch.req_ids)
+
+    def use_forward(self, config: ForwardConfig) -> None:
+        super().use_forward(config)
+        self.native_forward_parts = ("sampler",) if config.runner == "v1" else ()  # V1's sampler, not MRV2's
+        self.backend_detail = self.ops.detail + forward_label(self.native_forward_parts)
+
+    def prepare_forward(self) -> None:
+        """The sampler part from `_prepare_inputs` (under --runner v1); the other parts by kvmap's numpy forms."""
+        step = self.forward_step()
+        s = self.ops.sampler() if self.native_forward_parts else None
+        if s is not None:
+            step.parts["sampler"] = s
+        self.forward = self.forward_builder.host(step)
 
     def append_sampled(self) -> None:
         super().append_sampled()
