@@ -151,10 +151,8 @@ class GroupLayout:
         return kernel_row[kb] * K + ko
 
     def dcp_local_seq_len(self, seq_len: int) -> int:
-        """Tokens of a `seq_len`-token request this rank holds:
-        (seq_len // (cp * I)) * I + clamp(seq_len % (cp * I) - rank * I, 0, I)."""
-        I, cp = self.interleave, self.cp_size
-        return seq_len // (cp * I) * I + min(max(seq_len % (cp * I) - self.cp_rank * I, 0), I)
+        """Tokens of a `seq_len`-token request this rank holds (`dcp_local_seq_len`)."""
+        return dcp_local_seq_len(seq_len, self.cp_size, self.cp_rank, self.interleave)
 
     def readable_start(self, num_computed_tokens: int) -> int:
         """First position a step starting at `num_computed_tokens` may read."""
@@ -258,14 +256,7 @@ class GroupLayout:
 
     def dcp_local_seq_lens(self, seq_lens: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Vectorized `dcp_local_seq_len`: [n] seq_lens -> [n] int32 local lengths on this rank."""
-        np = _np or _numpy()
-        I, cp = self.interleave, self.cp_size
-        s = seq_lens.astype(np.int64)
-        v = s // (cp * I) * I + np.clip(s % (cp * I) - self.cp_rank * I, 0, I)
-        if out is None:
-            return v.astype(np.int32)
-        out[:] = v
-        return out
+        return dcp_local_seq_lens(seq_lens, self.cp_size, self.cp_rank, self.interleave, out)
 
     def kernel_rows(self, table: np.ndarray) -> np.ndarray:
         """Vectorized `kernel_row`: [n, W] manager ids -> [n, W * k] int32 kernel ids."""
@@ -273,6 +264,26 @@ class GroupLayout:
         k = self.kernel_blocks_per_block
         return (table[:, :, None].astype(np.int32) * k + np.arange(k, dtype=np.int32)).reshape(
             len(table), table.shape[1] * k)
+
+
+def dcp_local_seq_len(seq_len: int, cp_size: int, cp_rank: int, interleave: int) -> int:
+    """The spec: tokens of a `seq_len`-token request DCP rank `cp_rank` holds (vLLM's `get_dcp_local_seq_lens`):
+    (seq_len // (cp * I)) * I + clamp(seq_len % (cp * I) - rank * I, 0, I)."""
+    I, cp = interleave, cp_size
+    return seq_len // (cp * I) * I + min(max(seq_len % (cp * I) - cp_rank * I, 0), I)
+
+
+def dcp_local_seq_lens(seq_lens: np.ndarray, cp_size: int, cp_rank: int, interleave: int,
+                       out: np.ndarray | None = None) -> np.ndarray:
+    """Vectorized `dcp_local_seq_len`: [n] seq_lens -> [n] int32 local lengths on rank `cp_rank`."""
+    np = _np or _numpy()
+    I, cp = interleave, cp_size
+    s = seq_lens.astype(np.int64)
+    v = s // (cp * I) * I + np.clip(s % (cp * I) - cp_rank * I, 0, I)
+    if out is None:
+        return v.astype(np.int32)
+    out[:] = v
+    return out
 
 
 def group_layouts(header, cp_rank: int = 0) -> list[GroupLayout]:

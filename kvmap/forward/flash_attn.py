@@ -27,7 +27,7 @@ import numpy as np
 
 from kvmap.forward.attention import (CommonAttentionMetadata, split_decodes_prefills_and_extends,
                                      split_decodes_prefills_and_extends_spec)
-from kvmap.forward.flashinfer import dcp_local_seq_lens, dcp_local_seq_lens_spec
+from kvmap.layout import dcp_local_seq_len, dcp_local_seq_lens
 
 __all__ = ["FlashAttentionMetadata", "TritonAttentionMetadata", "build", "build_spec", "max_num_splits",
            "triton_attn"]
@@ -91,22 +91,13 @@ def build_spec(cm: CommonAttentionMetadata, cudagraph_mode: str, max_cudagraph_c
     """Scalar spec."""
     n, qsl = cm.num_reqs, cm.query_start_loc
     splits = max_num_splits(cm.num_actual_tokens, cudagraph_mode, max_cudagraph_capture_size, fa_version)
-    ctx_lens, max_ctx, counts = None, 0, (0, 0, 0, 0)
-    if dcp_size > 1:
-        q = [int(qsl[b + 1]) - int(qsl[b]) for b in range(n)]
-        ctx = [int(cm.seq_lens[b]) - q[b] for b in range(n)]
-        ctx_lens = np.array(dcp_local_seq_lens_spec(ctx, dcp_size, dcp_rank, interleave), dtype=np.int32)
-        skip = max(int(cm.seq_lens_cpu_upper_bound[b]) - q[b] for b in range(n)) == 0
-        if cm.max_query_len > 1:
-            s = split_decodes_prefills_and_extends_spec(qsl, cm.seq_lens_cpu_upper_bound, n, cm.num_actual_tokens,
-                                                        cm.max_query_len)
-            counts = (s.num_decodes, s.num_extends, s.num_decode_tokens, s.num_extend_tokens)
-        if not skip:
-            parts = dcp_size * interleave
-            max_ctx = (cm.max_seq_len + parts - 1) // parts * interleave
-    return FlashAttentionMetadata(cm.num_actual_tokens, cm.max_query_len, qsl, cm.max_seq_len, cm.seq_lens,
-                                  cm.block_table_tensor, cm.slot_mapping, max_ctx, ctx_lens, *counts, splits, None,
-                                  cm.causal)
+    if dcp_size == 1:
+        return _metadata(cm, splits)
+    q = [int(qsl[b + 1]) - int(qsl[b]) for b in range(n)]
+    ctx = [int(cm.seq_lens[b]) - q[b] for b in range(n)]
+    ctx_lens = np.array([dcp_local_seq_len(c, dcp_size, dcp_rank, interleave) for c in ctx], dtype=np.int32)
+    skip = max(int(cm.seq_lens_cpu_upper_bound[b]) - q[b] for b in range(n)) == 0
+    return _metadata(cm, splits, ctx_lens, skip, split_decodes_prefills_and_extends_spec, dcp_size, interleave)
 
 
 def build(cm: CommonAttentionMetadata, cudagraph_mode: str, max_cudagraph_capture_size: int, fa_version: int = 3,
@@ -115,18 +106,28 @@ def build(cm: CommonAttentionMetadata, cudagraph_mode: str, max_cudagraph_captur
     `max_cudagraph_capture_size` the largest capture size (0 without graphs), `fa_version` 2, 3 or 4."""
     n, qsl = cm.num_reqs, cm.query_start_loc
     splits = max_num_splits(cm.num_actual_tokens, cudagraph_mode, max_cudagraph_capture_size, fa_version)
-    ctx_lens, max_ctx, counts = None, 0, (0, 0, 0, 0)
-    if dcp_size > 1:
-        q = np.diff(qsl[: n + 1])
-        ctx_lens = dcp_local_seq_lens(cm.seq_lens[:n] - q, dcp_size, dcp_rank, interleave)
-        skip = int((cm.seq_lens_cpu_upper_bound[:n] - q).max()) == 0
+    if dcp_size == 1:
+        return _metadata(cm, splits)
+    q = np.diff(qsl[: n + 1])
+    ctx_lens = dcp_local_seq_lens(cm.seq_lens[:n] - q, dcp_size, dcp_rank, interleave)
+    skip = int((cm.seq_lens_cpu_upper_bound[:n] - q).max()) == 0
+    return _metadata(cm, splits, ctx_lens, skip, split_decodes_prefills_and_extends, dcp_size, interleave)
+
+
+def _metadata(cm: CommonAttentionMetadata, splits: int, ctx_lens: np.ndarray | None = None, skip: bool = True,
+              split=None, dcp_size: int = 1, interleave: int = 1) -> FlashAttentionMetadata:
+    """What both forms share once the DCP context lengths are known (None: no DCP): the four-way split by
+    `split` (that form's) when a query is longer than one token, and `max_dcp_context_kv_len` unless every
+    request is all query."""
+    max_ctx, counts = 0, (0, 0, 0, 0)
+    if ctx_lens is not None:
         if cm.max_query_len > 1:
-            s = split_decodes_prefills_and_extends(qsl, cm.seq_lens_cpu_upper_bound, n, cm.num_actual_tokens,
-                                                   cm.max_query_len)
+            s = split(cm.query_start_loc, cm.seq_lens_cpu_upper_bound, cm.num_reqs, cm.num_actual_tokens,
+                      cm.max_query_len)
             counts = (s.num_decodes, s.num_extends, s.num_decode_tokens, s.num_extend_tokens)
         if not skip:
             parts = dcp_size * interleave
             max_ctx = (cm.max_seq_len + parts - 1) // parts * interleave
-    return FlashAttentionMetadata(cm.num_actual_tokens, cm.max_query_len, qsl, cm.max_seq_len, cm.seq_lens,
-                                  cm.block_table_tensor, cm.slot_mapping, max_ctx, ctx_lens, *counts, splits, None,
-                                  cm.causal)
+    return FlashAttentionMetadata(cm.num_actual_tokens, cm.max_query_len, cm.query_start_loc, cm.max_seq_len,
+                                  cm.seq_lens, cm.block_table_tensor, cm.slot_mapping, max_ctx, ctx_lens, *counts,
+                                  splits, None, cm.causal)

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvmap.forward.attention import CommonAttentionMetadata, Split
+from kvmap.layout import dcp_local_seq_len, dcp_local_seq_lens
 
-__all__ = ["DecodePlan", "FlashInferMetadata", "PrefillPlan", "build", "build_spec", "dcp_local_seq_lens",
-           "dcp_local_seq_lens_spec"]
+__all__ = ["DecodePlan", "FlashInferMetadata", "PrefillPlan", "build", "build_spec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,24 +70,6 @@ class FlashInferMetadata:
     decode: DecodePlan | None
 
 
-def dcp_local_seq_lens_spec(seq_lens, dcp_size: int, dcp_rank: int, interleave: int) -> list[int]:
-    """vLLM's `get_dcp_local_seq_lens` for one rank, one row at a time."""
-    out = []
-    for s in seq_lens:
-        s = int(s)
-        base = s // interleave // dcp_size * interleave
-        rem = min(max(s - base * dcp_size - dcp_rank * interleave, 0), interleave)
-        out.append(base + rem)
-    return out
-
-
-def dcp_local_seq_lens(seq_lens: np.ndarray, dcp_size: int, dcp_rank: int, interleave: int) -> np.ndarray:
-    s = seq_lens.astype(np.int32)
-    base = s // interleave // dcp_size * interleave
-    rem = np.clip(s - base * dcp_size - dcp_rank * interleave, 0, interleave)
-    return (base + rem).astype(np.int32)
-
-
 def _seq_lens_cpu_spec(cm, sp, num_speculative_tokens, dcp_size, dcp_rank, interleave) -> list[int]:
     src = cm.seq_lens_cpu_upper_bound if num_speculative_tokens == 0 else cm.seq_lens
     kv = [int(x) for x in src[: cm.num_reqs]]
@@ -96,7 +78,7 @@ def _seq_lens_cpu_spec(cm, sp, num_speculative_tokens, dcp_size, dcp_rank, inter
             qsl = cm.query_start_loc
             for b in range(sp.num_decodes, cm.num_reqs):
                 kv[b] -= int(qsl[b + 1]) - int(qsl[b])
-        kv = dcp_local_seq_lens_spec(kv, dcp_size, dcp_rank, interleave)
+        kv = [dcp_local_seq_len(x, dcp_size, dcp_rank, interleave) for x in kv]
     return kv
 
 
