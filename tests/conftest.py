@@ -62,3 +62,10 @@ def read_lines(path: Path) -> list[dict]:
 def write_lines(path: Path, lines: list[dict]) -> Path:
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return path
+
+
+def one_error(result) -> str:
+    """A CliRunner result that failed with exit 2 and exactly one `kvmap: error:` line; returns that line."""
+    lines = [x for x in result.output.splitlines() if x.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("kvmap: error:"), result.output
+    return lines[0]

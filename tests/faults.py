@@ -353,3 +353,11 @@ def plant(name: str, mutator, seed: int, tmp: Path) -> tuple[Path, object] | Non
     if where is None:
         return None
     return write(tmp / f"{Path(name).name.split('.')[0]}-{mutator.__name__}-{seed}.jsonl", L), where
+
+
+def plant_everywhere(mutator, tmp: Path):
+    """(name, path, where) for each small trace that has a site for `mutator`, its fault planted (seed 0)."""
+    for name in SMALL:
+        got = plant(name, mutator, 0, tmp)
+        if got is not None:
+            yield name, *got

@@ -66,11 +66,7 @@ def test_each_fault_found_by_validate(mutator, tmp_path):
     """Each mutator, on every small trace that has a site for it: validate reports the planted fault (and
     agrees with replay wherever replay refuses or finds KV mismatches)."""
     planted = 0
-    for name in F.SMALL:
-        got = F.plant(name, mutator, 0, tmp_path)
-        if got is None:
-            continue
-        path, (step, req) = got
+    for name, path, (step, req) in F.plant_everywhere(mutator, tmp_path):
         planted += 1
         _, report = check_agree(path)
         assert not report.valid, f"{name}: {mutator.__name__} at step {step} {req!r} not found"
@@ -109,15 +105,12 @@ def test_each_refusal_named_by_validate(kind, tmp_path):
     """Replay refuses with `kind` on some bundled trace with the fault planted, and validate names the same
     kind at the same step and request."""
     refused = 0
-    for name in F.SMALL:
-        got = F.plant(name, REFUSALS[kind], 0, tmp_path)
-        if got is None:
-            continue
-        outcome, e = replay_outcome(got[0])
+    for name, path, _ in F.plant_everywhere(REFUSALS[kind], tmp_path):
+        outcome, e = replay_outcome(path)
         if outcome != "refused" or e.kind != kind:
             continue
         refused += 1
-        found = {(p.kind, p.step, p.req_id) for p in validate(Trace(got[0])).problems}
+        found = {(p.kind, p.step, p.req_id) for p in validate(Trace(path)).problems}
         assert (kind, e.step, e.req_id) in found, (name, e.step, e.req_id, sorted(found)[:8])
     assert refused, f"no bundled trace makes replay refuse with {kind}"
 
@@ -128,11 +121,7 @@ def test_faults_replay_runs_through(mutator, tmp_path):
     validate names the fault at its step and request."""
     kind = {"cross_group_block": "group_conflict", "finish_twice": "finished_twice"}[mutator.__name__]
     planted = 0
-    for name in F.SMALL:
-        got = F.plant(name, mutator, 0, tmp_path)
-        if got is None:
-            continue
-        path, (step, req) = got
+    for _, path, (step, req) in F.plant_everywhere(mutator, tmp_path):
         planted += 1
         assert replay_outcome(path)[0] == "ran"
         assert (kind, step, req) in {(p.kind, p.step, p.req_id) for p in validate(Trace(path)).problems}

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from kvmap.cli.app import app
 
-from .conftest import ROOT, TRACES
+from .conftest import ROOT, TRACES, one_error
 
 runner = CliRunner()
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", "NVTX_DISABLE": "1"}
@@ -31,12 +31,6 @@ def invoke(*args: str):
     r = runner.invoke(app, [str(a) for a in args])
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     return r
-
-
-def one_error(r) -> str:
-    lines = [x for x in r.output.splitlines() if x.strip()]
-    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("kvmap: error:"), r.output
-    return lines[0]
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from kvmap.cli.app import app
 from kvmap.run.compare import verdict
 from kvmap.run.runs import MeanSigma, mean_sigma, ratio
 
-from .conftest import TRACES
+from .conftest import TRACES, one_error
 
 runner = CliRunner()
 TRACE = TRACES / "preemption_v2.jsonl"  # 107 steps
@@ -25,12 +25,6 @@ def invoke(*args):
     res = runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "80"})
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
     return res
-
-
-def one_error(res) -> str:
-    lines = [x for x in res.output.splitlines() if x.strip()]
-    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("kvmap: error:"), res.output
-    return lines[0]
 
 
 def _saved(tmp_path, name: str, *args) -> dict:
