@@ -42,5 +42,5 @@ class ReplayConfig:
     attention_backend: str | None = None  # NAME (every group) or g=NAME,...
     cudagraph_mode: str | None = None  # vLLM's CUDAGraphMode name
     cudagraph_capture_sizes: str | None = None  # comma-separated token counts
-    series: bool = True  # keep the per-step KV occupancy and batch composition (--json, --html); the summary
-    # figures are kept either way
+    series: bool = True  # keep the per-step series only outputs read: KV occupancy, batch composition (--json,
+    # --html) and step starts (--json, --trace-out); the summary figures are kept either way

@@ -157,7 +157,7 @@ class _Run:
         self.seen = DistinctIds()  # new requests, all replayed steps
         self.seen_measured = DistinctIds()  # requests scheduled in the measured steps (a window after 0)
         self.h2d_before = 0
-        self.rec = StepLog(len(result.phases))
+        self.rec = StepLog(len(result.phases), keep_start=series)
         self.ranks_tally: _RankTally | None = None
         # the KV cache's occupancy per step (occupancy.py); workers without host state (user workers) have none
         self.occupancy = (Occupancy(worker, keep_series=series) if hasattr(worker, "state")

@@ -6,8 +6,10 @@ Rules:
   replay's origin, each phase's time as the difference of two clock reads) and spilled to an unlinked
   temporary file, so memory stays flat however long the trace (a run shorter than a block never makes one).
 - The result's arrays are filled block by block from the spill at the end, so the run never holds its figures
-  twice. Values are the same integers in any dtype: num_reqs and num_tokens are int16 or int32, steps int32,
-  phase times int32, each when every value fits (a phase of 2.1 s or more keeps int64), step starts int64.
+  twice. The step starts are kept only when asked (`keep_start`: an output reads them, `--json` or
+  `--trace-out`); otherwise `step_start_ns` is empty, and neither held nor spilled.
+- Values are the same integers in any dtype: num_reqs and num_tokens are int16 or int32, steps int32, phase
+  times int32, each when every value fits (a phase of 2.1 s or more keeps int64), step starts int64.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ _INT16_MAX = np.iinfo(np.int16).max
 class StepLog:
     """Per-step figures of the recorded steps: `add` per step, `arrays` once at the end."""
 
-    def __init__(self, num_phases: int) -> None:
+    def __init__(self, num_phases: int, keep_start: bool = True) -> None:
+        self.keep_start = keep_start
         self.width = 3 + num_phases + 1  # step, num_reqs, num_tokens, then one clock read per phase boundary
         self.num_phases = num_phases
         self.origin = 0  # clock at the start of the run
         self.buf = array("q")  # the open block, row after row
-        self.spill: BinaryIO | None = None  # the closed blocks, each as counts [3, k], start [k], phases [k, P]
+        # the closed blocks, each as counts [3, k], start [k] (if kept), phases [k, P]
+        self.spill: BinaryIO | None = None
         self.sizes: list[int] = []  # steps of each closed block
         self.tops = [0, 0, 0]  # largest step, num_reqs, num_tokens
         self.phase_top = self.phase_bottom = 0  # largest and smallest phase time
@@ -50,7 +54,8 @@ class StepLog:
     def _close(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The open block in its final form: (counts [3, k], start [k], phases [k, P]), all int64."""
         rows = np.frombuffer(self.buf, dtype=np.int64).reshape(-1, self.width)
-        counts, start, phases = rows[:, :3].T.copy(), rows[:, 3] - self.origin, np.diff(rows[:, 3:], axis=1)
+        start = rows[:, 3] - self.origin if self.keep_start else rows[:0, 3]
+        counts, phases = rows[:, :3].T.copy(), np.diff(rows[:, 3:], axis=1)
         self.buf = array("q")
         if len(rows):
             self.tops = [max(a, int(b)) for a, b in zip(self.tops, counts.max(axis=1))]
@@ -63,22 +68,23 @@ class StepLog:
             self.spill = tempfile.TemporaryFile(prefix="kvmap-steps-")
         for a in (counts, start, phases):
             self.spill.write(a.tobytes())
-        self.sizes.append(len(start))
+        self.sizes.append(len(phases))
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(steps [n], num_reqs [n], num_tokens [n], step_start_ns [n], phase_ns [n, num_phases]); the log is
-        empty afterwards."""
+        """(steps [n], num_reqs [n], num_tokens [n], step_start_ns [n] (or [0]: not kept), phase_ns [n, num_phases]);
+        the log is empty afterwards."""
         last = self._close()
         n, P = self.n, self.num_phases
         # steps (int32 or int64), num_reqs and num_tokens (int16 too)
         counts = [np.empty(n, dtype=_fitting(top, narrow=k > 0)) for k, top in enumerate(self.tops)]
-        start = np.empty(n, dtype=np.int64)
+        start = np.empty(n if self.keep_start else 0, dtype=np.int64)
         phases = np.empty((n, P), dtype=_fitting(self.phase_top, self.phase_bottom))
         at = 0
         if self.spill is not None:
             self.spill.seek(0)
             for k in self.sizes:
-                blk = (np.fromfile(self.spill, np.int64, 3 * k).reshape(3, k), np.fromfile(self.spill, np.int64, k),
+                blk = (np.fromfile(self.spill, np.int64, 3 * k).reshape(3, k),
+                       np.fromfile(self.spill, np.int64, k if self.keep_start else 0),
                        np.fromfile(self.spill, np.int64, k * P).reshape(k, P))
                 self._place(blk, counts, start, phases, at)
                 at += k
@@ -91,10 +97,10 @@ class StepLog:
     @staticmethod
     def _place(blk, counts: list[np.ndarray], start: np.ndarray, phases: np.ndarray, at: int) -> None:
         c, s, p = blk
-        k = len(s)
+        k = len(p)
         for row, values in zip(counts, c):
             row[at : at + k] = values
-        start[at : at + k] = s
+        start[at : at + len(s)] = s
         phases[at : at + k] = p
 
 
