@@ -21,7 +21,7 @@ from kvmap.run.replay import replay
 from kvmap.trace import Trace
 from kvmap.validate import validate
 
-from .conftest import ROOT, TRACES
+from .conftest import ROOT, TRACES, read_lines, write_lines
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 GPU = shutil.which("nvidia-smi") is not None  # as conftest decides (no torch import at collection)
@@ -34,14 +34,33 @@ LONG_SLICE = 40  # steps of long_mixed through the interpreted kernels (about 0.
 V1_RESUMES = {"preemption_v1": (11, "req-4"), "dcp4_interleave8": (6, "req-4")}
 
 
+# the forward configurations every bundled trace replays in: eager without a backend named, and CUDA graphs
+# with FlashInfer on every group (vLLM's default capture sizes)
+FORWARD_CONFIGS = {"eager": {}, "graphs-flashinfer": {"cudagraph_mode": "FULL_AND_PIECEWISE", "attention_backend":
+                                                      "FLASHINFER", "cudagraph_capture_sizes": "default"}}
+
+
 def dumps(trace: Trace, backend: str, stop: int | None = None, batch_order: str = "mrv2",
-          threshold: int | None = None, forward: bool = False, worker=None) -> list[dict]:
+          threshold: int | None = None, forward: bool = False, worker=None, config: str = "eager") -> list[dict]:
     out: list[dict] = []
     device = "cuda" if backend.startswith("vllm") and GPU else "cpu"  # natively on a GPU, else interpreted
     replay(trace, ReplayConfig(backend=backend, device=device, write_kv=False, nvtx=False, warmup=0, stop=stop,
-                               batch_order=batch_order, reorder_batch_threshold=threshold, forward=forward),
+                               batch_order=batch_order, reorder_batch_threshold=threshold, forward=forward,
+                               **FORWARD_CONFIGS[config]),
            worker=worker, on_mappings=out.append)
     return out
+
+
+def assert_same_dumps(got: list[dict], want: list[dict], name: str) -> None:
+    """Step by step equal; async_spec_decode differs in `max_seq_len` only, where vLLM's is the larger (its
+    `seq_lens_cpu_upper_bound` counts the scheduler's optimistic num_computed_tokens; the reference's rule
+    takes seq_lens: kvmap/forward/attention.py)."""
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        if name == "async_spec_decode" and "max_seq_len" in w and g.get("max_seq_len") != w["max_seq_len"]:
+            assert g["max_seq_len"] > w["max_seq_len"], f"step {w['step']}"
+            g = dict(g, max_seq_len=w["max_seq_len"])
+        assert g == w, f"step {w['step']}: " + str(next(k for k in w if g.get(k) != w[k]))
 
 
 def _traces():
@@ -49,8 +68,9 @@ def _traces():
 
 
 @needs_mrv2
+@pytest.mark.parametrize("config", FORWARD_CONFIGS)
 @pytest.mark.parametrize("path", _traces(), ids=lambda p: p.name.split(".")[0])
-def test_mrv2_dumps_equal_the_reference(path):
+def test_mrv2_dumps_equal_the_reference(path, config):
     name = path.name.split(".")[0]
     stop = LONG_SLICE if name == "long_mixed" else None
     if not GPU and Trace(path).header.decode_context_parallel_size > 1 and \
@@ -63,11 +83,9 @@ def test_mrv2_dumps_equal_the_reference(path):
             dumps(Trace(path), "vllm-mrv2")
         assert (e.value.step, e.value.req_id) == V1_RESUMES[name] and "--backend vllm-v1" in e.value.message
         return
-    got = dumps(Trace(path), "vllm-mrv2", stop, forward=True)
-    want = dumps(Trace(path), "reference", stop, forward=True)
-    assert len(got) == len(want) > 0
-    for g, w in zip(got, want):
-        assert g == w, f"step {w['step']}"
+    got = dumps(Trace(path), "vllm-mrv2", stop, forward=True, config=config)
+    want = dumps(Trace(path), "reference", stop, forward=True, config=config)
+    assert_same_dumps(got, want, name)
 
 
 @needs_v1
@@ -200,8 +218,8 @@ def test_validate_deep_compares_vllms_sampler_and_names_a_broken_expand_idx_mapp
     trace = Trace(TRACES / "spec_decode.jsonl")
     r = validate(trace, deep=True, backends=["vllm-mrv2"])
     assert r.valid and not r.problems, [p.message for p in r.problems[:3]]
-    assert r.deep["backends"]["vllm-mrv2"]["forward_parts"] == {
-        "native": ["sampler", "cudagraph"], "kvmap": ["attention", "backends"]}
+    assert r.deep["backends"]["vllm-mrv2"]["forward_parts"] == {  # no attention backend named: no metadata
+        "native": ["sampler", "cudagraph", "attention"], "kvmap": ["backends"]}
     # the plant: each request's last logits row gets local position 0 (right only for one-row requests)
     first = next(d["step"] for d in dumps(trace, "reference", forward=True) if any(d["expanded_local_pos"]))
     right = mr.expand_idx_mapping
@@ -216,6 +234,40 @@ def test_validate_deep_compares_vllms_sampler_and_names_a_broken_expand_idx_mapp
     conf = [p for p in r.problems if p.kind == "conformance"]
     assert conf and (conf[0].step, conf[0].field) == (first, "expanded_local_pos"), conf[:1]
     assert "vllm-mrv2 differs from the reference in expanded_local_pos" in conf[0].message
+
+
+def flashinfer_trace(tmp_path, name: str) -> Trace:
+    """Trace `name` with a header naming FlashInfer on every group and FULL_AND_PIECEWISE graphs (vLLM's default
+    sizes): what `validate --deep` replays (it takes the forward settings from the header)."""
+    lines = read_lines(TRACES / name)
+    h = Trace(TRACES / name).header
+    lines[0].update(cudagraph_mode="FULL_AND_PIECEWISE", cudagraph_capture_sizes=cg.default_capture_sizes(
+        h.max_num_seqs, h.max_num_batched_tokens, h.num_speculative_tokens))
+    for grp in lines[0]["kv_cache_groups"]:
+        grp["attention_backend"] = "FLASHINFER"
+    return Trace(write_lines(tmp_path / name, lines))
+
+
+@needs_mrv2
+@pytest.mark.skipif(GPU, reason="validate --deep runs backends on host tensors: the Triton interpreter, off here")
+def test_validate_deep_compares_vllms_attention_and_names_a_broken_flashinfer_last_page(tmp_path):
+    """vLLM's CommonAttentionMetadata, split and FlashInfer metadata against the reference; then a broken copy of
+    vLLM's page-table rule (tests/backends/flashinfer_last_page_mrv2_backend.py) is named at the first request
+    whose KV fills its last page exactly."""
+    trace = flashinfer_trace(tmp_path, "chunked_prefill.jsonl")
+    r = validate(trace, deep=True, backends=["vllm-mrv2"])
+    assert r.valid and not r.problems, [p.message for p in r.problems[:3]]
+    assert r.deep["backends"]["vllm-mrv2"]["forward_parts"] == {
+        "native": ["sampler", "cudagraph", "attention", "backends"], "kvmap": []}
+    page = trace.header.kv_cache_groups[0].block_size
+    first = next((d["step"], d["req_ids"][b]) for d in dumps(trace, "reference", forward=True)
+                 for b, last in enumerate(d["paged_kv_last_page_len"][0][: len(d["req_ids"])]) if last == page)
+    bug = str(ROOT / "tests" / "backends" / "flashinfer_last_page_mrv2_backend.py") + ":MRV2FlashInferLastPageOneShort"
+    r = validate(trace, deep=True, backends=[bug])
+    conf = [p for p in r.problems if p.kind == "conformance"]
+    assert conf and (conf[0].step, conf[0].req_id, conf[0].group, conf[0].field) == \
+        (first[0], first[1], 0, "paged_kv_last_page_len"), conf[:1]
+    assert f"{page - 1} where the reference has {page}" in conf[0].message
 
 
 def planted_no_uniform_decode(h, d: dict) -> tuple:

@@ -46,7 +46,7 @@ from kvmap.workers.host import HostWorker
 from kvmap.workers.mappings import BatchTables, Inputs, RankSlots
 from kvmap.workers.ops import MappingOps
 from kvmap.workers.order import check_batch_order
-from kvmap.workers.vllm_mrv2 import forward_label
+from kvmap.workers.vllm_forward import forward_label
 
 
 _SLOT_KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
