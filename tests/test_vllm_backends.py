@@ -89,8 +89,9 @@ def test_mrv2_dumps_equal_the_reference(path, config):
 
 
 @needs_v1
+@pytest.mark.parametrize("config", FORWARD_CONFIGS)
 @pytest.mark.parametrize("path", _traces(), ids=lambda p: p.name.split(".")[0])
-def test_v1_dumps_equal_the_reference_in_v1_order(path):
+def test_v1_dumps_equal_the_reference_in_v1_order(path, config):
     name = path.name.split(".")[0]
     stop = LONG_SLICE if name == "long_mixed" and not CPU_BUILD else None
     trace = Trace(path)
@@ -98,11 +99,9 @@ def test_v1_dumps_equal_the_reference_in_v1_order(path):
         with pytest.raises(KvmapError, match="CPU build computes no DCP slot mappings"):
             dumps(trace, "vllm-v1", batch_order="v1")
         return
-    got = dumps(trace, "vllm-v1", stop, batch_order="v1", forward=True)
-    want = dumps(Trace(path), "reference", stop, batch_order="v1", forward=True)
-    assert len(got) == len(want) > 0
-    for g, w in zip(got, want):
-        assert g == w, f"step {w['step']}"
+    got = dumps(trace, "vllm-v1", stop, batch_order="v1", forward=True, config=config)
+    want = dumps(Trace(path), "reference", stop, batch_order="v1", forward=True, config=config)
+    assert_same_dumps(got, want, name)
 
 
 @needs_v1
@@ -268,6 +267,34 @@ def test_validate_deep_compares_vllms_attention_and_names_a_broken_flashinfer_la
     assert conf and (conf[0].step, conf[0].req_id, conf[0].group, conf[0].field) == \
         (first[0], first[1], 0, "paged_kv_last_page_len"), conf[:1]
     assert f"{page - 1} where the reference has {page}" in conf[0].message
+
+
+@needs_v1
+def test_v1_forward_parts_are_vllms_and_a_broken_split_threshold_is_seen(monkeypatch):
+    """Under --runner v1 the graph choice, the attention metadata and (where FlashInfer imports) the FlashInfer
+    metadata are vLLM's, as backend_detail says; a split threshold one short (decode rows counted as
+    prefills) shows at the first step with a decode."""
+    from vllm.v1.attention.backends import utils as bu
+
+    from kvmap.workers.registry import make_worker
+
+    trace = Trace(TRACES / "chunked_prefill.jsonl")
+    want = dumps(trace, "reference", batch_order="v1", forward=True, config="graphs-flashinfer")
+    worker = make_worker("vllm-v1", trace.header, "cuda" if GPU else "cpu", "v1", 1)
+    assert dumps(trace, "vllm-v1", batch_order="v1", forward=True, config="graphs-flashinfer", worker=worker) == want
+    fi = ("backends",) if importlib.util.find_spec("flashinfer") else ()
+    assert worker.native_forward_parts == ("sampler", "cudagraph", "attention") + fi
+    assert "sampler, cudagraph, attention" + (", backends" if fi else "") + " by vLLM" in worker.backend_detail
+    right = bu.split_decodes_and_prefills
+
+    def one_short(cm, decode_threshold=1, **kw):  # the plant
+        return right(cm, decode_threshold=decode_threshold - 1, **kw)
+
+    monkeypatch.setattr(bu, "split_decodes_and_prefills", one_short)
+    got = dumps(trace, "vllm-v1", batch_order="v1", forward=True, config="graphs-flashinfer")
+    first = next(w["step"] for w in want if w["num_decodes"][0])
+    bad = [(w["step"], next(k for k in w if g[k] != w[k])) for g, w in zip(got, want) if g != w]
+    assert bad and bad[0] == (first, "num_decodes"), bad[:2]
 
 
 def planted_no_uniform_decode(h, d: dict) -> tuple:

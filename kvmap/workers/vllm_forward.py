@@ -20,6 +20,9 @@ Rules:
   `paged_kv_last_page_len` from its buffers, `seq_lens_cpu` by FlashInfer's `get_seq_lens` of those, the plans
   as recorded. Where vLLM's builder cannot run a step (vllm#49980: a chunked_local group's virtual batches
   outnumber max_num_seqs) or FlashInfer does not import, the group's metadata is kvmap's numpy form.
+- CUDA graphs: Model Runner V2's `CudaGraphManager` (workers/vllm_mrv2.py) and V1's `CudagraphDispatcher`
+  (`v1_dispatcher`), each built for the forward config's mode and capture sizes (the header's or the options':
+  graph_parts.capture_sizes), answering as after capture (nothing is captured).
 """
 
 from __future__ import annotations
@@ -260,8 +263,42 @@ def forward_label(native: tuple[str, ...], note: str = "") -> str:
     return label + (f" ({note})" if note else "")
 
 
+def v1_dispatcher(cfg: ForwardConfig):
+    """V1's `CudagraphDispatcher` for the forward config's mode and capture sizes, its keys initialized (a
+    stand-in `VllmConfig`: one DP rank, no LoRA, attention compiled piecewise)."""
+    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    k = cfg.num_speculative_tokens
+    sizes = gp.capture_sizes(cfg)
+    cc = CompilationConfig(cudagraph_mode=getattr(CUDAGraphMode, cfg.cudagraph_mode))
+    cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = list(sizes), max(sizes, default=0)
+    spec = SimpleNamespace(num_speculative_tokens=k, uses_dynamic_speculative_decoding=lambda: False,
+                           parallel_drafting=False) if k else None
+    vc = SimpleNamespace(
+        model_config=SimpleNamespace(enforce_eager=False), compilation_config=cc, speculative_config=spec,
+        scheduler_config=SimpleNamespace(max_num_seqs=cfg.max_num_seqs,
+                                         max_num_batched_tokens=cfg.max_num_batched_tokens),
+        performance_mode="balanced", num_speculative_tokens=k, uniform_decode_query_len=1 + k, lora_config=None,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1),
+        cache_config=SimpleNamespace(use_kda_recoverssm=False))
+    cc.is_attention_compiled_piecewise = lambda: True
+    d = CudagraphDispatcher(vc)
+    d.initialize_cudagraph_keys(cc.cudagraph_mode, 1 + k)
+    return d
+
+
 def _names(cfg: ForwardConfig) -> set:
     return {g.attention_backend for g in cfg.groups}
+
+
+def kernel_tables(worker, n: int) -> list:
+    """[G] x [n, W_g * k_g] int32 device tensors: the worker's kernel-block tables (kvmap's layout rule: the vLLM
+    backends run the manager's block size) with zero rows to `n` (vLLM's padded rows hold block 0)."""
+    import torch
+
+    return [torch.from_numpy(np.pad(t, ((0, n - len(t)), (0, 0)))).to(worker.ops.torch_device)
+            for t in worker.kernel_tables]
 
 
 def mrv2_prepare_attn(ib, cg_mode, block_tables, slot_mappings, attn_groups) -> dict:

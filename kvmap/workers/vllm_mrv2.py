@@ -398,15 +398,11 @@ class VllmMRV2Worker(HostWorker):
     def attn_metadata(self) -> dict:
         """Model Runner V2's `prepare_attn` over this step's InputBatch, gathered tables (under a kernel split
         kvmap's kernel rows: the backend runs the manager's block size) and the first computed rank's slots."""
-        from kvmap.workers.vllm_forward import mrv2_prepare_attn
+        from kvmap.workers.vllm_forward import kernel_tables, mrv2_prepare_attn
 
-        ops, torch = self.ops, self.ops.torch
+        ops = self.ops
         ib = ops.input_batch
-        tables = tuple(ops.tables)
-        if self.kernel_split:
-            n = ib.num_reqs_after_padding
-            tables = tuple(torch.from_numpy(np.pad(t, ((0, n - len(t)), (0, 0)))).to(ops.torch_device)
-                           for t in self.kernel_tables)
+        tables = tuple(kernel_tables(self, ib.num_reqs_after_padding) if self.kernel_split else ops.tables)
         if ops.dcp_local is not None:
             ib.dcp_local_seq_lens = ops.dcp_local
         return mrv2_prepare_attn(ib, ops.desc.cg_mode, tables, ops.slots, self.vllm_parts.attn_groups)
