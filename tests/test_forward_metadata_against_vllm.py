@@ -35,6 +35,7 @@ from kvmap.forward import attention as fa
 from kvmap.forward import cudagraph as cg
 from kvmap.forward import dp_padding as dpp
 from kvmap.trace import Trace
+from kvmap.workers import vllm_forward as vf
 from kvmap.workers.vllm_forward import RecordGroup, mrv2_prepare_attn, rebind, vllm_cm
 
 from .conftest import TRACES, bundled_traces
@@ -119,17 +120,10 @@ def vllm():
 # ---------------------------------------------------------------------------------------- CUDA graphs
 
 def vllm_config(V, h, mode: str, runner: str):
+    """kvmap's stand-in VllmConfig with vLLM's own capture sizes (`_set_cudagraph_sizes`, V1's spec rounding)."""
     k = h.num_speculative_tokens
-    cc = V.CompilationConfig(cudagraph_mode=getattr(V.CUDAGraphMode, mode))
-    spec = SimpleNamespace(num_speculative_tokens=k, uses_dynamic_speculative_decoding=lambda: False,
-                           parallel_drafting=False) if k else None
-    cfg = SimpleNamespace(
-        model_config=SimpleNamespace(enforce_eager=False), compilation_config=cc,
-        scheduler_config=SimpleNamespace(max_num_seqs=h.max_num_seqs, max_num_batched_tokens=h.max_num_batched_tokens),
-        speculative_config=spec, performance_mode="balanced", num_speculative_tokens=k,
-        uniform_decode_query_len=1 + k, lora_config=None,
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1),
-        cache_config=SimpleNamespace(use_kda_recoverssm=False))
+    cfg = vf.vllm_config(mode, h.max_num_seqs, h.max_num_batched_tokens, k)
+    cc = cfg.compilation_config
     V.VllmConfig._set_cudagraph_sizes(cfg)  # the platform default (not Blackwell) on this machine
     if runner == "v1" and cc.cudagraph_mode.decode_mode() == V.CUDAGraphMode.FULL and k:
         cc.adjust_cudagraph_sizes_for_spec_decode(1 + k)
@@ -137,24 +131,11 @@ def vllm_config(V, h, mode: str, runner: str):
 
 
 def v1_dispatcher(V, cfg):
-    cc = cfg.compilation_config
-    cc.is_attention_compiled_piecewise = lambda: True
-    d = V.CudagraphDispatcher(cfg)
-    d.initialize_cudagraph_keys(cc.cudagraph_mode, cfg.uniform_decode_query_len)
-    return d
+    return vf.v1_dispatcher(cfg)
 
 
 def mrv2_manager(V, cfg):
-    m = object.__new__(V.CudaGraphManager)
-    m.vllm_config, m.max_num_reqs = cfg, cfg.scheduler_config.max_num_seqs
-    m.compilation_config, m.cudagraph_mode = cfg.compilation_config, cfg.compilation_config.cudagraph_mode
-    m.decode_query_len, m.varlen_decode, m.ubatch_runner, m.lora_capture_cases = cfg.uniform_decode_query_len, \
-        False, None, [0]
-    m._lora_dispatch_map, m._max_lora_case = m._build_lora_dispatch_map()
-    m.graphs, m._candidates, m._capture_descs = {}, {}, {}
-    m._init_candidates()
-    m._graphs_captured = True  # nothing is captured here; dispatch answers as after capture
-    return m
+    return vf.mrv2_manager(cfg)
 
 
 def mrv2_state(V, b: Batch, k: int):

@@ -20,9 +20,9 @@ Rules:
   `paged_kv_last_page_len` from its buffers, `seq_lens_cpu` by FlashInfer's `get_seq_lens` of those, the plans
   as recorded. Where vLLM's builder cannot run a step (vllm#49980: a chunked_local group's virtual batches
   outnumber max_num_seqs) or FlashInfer does not import, the group's metadata is kvmap's numpy form.
-- CUDA graphs: Model Runner V2's `CudaGraphManager` (workers/vllm_mrv2.py) and V1's `CudagraphDispatcher`
-  (`v1_dispatcher`), each built for the forward config's mode and capture sizes (the header's or the options':
-  graph_parts.capture_sizes), answering as after capture (nothing is captured).
+- CUDA graphs: Model Runner V2's `CudaGraphManager` (`mrv2_manager`) and V1's `CudagraphDispatcher`
+  (`v1_dispatcher`), each built on a stand-in `VllmConfig` (`vllm_config`) for the forward config's mode and
+  capture sizes (the header's or the options': graph_parts.capture_sizes), answering as after capture.
 """
 
 from __future__ import annotations
@@ -263,29 +263,59 @@ def forward_label(native: tuple[str, ...], note: str = "") -> str:
     return label + (f" ({note})" if note else "")
 
 
-def v1_dispatcher(cfg: ForwardConfig):
-    """V1's `CudagraphDispatcher` for the forward config's mode and capture sizes, its keys initialized (a
-    stand-in `VllmConfig`: one DP rank, no LoRA, attention compiled piecewise)."""
+def vllm_config(mode: str, max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int,
+                sizes: list[int] | None = None):
+    """A stand-in `VllmConfig` with what the graph dispatchers read: a `CompilationConfig` in CUDA-graph `mode`
+    (with `sizes` as its capture sizes when given; else the caller resolves them), one DP rank, no LoRA."""
     from vllm.config.compilation import CompilationConfig, CUDAGraphMode
-    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
-    k = cfg.num_speculative_tokens
-    sizes = gp.capture_sizes(cfg)
-    cc = CompilationConfig(cudagraph_mode=getattr(CUDAGraphMode, cfg.cudagraph_mode))
-    cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = list(sizes), max(sizes, default=0)
+    k = num_speculative_tokens
+    cc = CompilationConfig(cudagraph_mode=getattr(CUDAGraphMode, mode))
+    if sizes is not None:
+        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = list(sizes), max(sizes, default=0)
     spec = SimpleNamespace(num_speculative_tokens=k, uses_dynamic_speculative_decoding=lambda: False,
                            parallel_drafting=False) if k else None
-    vc = SimpleNamespace(
+    return SimpleNamespace(
         model_config=SimpleNamespace(enforce_eager=False), compilation_config=cc, speculative_config=spec,
-        scheduler_config=SimpleNamespace(max_num_seqs=cfg.max_num_seqs,
-                                         max_num_batched_tokens=cfg.max_num_batched_tokens),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         performance_mode="balanced", num_speculative_tokens=k, uniform_decode_query_len=1 + k, lora_config=None,
         parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1),
         cache_config=SimpleNamespace(use_kda_recoverssm=False))
+
+
+def forward_vllm_config(cfg: ForwardConfig):
+    """The stand-in `VllmConfig` of a replay's forward config (its resolved capture sizes)."""
+    return vllm_config(cfg.cudagraph_mode, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.num_speculative_tokens,
+                       gp.capture_sizes(cfg))
+
+
+def v1_dispatcher(vc):
+    """V1's `CudagraphDispatcher` for the stand-in config `vc`, its keys initialized (attention compiled
+    piecewise)."""
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    cc = vc.compilation_config
     cc.is_attention_compiled_piecewise = lambda: True
     d = CudagraphDispatcher(vc)
-    d.initialize_cudagraph_keys(cc.cudagraph_mode, 1 + k)
+    d.initialize_cudagraph_keys(cc.cudagraph_mode, vc.uniform_decode_query_len)
     return d
+
+
+def mrv2_manager(vc):
+    """Model Runner V2's `CudaGraphManager` for the stand-in config `vc`, built with `object.__new__` (its
+    candidates initialized; it answers as after capture: nothing is captured)."""
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    m = object.__new__(CudaGraphManager)
+    m.vllm_config, m.max_num_reqs = vc, vc.scheduler_config.max_num_seqs
+    m.compilation_config, m.cudagraph_mode = vc.compilation_config, vc.compilation_config.cudagraph_mode
+    m.decode_query_len, m.varlen_decode, m.ubatch_runner, m.lora_capture_cases = vc.uniform_decode_query_len, \
+        False, None, [0]
+    m._lora_dispatch_map, m._max_lora_case = m._build_lora_dispatch_map()
+    m.graphs, m._candidates, m._capture_descs = {}, {}, {}
+    m._init_candidates()
+    m._graphs_captured = True
+    return m
 
 
 def _names(cfg: ForwardConfig) -> set:

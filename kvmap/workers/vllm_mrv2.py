@@ -306,26 +306,11 @@ class VllmGraphDispatch:
     (as after capture: nothing is captured), asked through `dispatch_cg_and_sync_dp` on one DP rank."""
 
     def __init__(self, cfg: ForwardConfig, ops: MRV2Ops) -> None:
-        from vllm.config.compilation import CompilationConfig, CUDAGraphMode
-        from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+        from kvmap.workers.vllm_forward import forward_vllm_config, mrv2_manager
 
         self.ops = ops
         self.sizes = gp.capture_sizes(cfg)  # the configured sizes (the header's or --cudagraph-capture-sizes)
-        k, q = cfg.num_speculative_tokens, 1 + cfg.num_speculative_tokens
-        cc = CompilationConfig(cudagraph_mode=getattr(CUDAGraphMode, cfg.cudagraph_mode))
-        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = list(self.sizes), max(self.sizes, default=0)
-        spec = SimpleNamespace(num_speculative_tokens=k, uses_dynamic_speculative_decoding=lambda: False) if k \
-            else None
-        m = object.__new__(CudaGraphManager)
-        m.vllm_config = SimpleNamespace(compilation_config=cc, speculative_config=spec, num_speculative_tokens=k,
-                                        lora_config=None, cache_config=SimpleNamespace(use_kda_recoverssm=False))
-        m.max_num_reqs, m.compilation_config, m.cudagraph_mode = cfg.max_num_seqs, cc, cc.cudagraph_mode
-        m.decode_query_len, m.varlen_decode, m.ubatch_runner, m.lora_capture_cases = q, False, None, [0]
-        m._lora_dispatch_map, m._max_lora_case = m._build_lora_dispatch_map()
-        m.graphs, m._candidates, m._capture_descs = {}, {}, {}
-        m._init_candidates()
-        m._graphs_captured = True
-        self.manager = m
+        self.manager = mrv2_manager(forward_vllm_config(cfg))
         self.dispatcher = self  # graph_parts.cudagraph_host calls `buf.dispatcher.dispatch`
 
     def choose(self):

@@ -292,14 +292,15 @@ class V1GraphDispatch:
     def __init__(self, cfg: ForwardConfig, ops: V1Ops) -> None:
         import torch
 
-        from kvmap.workers.vllm_forward import v1_dispatcher
+        from kvmap.workers.vllm_forward import forward_vllm_config, v1_dispatcher
 
         self.ops, self.sizes, self.dispatcher = ops, gp.capture_sizes(cfg), self
         pc = SimpleNamespace(data_parallel_size=1, data_parallel_rank=0, num_ubatches=1, use_ubatching=False,
                              cp_kv_cache_interleave_size=cfg.cp_kv_cache_interleave_size)
         r = ops.runner
         r.__dict__.update(
-            uniform_decode_query_len=1 + cfg.num_speculative_tokens, cudagraph_dispatcher=v1_dispatcher(cfg),
+            uniform_decode_query_len=1 + cfg.num_speculative_tokens,
+            cudagraph_dispatcher=v1_dispatcher(forward_vllm_config(cfg)),
             parallel_config=pc, vllm_config=SimpleNamespace(
                 parallel_config=pc, observability_config=SimpleNamespace(cudagraph_metrics=False)),
             model_config=SimpleNamespace(is_encoder_decoder=False, rswa_window=None), is_mm_prefix_lm=False,
