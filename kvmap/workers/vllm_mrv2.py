@@ -13,20 +13,21 @@ Rules:
 - What the model would have produced comes from the trace: sampled tokens go through `postprocess_sampled`
   after each step (`num_rejected` by vLLM's `get_num_sampled_and_rejected`), drafts into
   `req_states.draft_tokens` before it (what the speculator writes), the real drafts under async scheduling.
-- Differences from a serving runner, none of which moves an index: no request padding (eager batch
-  descriptor); the gathered block tables are the manager's rows (no sliding-window nulling: the dump compares
-  block ids, the forward-pass table is the forward-pass dump's); kernel-block rows (a kernel split) are
-  kvmap's layout rule; token rows are `max_model_len + k + 1` wide (sampled tokens never run off a row).
+- Differences from a serving runner, none of which moves an index: no request padding without `--forward`
+  (an eager batch descriptor); the gathered block tables are the manager's rows (no sliding-window nulling:
+  the dump compares block ids, the forward-pass table is the forward-pass dump's); kernel-block rows (a kernel
+  split) are kvmap's layout rule; token rows are `max_model_len + k + 1` wide (sampled tokens never run off a row).
 - With `--forward`, the `sampler` part is vLLM's: `cu_num_logits`, `logits_indices` (from
   `combine_sampled_and_draft_tokens`), `expanded_idx_mapping` and `expanded_local_pos` (from
   `expand_idx_mapping`, or `idx_mapping` and zeros on MRV2's no-draft path) of the `InputBatch` its
-  `prepare_inputs` returned, copied to the host with their dtypes. The `cudagraph` part's graph choice
-  (mode, padded tokens and requests) is vLLM's: its `CudaGraphManager` (candidates from the forward config's
-  mode and capture sizes, answering as after capture) through `dispatch_cg_and_sync_dp` (one DP rank) with the
-  uniform token count its `gather_batch_req_state` found; the padded tails of that choice are kvmap's. The
-  `attention` and `backends` parts are kvmap's numpy forms (kvmap/forward) on vLLM's mappings, as
-  `backend_detail` says; so is an empty step's sampler (vLLM builds no InputBatch for it). The step itself runs
-  eager (above): the graph choice is dumped, not applied.
+  `prepare_inputs` returned, copied to the host with their dtypes. The graph choice is vLLM's: its
+  `CudaGraphManager` (candidates from the forward config's mode and capture sizes, answering as after capture)
+  through `dispatch_cg_and_sync_dp` (one DP rank) with the uniform token count its `gather_batch_req_state`
+  found, made before `prepare_inputs` and applied to the step as `execute_model` does (the InputBatch, gathered
+  tables and slot mappings padded; the dump slices the unpadded rows and tokens). The `attention` part is
+  `DefaultModelState.prepare_attn` over those, the FlashInfer metadata vLLM's builder's (vllm_forward.py, which
+  says what stays kvmap's); the padded tails and an empty step's parts (vLLM builds no InputBatch for it) are
+  kvmap's numpy forms (kvmap/forward), as `backend_detail` says. Nothing runs the model.
 - DCP: one `BlockTables`; each computed rank's slots by the same kernel with that `cp_rank`.
 - Runs natively on a GPU (`--device cuda`), else on host tensors under the Triton interpreter
   (`vllm_compat.prepare_cpu`). Model Runner V2 gets the v2 protocol; a v1-protocol trace replays until a

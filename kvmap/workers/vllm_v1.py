@@ -18,9 +18,12 @@ Rules:
 - With `--forward` and `--runner v1`, the `sampler` part is vLLM's: `_prepare_inputs`' own `logits_indices`
   (int32 `query_start_loc[1:] - 1` without a speculative config) and, with one, the `SpecDecodeMetadata` of
   `_calc_spec_decode_metadata` (`num_draft_tokens` as an int32 array) with the runner's
-  `num_decode_draft_tokens` buffer; copied to the host with their dtypes. The other parts (`cudagraph`,
-  `attention`, `backends`), an empty step's sampler and every part under `--runner mrv2` are kvmap's numpy
-  forms (kvmap/forward) on vLLM's mappings, as `backend_detail` says.
+  `num_decode_draft_tokens` buffer; copied to the host with their dtypes. The graph choice is V1's
+  `_determine_batch_execution_and_padding` (its `CudagraphDispatcher` for the forward config), the `attention`
+  part V1's `_get_slot_mappings` + `_build_attention_metadata` on the same runner, the FlashInfer metadata
+  vLLM's builder's where flashinfer imports (vllm_forward.py). The padded tails, an empty step's parts and every
+  part under `--runner mrv2` are kvmap's numpy forms (kvmap/forward) on vLLM's mappings, as `backend_detail`
+  says.
 - DCP: each computed rank's slots by the same `compute_slot_mapping` with that rank set on the block table;
   `dcp_local_seq_lens` by V1's `get_dcp_local_seq_lens`. Groups without a slot mapping (mamba) give
   PAD_SLOT_ID, as V1's `_get_slot_mappings` does. The block tables hold manager block ids (no kernel split:
