@@ -4,12 +4,14 @@ Job: call vLLM's attention-side code on one step's vLLM inputs and hand the resu
 (kvmap/forward: `graph_parts.Attention`, `attention.CommonAttentionMetadata`, `flashinfer.FlashInferMetadata`),
 so that `validate --deep` compares vLLM's values with the reference's. No vLLM rule is restated here: each value
 comes out of a vLLM function, run on stand-ins made with `object.__new__` where a constructor needs a GPU
-(forward-pass-probes/ shows each on this CPU). Imported lazily (it imports vLLM).
+(forward-pass-probes/ shows each on this CPU). vLLM is imported inside the functions only (kvmap without vLLM
+imports this module).
 
 Rules:
 - CommonAttentionMetadata: Model Runner V2's `DefaultModelState.prepare_attn` (-> `build_attn_metadata`) over
-  the runner's own `InputBatch`, block tables and slot mappings, with the step's graph mode; the attention
-  groups are recorders (`RecordGroup`) whose builder returns the metadata it is given; a mamba group has none.
+  the runner's own `InputBatch`, block tables and slot mappings, with the step's graph mode (`mrv2_prepare_attn`),
+  or V1's `_build_attention_metadata` on its runner (workers/vllm_v1.py); the attention groups are recorders
+  (`RecordGroup`) whose builder returns the metadata it is given; a mamba group has none.
 - chunked_local groups: vLLM's `make_local_attention_virtual_batches` over the group's metadata whose table is
   kvmap's at vLLM's width (graph_parts: entries past a row's blocks 0, where vLLM's buffers are stale).
 - The split: vLLM's `split_decodes_and_prefills` with the backend's `reorder_batch_threshold` and
@@ -19,7 +21,8 @@ Rules:
   group, its buffers kept across steps as vLLM's are; `paged_kv_indptr`, `paged_kv_indices` and
   `paged_kv_last_page_len` from its buffers, `seq_lens_cpu` by FlashInfer's `get_seq_lens` of those, the plans
   as recorded. Where vLLM's builder cannot run a step (vllm#49980: a chunked_local group's virtual batches
-  outnumber max_num_seqs) or FlashInfer does not import, the group's metadata is kvmap's numpy form.
+  outnumber max_num_seqs) or FlashInfer does not import, the group's metadata is kvmap's numpy form; so is
+  every FLASH_ATTN and TRITON_ATTN group's (on vLLM's CommonAttentionMetadata).
 - CUDA graphs: Model Runner V2's `CudaGraphManager` (`mrv2_manager`) and V1's `CudagraphDispatcher`
   (`v1_dispatcher`), each built on a stand-in `VllmConfig` (`vllm_config`) for the forward config's mode and
   capture sizes (the header's or the options': graph_parts.capture_sizes), answering as after capture.
@@ -173,7 +176,7 @@ class VllmAttentionParts:
         self.flashinfer_error = flashinfer_import_error() if "FLASHINFER" in _names(cfg) else None
         self.flashinfer_class = None
         self.builders: dict[int, object] = {}  # group -> its FlashInfer builder (buffers kept across steps)
-        self.fi_fallbacks = 0  # FLASHINFER group-steps vLLM's builder could not run (vllm#49980)
+        self.vcms: list = []  # [G] this step's vLLM CommonAttentionMetadata (None: no metadata)
 
     @property
     def native_backends(self) -> bool:
@@ -218,7 +221,6 @@ class VllmAttentionParts:
         def fi_build(cm, sp, *args):
             g = group_of[id(cm)]
             if self.flashinfer_error is not None or cm.num_reqs > self.h.max_num_seqs:  # vllm#49980
-                self.fi_fallbacks += self.flashinfer_error is None
                 return FI.build(cm, sp, *args)
             return self.flashinfer(g, self.vcms[g], rank)
 
@@ -234,7 +236,6 @@ class VllmAttentionParts:
         B.dcp_rank, B.reorder_batch_threshold = rank, self.rules[g][0]
         md = B.build(0, v)
         return _plans_to_kvmap(fi, md, B, plans, int(v.num_reqs), cfg.dcp_size)
-
 
     def note(self) -> str:
         """What of the parts vLLM built is kvmap's all the same (for `backend_detail`)."""
