@@ -235,11 +235,12 @@ class MRV2Ops(MappingOps):
         return tables  # vLLM's own gather nulled the sliding-window history (num_computed_tokens given)
 
     def _slots(self, T: int, first: bool) -> np.ndarray:
-        """[G, T] this rank's slots (the kernel pads to the step's padded count; the first rank's are kept)."""
+        """[G, T] this rank's slots (the kernel pads to the step's padded count; with --forward the first rank's
+        are kept for the attention metadata)."""
         ib = self.input_batch
         s = self.runner.block_tables.compute_slot_mappings(ib.idx_mapping, ib.query_start_loc, ib.positions,
                                                            num_tokens_padded=ib.num_tokens_after_padding)
-        if first:
+        if first and self.graphs is not None:
             self.slots = s.clone()
         return _host(s[:, :T])
 
@@ -264,7 +265,7 @@ class MRV2Ops(MappingOps):
             slots[i] = self._slots(T, i == 0)
             lens = prepare_dcp_local_seq_lens(r.input_buffers.dcp_local_seq_lens, ib.seq_lens, n, r.dcp_size, rank,
                                               r.cp_interleave, num_reqs_padded=ib.num_reqs_after_padding)
-            if i == 0:
+            if i == 0 and self.graphs is not None:
                 self.dcp_local = lens.clone()
             local[i] = _host(lens[:n])
         r.block_tables.cp_rank = 0

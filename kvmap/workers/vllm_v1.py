@@ -290,7 +290,9 @@ def _host(t) -> np.ndarray:
 class V1GraphDispatch:
     """The `cudagraph` part's dispatcher (graph_parts.cudagraph_host calls `dispatcher.dispatch`) answered by V1's
     own `_determine_batch_execution_and_padding` on the backend's runner, its `CudagraphDispatcher` built for
-    the forward config (vllm_forward.v1_dispatcher; one DP rank, no microbatching, no LoRA)."""
+    the forward config (vllm_forward.v1_dispatcher; one DP rank, no microbatching, no LoRA). It also gives the
+    runner the fields `_build_attention_metadata` reads (no multimodal prefix, no drafter, no R-SWA, the DCP
+    buffer), as `__init__` would."""
 
     def __init__(self, cfg: ForwardConfig, ops: V1Ops) -> None:
         import torch
