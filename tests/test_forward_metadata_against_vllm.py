@@ -35,6 +35,8 @@ from kvmap.forward import attention as fa
 from kvmap.forward import cudagraph as cg
 from kvmap.forward import dp_padding as dpp
 from kvmap.trace import Trace
+from kvmap.workers import vllm_forward as vf
+from kvmap.workers.vllm_forward import RecordGroup, mrv2_prepare_attn, rebind, vllm_cm
 
 from .conftest import TRACES, bundled_traces
 
@@ -118,17 +120,10 @@ def vllm():
 # ---------------------------------------------------------------------------------------- CUDA graphs
 
 def vllm_config(V, h, mode: str, runner: str):
+    """kvmap's stand-in VllmConfig with vLLM's own capture sizes (`_set_cudagraph_sizes`, V1's spec rounding)."""
     k = h.num_speculative_tokens
-    cc = V.CompilationConfig(cudagraph_mode=getattr(V.CUDAGraphMode, mode))
-    spec = SimpleNamespace(num_speculative_tokens=k, uses_dynamic_speculative_decoding=lambda: False,
-                           parallel_drafting=False) if k else None
-    cfg = SimpleNamespace(
-        model_config=SimpleNamespace(enforce_eager=False), compilation_config=cc,
-        scheduler_config=SimpleNamespace(max_num_seqs=h.max_num_seqs, max_num_batched_tokens=h.max_num_batched_tokens),
-        speculative_config=spec, performance_mode="balanced", num_speculative_tokens=k,
-        uniform_decode_query_len=1 + k, lora_config=None,
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1),
-        cache_config=SimpleNamespace(use_kda_recoverssm=False))
+    cfg = vf.vllm_config(mode, h.max_num_seqs, h.max_num_batched_tokens, k)
+    cc = cfg.compilation_config
     V.VllmConfig._set_cudagraph_sizes(cfg)  # the platform default (not Blackwell) on this machine
     if runner == "v1" and cc.cudagraph_mode.decode_mode() == V.CUDAGraphMode.FULL and k:
         cc.adjust_cudagraph_sizes_for_spec_decode(1 + k)
@@ -136,24 +131,11 @@ def vllm_config(V, h, mode: str, runner: str):
 
 
 def v1_dispatcher(V, cfg):
-    cc = cfg.compilation_config
-    cc.is_attention_compiled_piecewise = lambda: True
-    d = V.CudagraphDispatcher(cfg)
-    d.initialize_cudagraph_keys(cc.cudagraph_mode, cfg.uniform_decode_query_len)
-    return d
+    return vf.v1_dispatcher(cfg)
 
 
 def mrv2_manager(V, cfg):
-    m = object.__new__(V.CudaGraphManager)
-    m.vllm_config, m.max_num_reqs = cfg, cfg.scheduler_config.max_num_seqs
-    m.compilation_config, m.cudagraph_mode = cfg.compilation_config, cfg.compilation_config.cudagraph_mode
-    m.decode_query_len, m.varlen_decode, m.ubatch_runner, m.lora_capture_cases = cfg.uniform_decode_query_len, \
-        False, None, [0]
-    m._lora_dispatch_map, m._max_lora_case = m._build_lora_dispatch_map()
-    m.graphs, m._candidates, m._capture_descs = {}, {}, {}
-    m._init_candidates()
-    m._graphs_captured = True  # nothing is captured here; dispatch answers as after capture
-    return m
+    return vf.mrv2_manager(cfg)
 
 
 def mrv2_state(V, b: Batch, k: int):
@@ -257,16 +239,6 @@ def assert_same(a, b, where: str) -> None:
             assert x == y, f"{where}: {f} {x} != {y}"
 
 
-def vllm_cm(cm, torch, CM):
-    t = torch.from_numpy
-    return CM(query_start_loc=t(cm.query_start_loc.copy()), query_start_loc_cpu=t(cm.query_start_loc.copy()),
-              seq_lens=t(cm.seq_lens.copy()), num_reqs=cm.num_reqs, num_actual_tokens=cm.num_actual_tokens,
-              max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len,
-              block_table_tensor=t(np.ascontiguousarray(cm.block_table_tensor)),
-              slot_mapping=t(cm.slot_mapping.copy()), is_prefilling=t(cm.is_prefilling.copy()),
-              seq_lens_cpu_upper_bound=t(cm.seq_lens_cpu_upper_bound.copy()))
-
-
 @pytest.fixture(scope="module")
 def vllm_attn(vllm):
     import torch
@@ -318,46 +290,6 @@ def test_split_equals_vllms(name, runner, vllm_attn):
 
 
 # ---------------------------------------------------------------------------------------- FlashInfer
-
-def flashinfer_builder(A, fi, h, page: int, cp: int, plans: dict):
-    """vLLM's builder without __init__ (which needs a GPU): the native prefill and decode paths, wrappers replaced
-    by recorders of their plan() arguments (forward-pass-probes/probe_attn_metadata.py)."""
-    torch, CpuGpuBuffer = A.torch, A.CpuGpuBuffer
-    B = object.__new__(fi.FlashInferMetadataBuilder)
-    cpu = torch.device("cpu")
-    width = -(-(h.max_model_len + h.num_speculative_tokens) // page) + 1
-    B.__dict__.update(
-        reorder_batch_threshold=1, use_xqa=False, use_trtllm_gen_varlen_decode=False, page_size=page,
-        attention_config=SimpleNamespace(use_trtllm_attention=False), num_qo_heads=8, num_kv_heads=2,
-        dcp_world_size=cp, dcp_rank=0, cache_dtype="auto", q_data_type_prefill=torch.bfloat16,
-        q_data_type_decode=torch.bfloat16, has_sinks=False, use_trtllm_decode_attention=False, use_dcp=cp > 1,
-        global_hyperparameters=SimpleNamespace(has_same_window_lefts=True, has_same_all_params=True),
-        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: "NHD"),
-        _num_speculative_tokens=h.num_speculative_tokens, enable_cuda_graph=False, _decode_cudagraph_max_bs=0,
-        use_fa2_native_decode=False, model_config=SimpleNamespace(dtype=torch.bfloat16), nvfp4_trtllm=False,
-        sm_scale=0.125, window_left=-1, logits_soft_cap=None, kv_cache_dtype=torch.bfloat16,
-        prefill_fixed_split_size=-1, decode_fixed_split_size=-1, disable_split_kv=False, head_dim=64,
-        dcp_kv_cache_interleave_size=h.cp_kv_cache_interleave_size,
-        paged_kv_indptr=CpuGpuBuffer(h.max_num_seqs + 1, dtype=torch.int32, device=cpu, pin_memory=False),
-        paged_kv_indices=torch.zeros(h.max_num_seqs * width, dtype=torch.int32),
-        paged_kv_last_page_len=CpuGpuBuffer(h.max_num_seqs, dtype=torch.int32, device=cpu, pin_memory=False))
-    keep = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "seq_lens", "page_size",
-            "qo_indptr_cpu", "paged_kv_indptr_cpu", "paged_kv_last_page_len_cpu", "kv_lens_cpu",
-            "indptr", "indices", "last_page_len", "q_len_per_req", "num_qo_heads")
-
-    def record(key):
-        def plan(*_a, **kw):
-            plans[key] = {k: (v.numpy().copy() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()
-                          if k in keep}
-        return plan
-
-    prefill_cls = fi.BatchDCPPrefillWrapper if cp > 1 else fi.BatchPrefillWithPagedKVCacheWrapper
-    prefill = type("RecPrefill", (prefill_cls,), {"__init__": lambda self: None, "plan": record("prefill")})
-    B._get_prefill_wrapper = lambda causal=True: prefill()
-    B._get_decode_wrapper = lambda n, use_cg, q_len=1: SimpleNamespace(is_cuda_graph_enabled=False,
-                                                                      plan=record("decode"))
-    return B
-
 
 @pytest.fixture(scope="module")
 def vllm_fi(vllm_attn):
@@ -431,11 +363,8 @@ def test_flashinfer_equals_vllms(name, runner, vllm_fi):
 
 
 def _rebind(B, A, fi, h, page, cp, plans):
-    """The same builder (its buffers carry over between steps, as vLLM's do) with recorders into `plans`."""
-    fresh = flashinfer_builder(A, fi, h, page, cp, plans)
-    for key in () if B is None else ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"):
-        setattr(fresh, key, getattr(B, key))
-    return fresh
+    """kvmap.workers.vllm_forward.rebind on the host (the one copy of the stand-in builder)."""
+    return rebind(B, fi, h, page, cp, plans, A.torch.device("cpu"))
 
 
 def check_plans(plans: dict, mine, cp: int, where: str) -> None:
@@ -632,19 +561,6 @@ def test_cudagraph_dispatch_fuzzed_equals_vllms(runner, vllm):
 STALE = 777  # what a padded row of a reused buffer may still hold: vLLM must overwrite or drop it
 
 
-class RecordGroup:
-    """An attention group whose builder returns the CommonAttentionMetadata it is given."""
-
-    def __init__(self, g: int):
-        self.layer_names = [f"layer{g}"]
-
-    def get_metadata_builder(self, _ubatch_idx=0):
-        return SimpleNamespace(supports_update_block_table=False)
-
-    def build_metadata(self, cm, _ubatch_idx=0, **_kw):
-        return cm
-
-
 def v1_common(A, h, b: Batch, desc, tails):
     """V1's own `_build_attention_metadata` on a stand-in runner whose buffers hold this step (stale past R)."""
     torch, R, G = A.torch, len(b.req_ids), len(b.block_tables)
@@ -684,8 +600,6 @@ def mrv2_common(A, h, b: Batch, desc, tails):
     `gather_batch_req_state`."""
     torch, R, G = A.torch, len(b.req_ids), len(b.block_tables)
     state, _ = mrv2_state(A, b, h.num_speculative_tokens)
-    ms = object.__new__(A.DefaultModelState)
-    ms.supports_mm_inputs, ms.encoder_cache = False, None  # max_model_len (a property) is read at capture only
     ib = SimpleNamespace(
         num_reqs=R, num_tokens=desc.num_tokens, num_reqs_after_padding=desc.num_reqs_padded,
         num_tokens_after_padding=desc.num_tokens_padded, query_start_loc_np=tails.query_start_loc,
@@ -695,17 +609,14 @@ def mrv2_common(A, h, b: Batch, desc, tails):
         positions=None, is_prefilling_np=state.is_prefilling_np, prompt_lens=None,
         idx_mapping_np=np.arange(R), fast_prefill=None)
     mode = A.CUDAGraphMode.FULL if desc.pad_attn else A.CUDAGraphMode.NONE
-    md = ms.prepare_attn(ib, mode, tuple(torch.from_numpy(t.copy()) for t in tails.block_tables),
-                         torch.from_numpy(tails.slot_mapping.copy()), [[RecordGroup(g)] for g in range(G)],
-                         SimpleNamespace(kv_cache_groups=[None] * G))
+    md = mrv2_prepare_attn(ib, mode, tuple(torch.from_numpy(t.copy()) for t in tails.block_tables),
+                           torch.from_numpy(tails.slot_mapping.copy()), [[RecordGroup(g)] for g in range(G)])
     return [md[f"layer{g}"] for g in range(G)]
 
 
 @pytest.fixture(scope="module")
 def vllm_common(vllm, vllm_attn):
-    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
-
-    vllm.torch, vllm.DefaultModelState = vllm_attn.torch, DefaultModelState
+    vllm.torch = vllm_attn.torch
     return vllm
 
 

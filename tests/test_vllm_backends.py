@@ -21,7 +21,7 @@ from kvmap.run.replay import replay
 from kvmap.trace import Trace
 from kvmap.validate import validate
 
-from .conftest import ROOT, TRACES
+from .conftest import ROOT, TRACES, read_lines, write_lines
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 GPU = shutil.which("nvidia-smi") is not None  # as conftest decides (no torch import at collection)
@@ -34,14 +34,47 @@ LONG_SLICE = 40  # steps of long_mixed through the interpreted kernels (about 0.
 V1_RESUMES = {"preemption_v1": (11, "req-4"), "dcp4_interleave8": (6, "req-4")}
 
 
+# the forward configurations every bundled trace replays in: eager without a backend named, and CUDA graphs
+# with FlashInfer on every group (vLLM's default capture sizes)
+FORWARD_CONFIGS = {"eager": {}, "graphs-flashinfer": {"cudagraph_mode": "FULL_AND_PIECEWISE", "attention_backend":
+                                                      "FLASHINFER", "cudagraph_capture_sizes": "default"}}
+
+
 def dumps(trace: Trace, backend: str, stop: int | None = None, batch_order: str = "mrv2",
-          threshold: int | None = None, forward: bool = False, worker=None) -> list[dict]:
+          threshold: int | None = None, forward: bool = False, worker=None, config: str = "eager") -> list[dict]:
     out: list[dict] = []
     device = "cuda" if backend.startswith("vllm") and GPU else "cpu"  # natively on a GPU, else interpreted
     replay(trace, ReplayConfig(backend=backend, device=device, write_kv=False, nvtx=False, warmup=0, stop=stop,
-                               batch_order=batch_order, reorder_batch_threshold=threshold, forward=forward),
+                               batch_order=batch_order, reorder_batch_threshold=threshold, forward=forward,
+                               **FORWARD_CONFIGS[config]),
            worker=worker, on_mappings=out.append)
     return out
+
+
+def assert_same_dumps(got: list[dict], want: list[dict], name: str, resumed: frozenset = frozenset()) -> None:
+    """Step by step equal, but where vLLM's own values expose what the reference's rules leave out:
+    - async_spec_decode (Model Runner V2): `max_seq_len` is vLLM's the larger (its `seq_lens_cpu_upper_bound`
+      counts the scheduler's optimistic num_computed_tokens; the reference's rule takes seq_lens);
+    - V1 on a v2-protocol trace: a request re-added after a preemption (`resumed`) has its outputs in the prompt
+      V1 is given, so V1's `is_prefilling` is True while it recomputes them (the reference keeps the original
+      prompt length, as a V1 engine's own resume would)."""
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        if name == "async_spec_decode" and "max_seq_len" in w and g.get("max_seq_len") != w["max_seq_len"]:
+            assert g["max_seq_len"] > w["max_seq_len"], f"step {w['step']}"
+            g = dict(g, max_seq_len=w["max_seq_len"])
+        if resumed and "is_prefilling" in w and g.get("is_prefilling") != w["is_prefilling"]:
+            rows = [b for b, (x, y) in enumerate(zip(g["is_prefilling"], w["is_prefilling"])) if x != y]
+            assert all(g["is_prefilling"][b] and w["req_ids"][b] in resumed for b in rows), f"step {w['step']}"
+            g = dict(g, is_prefilling=w["is_prefilling"])
+        assert g == w, f"step {w['step']}: " + str(next(k for k in w if g.get(k) != w[k]))
+
+
+def v2_resumed(trace: Trace) -> frozenset:
+    """The requests a v2-protocol trace preempts (V1 gets each back as a new request)."""
+    if trace.header.model_runner_protocol != "v2":
+        return frozenset()
+    return frozenset(r for step in trace.steps() for r in step.scheduler_output.preempted_req_ids)
 
 
 def _traces():
@@ -49,8 +82,9 @@ def _traces():
 
 
 @needs_mrv2
+@pytest.mark.parametrize("config", FORWARD_CONFIGS)
 @pytest.mark.parametrize("path", _traces(), ids=lambda p: p.name.split(".")[0])
-def test_mrv2_dumps_equal_the_reference(path):
+def test_mrv2_dumps_equal_the_reference(path, config):
     name = path.name.split(".")[0]
     stop = LONG_SLICE if name == "long_mixed" else None
     if not GPU and Trace(path).header.decode_context_parallel_size > 1 and \
@@ -63,16 +97,15 @@ def test_mrv2_dumps_equal_the_reference(path):
             dumps(Trace(path), "vllm-mrv2")
         assert (e.value.step, e.value.req_id) == V1_RESUMES[name] and "--backend vllm-v1" in e.value.message
         return
-    got = dumps(Trace(path), "vllm-mrv2", stop, forward=True)
-    want = dumps(Trace(path), "reference", stop, forward=True)
-    assert len(got) == len(want) > 0
-    for g, w in zip(got, want):
-        assert g == w, f"step {w['step']}"
+    got = dumps(Trace(path), "vllm-mrv2", stop, forward=True, config=config)
+    want = dumps(Trace(path), "reference", stop, forward=True, config=config)
+    assert_same_dumps(got, want, name)
 
 
 @needs_v1
+@pytest.mark.parametrize("config", FORWARD_CONFIGS)
 @pytest.mark.parametrize("path", _traces(), ids=lambda p: p.name.split(".")[0])
-def test_v1_dumps_equal_the_reference_in_v1_order(path):
+def test_v1_dumps_equal_the_reference_in_v1_order(path, config):
     name = path.name.split(".")[0]
     stop = LONG_SLICE if name == "long_mixed" and not CPU_BUILD else None
     trace = Trace(path)
@@ -80,11 +113,9 @@ def test_v1_dumps_equal_the_reference_in_v1_order(path):
         with pytest.raises(KvmapError, match="CPU build computes no DCP slot mappings"):
             dumps(trace, "vllm-v1", batch_order="v1")
         return
-    got = dumps(trace, "vllm-v1", stop, batch_order="v1", forward=True)
-    want = dumps(Trace(path), "reference", stop, batch_order="v1", forward=True)
-    assert len(got) == len(want) > 0
-    for g, w in zip(got, want):
-        assert g == w, f"step {w['step']}"
+    got = dumps(trace, "vllm-v1", stop, batch_order="v1", forward=True, config=config)
+    want = dumps(Trace(path), "reference", stop, batch_order="v1", forward=True, config=config)
+    assert_same_dumps(got, want, name, v2_resumed(Trace(path)))
 
 
 @needs_v1
@@ -200,8 +231,8 @@ def test_validate_deep_compares_vllms_sampler_and_names_a_broken_expand_idx_mapp
     trace = Trace(TRACES / "spec_decode.jsonl")
     r = validate(trace, deep=True, backends=["vllm-mrv2"])
     assert r.valid and not r.problems, [p.message for p in r.problems[:3]]
-    assert r.deep["backends"]["vllm-mrv2"]["forward_parts"] == {
-        "native": ["sampler", "cudagraph"], "kvmap": ["attention", "backends"]}
+    assert r.deep["backends"]["vllm-mrv2"]["forward_parts"] == {  # no attention backend named: no metadata
+        "native": ["sampler", "cudagraph", "attention"], "kvmap": ["backends"]}
     # the plant: each request's last logits row gets local position 0 (right only for one-row requests)
     first = next(d["step"] for d in dumps(trace, "reference", forward=True) if any(d["expanded_local_pos"]))
     right = mr.expand_idx_mapping
@@ -216,6 +247,68 @@ def test_validate_deep_compares_vllms_sampler_and_names_a_broken_expand_idx_mapp
     conf = [p for p in r.problems if p.kind == "conformance"]
     assert conf and (conf[0].step, conf[0].field) == (first, "expanded_local_pos"), conf[:1]
     assert "vllm-mrv2 differs from the reference in expanded_local_pos" in conf[0].message
+
+
+def flashinfer_trace(tmp_path, name: str) -> Trace:
+    """Trace `name` with a header naming FlashInfer on every group and FULL_AND_PIECEWISE graphs (vLLM's default
+    sizes): what `validate --deep` replays (it takes the forward settings from the header)."""
+    lines = read_lines(TRACES / name)
+    h = Trace(TRACES / name).header
+    lines[0].update(cudagraph_mode="FULL_AND_PIECEWISE", cudagraph_capture_sizes=cg.default_capture_sizes(
+        h.max_num_seqs, h.max_num_batched_tokens, h.num_speculative_tokens))
+    for grp in lines[0]["kv_cache_groups"]:
+        grp["attention_backend"] = "FLASHINFER"
+    return Trace(write_lines(tmp_path / name, lines))
+
+
+@needs_mrv2
+@pytest.mark.skipif(GPU, reason="validate --deep runs backends on host tensors: the Triton interpreter, off here")
+def test_validate_deep_compares_vllms_attention_and_names_a_broken_flashinfer_last_page(tmp_path):
+    """vLLM's CommonAttentionMetadata, split and FlashInfer metadata against the reference; then a broken copy of
+    vLLM's page-table rule (tests/backends/flashinfer_last_page_mrv2_backend.py) is named at the first request
+    whose KV fills its last page exactly."""
+    trace = flashinfer_trace(tmp_path, "chunked_prefill.jsonl")
+    r = validate(trace, deep=True, backends=["vllm-mrv2"])
+    assert r.valid and not r.problems, [p.message for p in r.problems[:3]]
+    assert r.deep["backends"]["vllm-mrv2"]["forward_parts"] == {
+        "native": ["sampler", "cudagraph", "attention", "backends"], "kvmap": []}
+    page = trace.header.kv_cache_groups[0].block_size
+    first = next((d["step"], d["req_ids"][b]) for d in dumps(trace, "reference", forward=True)
+                 for b, last in enumerate(d["paged_kv_last_page_len"][0][: len(d["req_ids"])]) if last == page)
+    bug = str(ROOT / "tests" / "backends" / "flashinfer_last_page_mrv2_backend.py") + ":MRV2FlashInferLastPageOneShort"
+    r = validate(trace, deep=True, backends=[bug])
+    conf = [p for p in r.problems if p.kind == "conformance"]
+    assert conf and (conf[0].step, conf[0].req_id, conf[0].group, conf[0].field) == \
+        (first[0], first[1], 0, "paged_kv_last_page_len"), conf[:1]
+    assert f"{page - 1} where the reference has {page}" in conf[0].message
+
+
+@needs_v1
+def test_v1_forward_parts_are_vllms_and_a_broken_split_threshold_is_seen(monkeypatch):
+    """Under --runner v1 the graph choice, the attention metadata and (where FlashInfer imports) the FlashInfer
+    metadata are vLLM's, as backend_detail says; a split threshold one short (decode rows counted as
+    prefills) shows at the first step with a decode."""
+    from vllm.v1.attention.backends import utils as bu
+
+    from kvmap.workers.registry import make_worker
+
+    trace = Trace(TRACES / "chunked_prefill.jsonl")
+    want = dumps(trace, "reference", batch_order="v1", forward=True, config="graphs-flashinfer")
+    worker = make_worker("vllm-v1", trace.header, "cuda" if GPU else "cpu", "v1", 1)
+    assert dumps(trace, "vllm-v1", batch_order="v1", forward=True, config="graphs-flashinfer", worker=worker) == want
+    fi = ("backends",) if importlib.util.find_spec("flashinfer") else ()
+    assert worker.native_forward_parts == ("sampler", "cudagraph", "attention") + fi
+    assert "sampler, cudagraph, attention" + (", backends" if fi else "") + " by vLLM" in worker.backend_detail
+    right = bu.split_decodes_and_prefills
+
+    def one_short(cm, decode_threshold=1, **kw):  # the plant
+        return right(cm, decode_threshold=decode_threshold - 1, **kw)
+
+    monkeypatch.setattr(bu, "split_decodes_and_prefills", one_short)
+    got = dumps(trace, "vllm-v1", batch_order="v1", forward=True, config="graphs-flashinfer")
+    first = next(w["step"] for w in want if w["num_decodes"][0])
+    bad = [(w["step"], next(k for k in w if g[k] != w[k])) for g, w in zip(got, want) if g != w]
+    assert bad and bad[0] == (first, "num_decodes"), bad[:2]
 
 
 def planted_no_uniform_decode(h, d: dict) -> tuple:

@@ -29,6 +29,15 @@ def _no_progress(label: str, backend: str | None = None) -> AbstractContextManag
     return nullcontext()
 
 
+# forward dump keys with one entry per KV-cache group (graph_parts' Attention and Backends)
+FORWARD_GROUP_KEYS = frozenset((
+    "reorder_batch_threshold", "num_decodes", "num_decode_tokens", "num_prefills", "num_prefill_tokens",
+    "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "max_num_splits", "dcp_context_kv_lens",
+    "max_dcp_context_kv_len"))
+# per-group forward keys whose entries follow the batch rows: key -> entry index - row (indptr: row b ends at b + 1)
+FORWARD_ROW_KEYS = {"paged_kv_last_page_len": 0, "dcp_context_kv_lens": 0, "paged_kv_indptr": 1}
+
+
 def first_difference(got: dict, want: dict) -> dict:
     """Locate the first difference of two dump records: field, and where known batch request, token, group."""
     key = next(k for k in want if got.get(k) != want[k])
@@ -38,17 +47,20 @@ def first_difference(got: dict, want: dict) -> dict:
     if key == "slot_mapping" and "dcp_local_seq_lens" in want and len(g_val) == len(w_val):  # [cp][G][T]
         where["rank"] = next(r for r in range(len(w_val)) if g_val[r] != w_val[r])
         g_val, w_val = g_val[where["rank"]], w_val[where["rank"]]
-    if key in ("slot_mapping", "block_tables") and isinstance(g_val, list) and len(g_val) == len(w_val):
+    if (key in ("slot_mapping", "block_tables") or key in FORWARD_GROUP_KEYS) and isinstance(g_val, list) \
+            and len(g_val) == len(w_val):
         where["group"] = next(g for g in range(len(w_val)) if g_val[g] != w_val[g])
         g_val, w_val = g_val[where["group"]], w_val[where["group"]]
     if isinstance(g_val, list) and isinstance(w_val, list):
         n = min(len(g_val), len(w_val))
         i = next((j for j in range(n) if g_val[j] != w_val[j]), n)
+        b = i - FORWARD_ROW_KEYS.get(key, 0)  # the batch row of entry i
         if key in ("positions", "input_ids", "slot_mapping") and i < want["query_start_loc"][-1]:
             b = max(j for j in range(len(qsl) - 1) if qsl[j] <= i)
             where.update(batch_idx=b, req_id=want["req_ids"][b], token=i - qsl[b])
-        elif key in ("req_ids", "idx_mapping", "seq_lens", "block_tables") and i < len(want["req_ids"]):
-            where.update(batch_idx=i, req_id=want["req_ids"][i])
+        elif (key in ("req_ids", "idx_mapping", "seq_lens", "block_tables") or key in FORWARD_ROW_KEYS) \
+                and 0 <= b < len(want["req_ids"]):
+            where.update(batch_idx=b, req_id=want["req_ids"][b])
         where["got"] = g_val[i] if i < len(g_val) else None
         where["want"] = w_val[i] if i < len(w_val) else None
     return where

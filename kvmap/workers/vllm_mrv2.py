@@ -13,20 +13,21 @@ Rules:
 - What the model would have produced comes from the trace: sampled tokens go through `postprocess_sampled`
   after each step (`num_rejected` by vLLM's `get_num_sampled_and_rejected`), drafts into
   `req_states.draft_tokens` before it (what the speculator writes), the real drafts under async scheduling.
-- Differences from a serving runner, none of which moves an index: no request padding (eager batch
-  descriptor); the gathered block tables are the manager's rows (no sliding-window nulling: the dump compares
-  block ids, the forward-pass table is the forward-pass dump's); kernel-block rows (a kernel split) are
-  kvmap's layout rule; token rows are `max_model_len + k + 1` wide (sampled tokens never run off a row).
+- Differences from a serving runner, none of which moves an index: no request padding without `--forward`
+  (an eager batch descriptor); the gathered block tables are the manager's rows (no sliding-window nulling:
+  the dump compares block ids, the forward-pass table is the forward-pass dump's); kernel-block rows (a kernel
+  split) are kvmap's layout rule; token rows are `max_model_len + k + 1` wide (sampled tokens never run off a row).
 - With `--forward`, the `sampler` part is vLLM's: `cu_num_logits`, `logits_indices` (from
   `combine_sampled_and_draft_tokens`), `expanded_idx_mapping` and `expanded_local_pos` (from
   `expand_idx_mapping`, or `idx_mapping` and zeros on MRV2's no-draft path) of the `InputBatch` its
-  `prepare_inputs` returned, copied to the host with their dtypes. The `cudagraph` part's graph choice
-  (mode, padded tokens and requests) is vLLM's: its `CudaGraphManager` (candidates from the forward config's
-  mode and capture sizes, answering as after capture) through `dispatch_cg_and_sync_dp` (one DP rank) with the
-  uniform token count its `gather_batch_req_state` found; the padded tails of that choice are kvmap's. The
-  `attention` and `backends` parts are kvmap's numpy forms (kvmap/forward) on vLLM's mappings, as
-  `backend_detail` says; so is an empty step's sampler (vLLM builds no InputBatch for it). The step itself runs
-  eager (above): the graph choice is dumped, not applied.
+  `prepare_inputs` returned, copied to the host with their dtypes. The graph choice is vLLM's: its
+  `CudaGraphManager` (candidates from the forward config's mode and capture sizes, answering as after capture)
+  through `dispatch_cg_and_sync_dp` (one DP rank) with the uniform token count its `gather_batch_req_state`
+  found, made before `prepare_inputs` and applied to the step as `execute_model` does (the InputBatch, gathered
+  tables and slot mappings padded; the dump slices the unpadded rows and tokens). The `attention` part is
+  `DefaultModelState.prepare_attn` over those, the FlashInfer metadata vLLM's builder's (vllm_forward.py, which
+  says what stays kvmap's); the padded tails and an empty step's parts (vLLM builds no InputBatch for it) are
+  kvmap's numpy forms (kvmap/forward), as `backend_detail` says. Nothing runs the model.
 - DCP: one `BlockTables`; each computed rank's slots by the same kernel with that `cp_rank`.
 - Runs natively on a GPU (`--device cuda`), else on host tensors under the Triton interpreter
   (`vllm_compat.prepare_cpu`). Model Runner V2 gets the v2 protocol; a v1-protocol trace replays until a
@@ -51,6 +52,7 @@ from kvmap.trace import Step, TraceHeader
 from kvmap.workers.host import HostWorker
 from kvmap.workers.mappings import BatchTables, Inputs, RankSlots
 from kvmap.workers.ops import MappingOps
+from kvmap.workers.vllm_forward import forward_label
 
 
 def load_vllm(backend: str, header: TraceHeader, device: str):
@@ -171,6 +173,11 @@ class MRV2Ops(MappingOps):
         self.batch_state = None  # the runner's BatchReqState (batch order)
         self.uniform_token_count = None  # gather_batch_req_state's: tokens per request of a uniform decode, or None
         self.input_batch = None  # the runner's InputBatch
+        self.graphs: VllmGraphDispatch | None = None  # with --forward: vLLM's graph choice, applied to the step
+        self.desc = None  # this step's BatchExecutionDescriptor (None: eager, unpadded)
+        self.tables = None  # [G] x [num_reqs_padded, W] the runner's gathered block tables (device)
+        self.slots = None  # [G, num_tokens_padded] int64 the first computed rank's slot mappings (device)
+        self.dcp_local = None  # [num_reqs_padded] int32 the first computed rank's dcp_local_seq_lens (device)
 
     def update(self, step: Step) -> None:
         """The runner's own state update (execute_model's first lines), then the drafts the speculator wrote."""
@@ -191,7 +198,7 @@ class MRV2Ops(MappingOps):
     def order(self, req_ids: list[str]) -> np.ndarray:
         """[num_reqs] batch_idx -> scheduler entry, by the runner's `sort_batch_req_ids`."""
         if not req_ids:
-            self.batch_state = None
+            self.batch_state, self.uniform_token_count = None, None
             return np.zeros(0, dtype=np.int32)
         self.batch_state, self.uniform_token_count = self.runner.gather_batch_req_state(self.so, dummy_run=False)
         entry = {r: i for i, r in enumerate(req_ids)}
@@ -201,9 +208,11 @@ class MRV2Ops(MappingOps):
         if self.batch_state is None:
             z32, z64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
             self.input_batch = None
+            self.desc = self.graphs.choose() if self.graphs is not None else None
             return Inputs(z32, z32, z32, np.zeros(1, np.int32), z32, z64, z32)
         T = self.batch_state.num_tokens
-        desc = SimpleNamespace(num_tokens=T, num_reqs=None)  # eager: no padding
+        self.desc = self.graphs.choose() if self.graphs is not None else None
+        desc = self.desc or SimpleNamespace(num_tokens=T, num_reqs=None)  # eager: no padding
         self.input_batch = ib = self.runner.prepare_inputs(self.so, self.batch_state, desc, 0)
         n = ib.num_reqs
         seq_lens = _host(ib.seq_lens[:n])
@@ -217,23 +226,29 @@ class MRV2Ops(MappingOps):
         if self.input_batch is None:
             return BatchTables([np.zeros((0, t.gpu.shape[1]), np.int32) for t in bt.block_tables],
                                np.zeros((bt.num_kv_cache_groups, 0), np.int32))
-        tables = bt.gather_block_tables(self.input_batch.idx_mapping, num_reqs_padded=n,
-                                        num_computed_tokens=self.runner.req_states.num_computed_tokens.gpu)
-        return BatchTables([_host(t) for t in tables], bt.num_blocks.np[:, self.input_batch.idx_mapping_np].copy())
+        ib = self.input_batch
+        self.tables = bt.gather_block_tables(ib.idx_mapping, num_reqs_padded=ib.num_reqs_after_padding,
+                                             num_computed_tokens=self.runner.req_states.num_computed_tokens.gpu)
+        return BatchTables([_host(t[:n]) for t in self.tables], bt.num_blocks.np[:, ib.idx_mapping_np].copy())
 
     def null_history(self, tables: BatchTables, inputs: Inputs, groups) -> BatchTables:
         return tables  # vLLM's own gather nulled the sliding-window history (num_computed_tokens given)
 
-    def _slots(self, T: int):
+    def _slots(self, T: int, first: bool) -> np.ndarray:
+        """[G, T] this rank's slots (the kernel pads to the step's padded count; with --forward the first rank's
+        are kept for the attention metadata)."""
         ib = self.input_batch
-        return self.runner.block_tables.compute_slot_mappings(ib.idx_mapping, ib.query_start_loc, ib.positions,
-                                                              num_tokens_padded=T)
+        s = self.runner.block_tables.compute_slot_mappings(ib.idx_mapping, ib.query_start_loc, ib.positions,
+                                                           num_tokens_padded=ib.num_tokens_after_padding)
+        if first and self.graphs is not None:
+            self.slots = s.clone()
+        return _host(s[:, :T])
 
     def compute_slot_mappings(self, inputs: Inputs) -> np.ndarray:
         T = len(inputs.positions)
         if self.input_batch is None:
             return np.zeros((self.runner.block_tables.num_kv_cache_groups, 0), np.int64)
-        return _host(self._slots(T))
+        return self._slots(T, True)
 
     def compute_rank_slot_mappings(self, inputs: Inputs, rank_layouts, seq_layouts) -> RankSlots:
         from vllm.v1.worker.gpu.cp_utils import prepare_dcp_local_seq_lens
@@ -247,9 +262,12 @@ class MRV2Ops(MappingOps):
             if ib is None:
                 continue
             r.block_tables.cp_rank = rank
-            slots[i] = _host(self._slots(T))
-            local[i] = _host(prepare_dcp_local_seq_lens(r.input_buffers.dcp_local_seq_lens, ib.seq_lens, n,
-                                                        r.dcp_size, rank, r.cp_interleave, num_reqs_padded=n))
+            slots[i] = self._slots(T, i == 0)
+            lens = prepare_dcp_local_seq_lens(r.input_buffers.dcp_local_seq_lens, ib.seq_lens, n, r.dcp_size, rank,
+                                              r.cp_interleave, num_reqs_padded=ib.num_reqs_after_padding)
+            if i == 0 and self.graphs is not None:
+                self.dcp_local = lens.clone()
+            local[i] = _host(lens[:n])
         r.block_tables.cp_rank = 0
         return RankSlots(slots, local)
 
@@ -290,52 +308,36 @@ class VllmGraphDispatch:
     (as after capture: nothing is captured), asked through `dispatch_cg_and_sync_dp` on one DP rank."""
 
     def __init__(self, cfg: ForwardConfig, ops: MRV2Ops) -> None:
-        from vllm.config.compilation import CompilationConfig, CUDAGraphMode
-        from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+        from kvmap.workers.vllm_forward import forward_vllm_config, mrv2_manager
 
         self.ops = ops
         self.sizes = gp.capture_sizes(cfg)  # the configured sizes (the header's or --cudagraph-capture-sizes)
-        k, q = cfg.num_speculative_tokens, 1 + cfg.num_speculative_tokens
-        cc = CompilationConfig(cudagraph_mode=getattr(CUDAGraphMode, cfg.cudagraph_mode))
-        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = list(self.sizes), max(self.sizes, default=0)
-        spec = SimpleNamespace(num_speculative_tokens=k, uses_dynamic_speculative_decoding=lambda: False) if k \
-            else None
-        m = object.__new__(CudaGraphManager)
-        m.vllm_config = SimpleNamespace(compilation_config=cc, speculative_config=spec, num_speculative_tokens=k,
-                                        lora_config=None, cache_config=SimpleNamespace(use_kda_recoverssm=False))
-        m.max_num_reqs, m.compilation_config, m.cudagraph_mode = cfg.max_num_seqs, cc, cc.cudagraph_mode
-        m.decode_query_len, m.varlen_decode, m.ubatch_runner, m.lora_capture_cases = q, False, None, [0]
-        m._lora_dispatch_map, m._max_lora_case = m._build_lora_dispatch_map()
-        m.graphs, m._candidates, m._capture_descs = {}, {}, {}
-        m._init_candidates()
-        m._graphs_captured = True
-        self.manager = m
+        self.manager = mrv2_manager(forward_vllm_config(cfg))
         self.dispatcher = self  # graph_parts.cudagraph_host calls `buf.dispatcher.dispatch`
 
-    def dispatch(self, R: int, T: int, max_q: int, eligible: bool) -> C.BatchDescriptor:
-        """vLLM's choice for this step (`eligible`, kvmap's reading of it, is unused: vLLM's own uniform token
-        count carries it)."""
+    def choose(self):
+        """vLLM's choice for this step (`BatchExecutionDescriptor`), from the runner's own batch state: its
+        uniform token count and, without a prefill, the step's longest query."""
         from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
 
+        st = self.ops.batch_state  # None: an empty step
+        R, T = (len(st.req_ids), st.num_tokens) if st is not None else (0, 0)
+        max_q = None if st is not None and st.has_prefill else int(st.num_scheduled_tokens.max()) if R else 0
+        desc, _ = dispatch_cg_and_sync_dp(self.manager, R, T, self.ops.uniform_token_count, dp_size=1, dp_rank=0,
+                                          max_query_len=max_q)
+        return desc
+
+    def dispatch(self, R: int, T: int, max_q: int, eligible: bool) -> C.BatchDescriptor:
+        """The step's choice (`choose`, applied by `MRV2Ops.prepare_inputs`) in kvmap's form (`eligible`, kvmap's
+        reading, is unused: vLLM's own uniform token count carries it)."""
+        desc = self.ops.desc
         utc = self.ops.uniform_token_count
-        has_prefill = self.ops.batch_state is not None and self.ops.batch_state.has_prefill
-        desc, _ = dispatch_cg_and_sync_dp(self.manager, R, T, utc, dp_size=1, dp_rank=0,
-                                          max_query_len=None if has_prefill else max_q)
         return C.BatchDescriptor(desc.cg_mode.name, T, R, max(T, desc.num_tokens), desc.num_reqs or R,
                                  utc is not None)
 
 
 def _host(t) -> np.ndarray:
     return t.cpu().numpy().copy()
-
-
-def forward_label(native: tuple[str, ...]) -> str:
-    """`backend_detail`'s note of which forward parts vLLM built and which kvmap's numpy forms computed."""
-    from kvmap.forward.inputs import PARTS
-
-    rest = ", ".join(p.name for p in PARTS if p.name not in native)
-    return f"; forward inputs: {', '.join(native)} by vLLM, {rest} by kvmap's numpy forms" if native else \
-        f"; forward inputs: {rest} by kvmap's numpy forms"
 
 
 class VllmMRV2Worker(HostWorker):
@@ -357,20 +359,40 @@ class VllmMRV2Worker(HostWorker):
         self.batch.order = self.ops.order(self.batch.req_ids)
 
     def use_forward(self, config: ForwardConfig) -> None:
+        from kvmap.workers.vllm_forward import VllmAttentionParts
+
         super().use_forward(config)
-        self.graphs = VllmGraphDispatch(config, self.ops)
-        self.native_forward_parts = ("sampler", "cudagraph")
-        self.backend_detail = self.ops.detail + forward_label(self.native_forward_parts)
+        self.graphs = self.ops.graphs = VllmGraphDispatch(config, self.ops)
+        self.vllm_parts = VllmAttentionParts(config, self.header, self.ops.torch_device)
+        native = ["sampler", "cudagraph", "attention"] + (["backends"] if self.vllm_parts.native_backends else [])
+        self.native_forward_parts = tuple(native)
+        self.backend_detail = self.ops.detail + forward_label(self.native_forward_parts, self.vllm_parts.note())
 
     def prepare_forward(self) -> None:
-        """The sampler part from vLLM's InputBatch and the graph choice from vLLM's dispatch; the other parts
-        (and the padded tails) by kvmap's numpy forms."""
+        """The sampler part from vLLM's InputBatch, the graph choice from vLLM's dispatch (applied to the
+        step), the attention part from vLLM's `prepare_attn`, the FlashInfer metadata from vLLM's builder; the
+        padded tails and the other backends' metadata by kvmap's numpy forms."""
         step = self.forward_step()
         s = self.ops.sampler()
         if s is not None:
             step.parts["sampler"] = s
         step.parts["cudagraph"] = gp.cudagraph_host(self.forward_config, step, self.graphs)
+        if self.ops.input_batch is not None:
+            step.parts["attention"] = self.vllm_parts.attention(step, self.attn_metadata())
+            step.parts["backends"] = self.vllm_parts.backends(step)
         self.forward = self.forward_builder.host(step)
+
+    def attn_metadata(self) -> dict:
+        """Model Runner V2's `prepare_attn` over this step's InputBatch, gathered tables (under a kernel split
+        kvmap's kernel rows: the backend runs the manager's block size) and the first computed rank's slots."""
+        from kvmap.workers.vllm_forward import kernel_tables, mrv2_prepare_attn
+
+        ops = self.ops
+        ib = ops.input_batch
+        tables = tuple(kernel_tables(self, ib.num_reqs_after_padding) if self.kernel_split else ops.tables)
+        if ops.dcp_local is not None:
+            ib.dcp_local_seq_lens = ops.dcp_local
+        return mrv2_prepare_attn(ib, ops.desc.cg_mode, tables, ops.slots, self.vllm_parts.attn_groups)
 
     def append_sampled(self) -> None:
         super().append_sampled()

@@ -18,9 +18,12 @@ Rules:
 - With `--forward` and `--runner v1`, the `sampler` part is vLLM's: `_prepare_inputs`' own `logits_indices`
   (int32 `query_start_loc[1:] - 1` without a speculative config) and, with one, the `SpecDecodeMetadata` of
   `_calc_spec_decode_metadata` (`num_draft_tokens` as an int32 array) with the runner's
-  `num_decode_draft_tokens` buffer; copied to the host with their dtypes. The other parts (`cudagraph`,
-  `attention`, `backends`), an empty step's sampler and every part under `--runner mrv2` are kvmap's numpy
-  forms (kvmap/forward) on vLLM's mappings, as `backend_detail` says.
+  `num_decode_draft_tokens` buffer; copied to the host with their dtypes. The graph choice is V1's
+  `_determine_batch_execution_and_padding` (its `CudagraphDispatcher` for the forward config), the `attention`
+  part V1's `_get_slot_mappings` + `_build_attention_metadata` on the same runner, the FlashInfer metadata
+  vLLM's builder's where flashinfer imports (vllm_forward.py). The padded tails, an empty step's parts and every
+  part under `--runner mrv2` are kvmap's numpy forms (kvmap/forward) on vLLM's mappings, as `backend_detail`
+  says.
 - DCP: each computed rank's slots by the same `compute_slot_mapping` with that rank set on the block table;
   `dcp_local_seq_lens` by V1's `get_dcp_local_seq_lens`. Groups without a slot mapping (mamba) give
   PAD_SLOT_ID, as V1's `_get_slot_mappings` does. The block tables hold manager block ids (no kernel split:
@@ -31,6 +34,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -38,6 +42,8 @@ import numpy as np
 from kvmap import vllm_compat
 from kvmap._torch import torch as kvmap_torch
 from kvmap.errors import KvmapError
+from kvmap.forward import cudagraph as C
+from kvmap.forward import graph_parts as gp
 from kvmap.forward.config import ForwardConfig
 from kvmap.forward.sampler import V1Sampler
 from kvmap.layout import PAD_SLOT_ID
@@ -46,7 +52,7 @@ from kvmap.workers.host import HostWorker
 from kvmap.workers.mappings import BatchTables, Inputs, RankSlots
 from kvmap.workers.ops import MappingOps
 from kvmap.workers.order import check_batch_order
-from kvmap.workers.vllm_mrv2 import forward_label
+from kvmap.workers.vllm_forward import forward_label
 
 
 _SLOT_KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
@@ -281,6 +287,42 @@ def _host(t) -> np.ndarray:
     return t.cpu().numpy().copy()
 
 
+class V1GraphDispatch:
+    """The `cudagraph` part's dispatcher (graph_parts.cudagraph_host calls `dispatcher.dispatch`) answered by V1's
+    own `_determine_batch_execution_and_padding` on the backend's runner, its `CudagraphDispatcher` built for
+    the forward config (vllm_forward.v1_dispatcher; one DP rank, no microbatching, no LoRA). It also gives the
+    runner the fields `_build_attention_metadata` reads (no multimodal prefix, no drafter, no R-SWA, the DCP
+    buffer), as `__init__` would."""
+
+    def __init__(self, cfg: ForwardConfig, ops: V1Ops) -> None:
+        import torch
+
+        from kvmap.workers.vllm_forward import forward_vllm_config, v1_dispatcher
+
+        self.ops, self.sizes, self.dispatcher = ops, gp.capture_sizes(cfg), self
+        pc = SimpleNamespace(data_parallel_size=1, data_parallel_rank=0, num_ubatches=1, use_ubatching=False,
+                             cp_kv_cache_interleave_size=cfg.cp_kv_cache_interleave_size)
+        r = ops.runner
+        r.__dict__.update(
+            uniform_decode_query_len=1 + cfg.num_speculative_tokens,
+            cudagraph_dispatcher=v1_dispatcher(forward_vllm_config(cfg)),
+            parallel_config=pc, vllm_config=SimpleNamespace(
+                parallel_config=pc, observability_config=SimpleNamespace(cudagraph_metrics=False)),
+            model_config=SimpleNamespace(is_encoder_decoder=False, rswa_window=None), is_mm_prefix_lm=False,
+            drafter=None, cache_config=SimpleNamespace(mamba_cache_mode="none", use_replayssm=False,
+                                                       kv_sharing_fast_prefill=False),
+            dcp_local_seq_lens=r._make_buffer(cfg.max_num_seqs, dtype=torch.int32))
+
+    def dispatch(self, R: int, T: int, max_q: int, eligible: bool) -> C.BatchDescriptor:
+        """V1's choice for this step (`eligible` is MRV2's: unused)."""
+        r = self.ops.runner
+        mode, desc, *_ = r._determine_batch_execution_and_padding(T, R, self.ops.nst, max_q,
+                                                                  allow_microbatching=False)
+        uniform = r._is_uniform_decode(max_q, r.uniform_decode_query_len, T, R)
+        return C.BatchDescriptor(mode.name, T, R, max(T, desc.num_tokens),
+                                 desc.num_reqs if desc.num_reqs is not None else R, uniform)
+
+
 class VllmV1Worker(HostWorker):
     """kvmap's worker shell (trace checks, phase order, KV read-back) around the V1 runner's own code."""
 
@@ -300,17 +342,61 @@ class VllmV1Worker(HostWorker):
         self.batch.order = self.ops.order(self.batch.req_ids)
 
     def use_forward(self, config: ForwardConfig) -> None:
+        from kvmap.workers.vllm_forward import VllmAttentionParts
+
         super().use_forward(config)
-        self.native_forward_parts = ("sampler",) if config.runner == "v1" else ()  # V1's sampler, not MRV2's
-        self.backend_detail = self.ops.detail + forward_label(self.native_forward_parts)
+        self.vllm_parts = None  # under --runner mrv2: every part kvmap's (V1 builds none of MRV2's)
+        if config.runner == "v1":
+            self.graphs = V1GraphDispatch(config, self.ops)
+            self.vllm_parts = VllmAttentionParts(config, self.header, self.ops.torch_device)
+        native = ("sampler", "cudagraph", "attention") if self.vllm_parts else ()
+        if self.vllm_parts and self.vllm_parts.native_backends:
+            native += ("backends",)
+        self.native_forward_parts = native
+        self.backend_detail = self.ops.detail + forward_label(native, self.vllm_parts.note() if native else "")
 
     def prepare_forward(self) -> None:
-        """The sampler part from `_prepare_inputs` (under --runner v1); the other parts by kvmap's numpy forms."""
+        """Under --runner v1: the sampler part from `_prepare_inputs`, the graph choice from V1's
+        `_determine_batch_execution_and_padding`, the attention part from V1's `_build_attention_metadata`, the
+        FlashInfer metadata from vLLM's builder; the padded tails, other backends' metadata and an empty step's
+        parts by kvmap's numpy forms (as every part under --runner mrv2)."""
         step = self.forward_step()
-        s = self.ops.sampler() if self.native_forward_parts else None
-        if s is not None:
-            step.parts["sampler"] = s
+        if self.vllm_parts is not None and self.ops.prepared is not None:
+            step.parts["sampler"] = self.ops.sampler()
+            pad = step.parts["cudagraph"] = gp.cudagraph_host(self.forward_config, step, self.graphs)
+            step.parts["attention"] = self.vllm_parts.attention(step, self.attn_metadata(pad.desc))
+            step.parts["backends"] = self.vllm_parts.backends(step)
         self.forward = self.forward_builder.host(step)
+
+    def attn_metadata(self, desc) -> dict:
+        """V1's `_get_slot_mappings` and `_build_attention_metadata` on the runner, as `execute_model` calls them
+        (the slots at the padded count: every backend kvmap knows writes the KV cache outside forward), its
+        attention groups recorders; under a kernel split the tables are kvmap's kernel rows (the runner holds the
+        manager's). DCP: the slot buffers hold the last computed rank's (no part dumps them)."""
+        from kvmap.workers.vllm_forward import kernel_tables
+
+        r, G = self.ops.runner, self.header.num_groups
+        T, R, pad = desc.num_tokens, desc.num_reqs, desc.pad_attn
+        saved = r.kv_cache_config
+        r.kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=object(),
+                                                                             layer_names=[f"layer{g}"])
+                                                             for g in range(G)])
+        r.attn_groups = self.vllm_parts.attn_groups
+        try:
+            slots, _ = r._get_slot_mappings(num_tokens_padded=desc.num_tokens_padded,
+                                            num_reqs_padded=desc.num_reqs_padded, num_tokens_unpadded=T)
+            md, _ = r._build_attention_metadata(num_tokens=T, num_reqs=R, max_query_len=int(self.ops.nst.max()),
+                                                num_tokens_padded=desc.num_tokens_padded if pad else None,
+                                                num_reqs_padded=desc.num_reqs_padded if pad else None,
+                                                slot_mappings=slots)
+        finally:
+            r.kv_cache_config = saved
+        if self.kernel_split:
+            n = desc.num_reqs_padded if pad else R
+            for g, t in enumerate(kernel_tables(self, n)):
+                if f"layer{g}" in md:
+                    md[f"layer{g}"] = dataclasses.replace(md[f"layer{g}"], block_table_tensor=t)
+        return md
 
     def append_sampled(self) -> None:
         super().append_sampled()
