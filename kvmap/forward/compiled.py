@@ -1,0 +1,155 @@
+"""The numba worker's forward parts: the rules of graph_parts.py and sampler.py by their numba forms
+(forward/kernels.py), over buffers allocated once.
+
+Rules:
+- Each `*_numba` part returns what its numpy form (`graph_parts.*_host`, `sampler.*_numpy`) returns, value for
+  value (tests/test_forward_compiled.py and the dumps of tests/test_forward_wired.py hold both to the specs);
+  its arrays are views of its buffers, valid until the next step.
+- A kernel per rule and step (or group): `step_shape` (the dispatch inputs), `pad_tails` (a padded step),
+  `common_split` (CommonAttentionMetadata and the split, once per distinct split rule), `paged_kv` (FlashInfer's
+  arrays, per group), `mrv2_sampler`. What has no numba form runs its numpy form: V1's sampler, the
+  dispatcher's table lookups, chunked_local virtual batches (the whole attention part then), DCP's local
+  lengths, FlashAttention's and Triton's metadata.
+- Buffers hold max_num_seqs request rows and max_num_tokens token rows: a step never has more (the padded
+  counts come from capture sizes within both); the kernels check their bounds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvmap.aot import load
+from kvmap.forward import attention as A
+from kvmap.forward import cudagraph as C
+from kvmap.forward import flash_attn as FA
+from kvmap.forward import flashinfer as FI
+from kvmap.forward import graph_parts as gp
+from kvmap.forward import sampler as S
+from kvmap.forward.config import ForwardConfig
+from kvmap.layout import PAD_SLOT_ID
+
+_KERNELS = "kvmap.forward.kernels"
+
+
+# ------------------------------------------------------------------------------------------ sampler
+
+class SamplerBuffers(S.SamplerBuffers):
+    """The numpy form's buffers and the kernels."""
+
+    def __init__(self, cfg: ForwardConfig, max_num_tokens: int) -> None:
+        super().__init__(cfg.max_num_seqs, cfg.num_speculative_tokens, max_num_tokens)
+        self.k = load(_KERNELS)
+        self.no_drafts = np.zeros(cfg.max_num_seqs, dtype=np.int32)  # [R] MRV2's fast path (never written)
+
+
+def sampler_numba(cfg: ForwardConfig, step, buf: SamplerBuffers):
+    r = step.rows
+    if cfg.runner != "mrv2":
+        return S.v1_numpy(r, cfg.num_speculative_tokens, buf)
+    R = len(r.idx_mapping)
+    drafts = r.num_draft_tokens if r.has_drafts else buf.no_drafts[:R]  # MRV2's fast path: one logit per request
+    L = buf.k.mrv2_sampler(r.query_start_loc, r.idx_mapping, drafts, S.NUM_NEW_SAMPLED_TOKENS, buf.cu_num_logits,
+                           buf.logits_indices, buf.expanded_idx_mapping, buf.expanded_local_pos)
+    return S.MRV2Sampler(buf.cu_num_logits[: R + 1], buf.logits_indices[:L], buf.expanded_idx_mapping[:L],
+                         buf.expanded_local_pos[:L])
+
+
+# ------------------------------------------------------------------------------------------ cudagraph
+
+class PaddingBuffers(gp.PaddingBuffers):
+    """The dispatcher, the kernels and the padded tails' buffers."""
+
+    def __init__(self, cfg: ForwardConfig, max_num_tokens: int) -> None:
+        super().__init__(cfg)
+        self.k = load(_KERNELS)
+        R, T = cfg.max_num_seqs, max_num_tokens
+        self.shape = np.zeros(3, dtype=np.int64)  # [T, max_query_len, decode_graph_eligible]
+        self.query_start_loc = np.zeros(R + 1, dtype=np.int32)  # [num_reqs_padded + 1]
+        self.seq_lens = np.zeros(R, dtype=np.int32)  # [num_reqs_padded]
+        self.slot_mapping = np.zeros((len(cfg.groups), T), dtype=np.int64)  # [G, num_slots]
+        self.is_padding = np.zeros(T, dtype=bool)  # [num_tokens_padded]
+        self.positions = np.zeros(T if cfg.runner == "v1" else 0, dtype=np.int64)  # [num_tokens_padded] (V1)
+
+
+def cudagraph_numba(cfg: ForwardConfig, step, buf: PaddingBuffers) -> gp.Padding:
+    r, m = step.rows, step.mappings()
+    qsl, mrv2 = r.query_start_loc, cfg.runner == "mrv2"
+    buf.k.step_shape(qsl, r.num_computed_tokens, r.prefill_len, r.idx_mapping, r.num_draft_tokens, mrv2, buf.shape)
+    T, max_q, eligible = buf.shape.tolist()
+    R = len(r.idx_mapping)
+    desc = buf.dispatcher.dispatch(R, T, max_q, eligible == 1)
+    tables = gp._tables(m)
+    Rp, Tp = desc.num_reqs_padded, desc.num_tokens_padded
+    if Tp == T and Rp == R:  # nothing padded: the arrays themselves
+        tails = C.PaddedTails(qsl, r.seq_lens, m.slot_mapping, tables, None, None if mrv2 else m.positions)
+    else:
+        n = C._num_slots(cfg.runner, desc, True)
+        slots = buf.slot_mapping[:, :n]
+        buf.k.pad_tails(qsl, r.seq_lens, m.slot_mapping, m.positions, R, T, Rp, Tp, n, PAD_SLOT_ID,
+                        buf.query_start_loc, buf.seq_lens, slots, buf.positions, buf.is_padding)
+        tails = C.PaddedTails(buf.query_start_loc[: Rp + 1], buf.seq_lens[:Rp], slots, tables, buf.is_padding[:Tp],
+                              None if mrv2 else buf.positions[:Tp])
+    return gp.Padding(desc, tails, buf.sizes[-1] if buf.sizes else 0)
+
+
+# ------------------------------------------------------------------------------------------ attention
+
+class SplitBuffers(gp.SplitRules):
+    """Each group's split rule, the kernels, and the metadata's buffers."""
+
+    def __init__(self, cfg: ForwardConfig) -> None:
+        super().__init__(cfg)
+        self.k = load(_KERNELS)
+        self.any_local = any(g.kind == "chunked_local" for g in cfg.groups)
+        self.is_prefilling = np.zeros(cfg.max_num_seqs, dtype=bool)  # [num_reqs] (V1) or [R] (MRV2)
+        self.out = np.zeros(6, dtype=np.int64)  # the kernel's scalars (kernels.common_split)
+
+
+def attention_numba(cfg: ForwardConfig, step, buf: SplitBuffers) -> gp.Attention:
+    if buf.any_local:  # virtual batches: the numpy form
+        return gp.attention_host(cfg, step, buf)
+    pad: gp.Padding = step.parts["cudagraph"]
+    desc, tails = pad.desc, pad.tails
+    if desc.num_reqs == 0:
+        return gp._empty(cfg)
+    r, v1 = step.rows, cfg.runner == "v1"
+    n, t = (desc.num_reqs_padded, desc.num_tokens_padded) if desc.pad_attn else (desc.num_reqs, desc.num_tokens)
+    qsl, sl = tails.query_start_loc[: n + 1], tails.seq_lens[:n]
+    pre = buf.is_prefilling[: n if v1 else desc.num_reqs]
+    lens = r.num_prompt_tokens if v1 else r.prefill_len
+    common, thresholds, splits, local = [], [], [], []
+    memo: dict = {}  # (threshold, require_uniform) -> (max_query_len, max_seq_len, split)
+    for g, grp in enumerate(cfg.groups):
+        local.append(False)
+        if not gp._attends(grp):
+            common.append(None)
+            thresholds.append(None)
+            splits.append(None)
+            continue
+        rule = buf.rules[g]
+        if rule not in memo:
+            th, uniform = rule
+            buf.k.common_split(qsl, sl, r.num_computed_tokens, lens, r.idx_mapping, n, t, v1,
+                               -1 if th is None else th, uniform, pre, buf.out)
+            mq, ms, *s = buf.out.tolist()
+            memo[rule] = mq, ms, None if th is None else A.Split(*s)
+        mq, ms, sp = memo[rule]
+        common.append(A.CommonAttentionMetadata(qsl, sl, n, t, mq, ms, tails.block_tables[g][:n],
+                                                tails.slot_mapping[g], pre, sl))
+        thresholds.append(rule[0])
+        splits.append(sp)
+    return gp.Attention(common, thresholds, splits, local)
+
+
+# ------------------------------------------------------------------------------------------ backends
+
+class BackendBuffers:
+    """Each group's FlashInfer buffers."""
+
+    def __init__(self, cfg: ForwardConfig) -> None:
+        k = load(_KERNELS)
+        self.flashinfer = [FI.NumbaBuffers(k) for _ in cfg.groups]  # [G]
+
+
+def backends_numba(cfg: ForwardConfig, step, buf: BackendBuffers) -> gp.Backends:
+    return gp.backends_with(cfg, step, lambda g, *args: FI.build_numba(buf.flashinfer[g], *args), FA.build)
