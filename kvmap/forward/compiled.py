@@ -10,6 +10,8 @@ Rules:
   arrays, per group), `mrv2_sampler`. What has no numba form runs its numpy form: V1's sampler, the
   dispatcher's table lookups, chunked_local virtual batches (the whole attention part then), DCP's local
   lengths, FlashAttention's and Triton's metadata.
+- A step's BatchDescriptor depends only on the configuration and (R, T, max_query_len, eligible): the
+  dispatcher's answers are remembered (shared between steps: results are never written, inputs.py).
 - Buffers hold max_num_seqs request rows and max_num_tokens token rows: a step never has more (the padded
   counts come from capture sizes within both); the kernels check their bounds.
 """
@@ -29,6 +31,7 @@ from kvmap.forward.config import ForwardConfig
 from kvmap.layout import PAD_SLOT_ID
 
 _KERNELS = "kvmap.forward.kernels"
+DESCS_KEPT = 4096  # dispatch results remembered per replay (a step's shape recurs; cleared when full)
 
 
 # ------------------------------------------------------------------------------------------ sampler
@@ -64,6 +67,7 @@ class PaddingBuffers(gp.PaddingBuffers):
         self.k = load(_KERNELS)
         R, T = cfg.max_num_seqs, max_num_tokens
         self.shape = np.zeros(3, dtype=np.int64)  # [T, max_query_len, decode_graph_eligible]
+        self.descs: dict = {}  # (R, T, max_query_len, eligible) -> (BatchDescriptor, num_slots): the config's
         self.query_start_loc = np.zeros(R + 1, dtype=np.int32)  # [num_reqs_padded + 1]
         self.seq_lens = np.zeros(R, dtype=np.int32)  # [num_reqs_padded]
         self.slot_mapping = np.zeros((len(cfg.groups), T), dtype=np.int64)  # [G, num_slots]
@@ -75,15 +79,20 @@ def cudagraph_numba(cfg: ForwardConfig, step, buf: PaddingBuffers) -> gp.Padding
     r, m = step.rows, step.mappings()
     qsl, mrv2 = r.query_start_loc, cfg.runner == "mrv2"
     buf.k.step_shape(qsl, r.num_computed_tokens, r.prefill_len, r.idx_mapping, r.num_draft_tokens, mrv2, buf.shape)
-    T, max_q, eligible = buf.shape.tolist()
-    R = len(r.idx_mapping)
-    desc = buf.dispatcher.dispatch(R, T, max_q, eligible == 1)
+    key = (len(r.idx_mapping), *buf.shape.tolist())  # (R, T, max_query_len, decode_graph_eligible)
+    got = buf.descs.get(key)
+    if got is None:
+        if len(buf.descs) >= DESCS_KEPT:
+            buf.descs.clear()
+        desc = buf.dispatcher.dispatch(key[0], key[1], key[2], key[3] == 1)
+        got = buf.descs[key] = desc, C._num_slots(cfg.runner, desc, True)
+    desc, n = got
+    R, T = key[0], key[1]
     tables = gp._tables(m)
     Rp, Tp = desc.num_reqs_padded, desc.num_tokens_padded
     if Tp == T and Rp == R:  # nothing padded: the arrays themselves
         tails = C.PaddedTails(qsl, r.seq_lens, m.slot_mapping, tables, None, None if mrv2 else m.positions)
     else:
-        n = C._num_slots(cfg.runner, desc, True)
         slots = buf.slot_mapping[:, :n]
         buf.k.pad_tails(qsl, r.seq_lens, m.slot_mapping, m.positions, R, T, Rp, Tp, n, PAD_SLOT_ID,
                         buf.query_start_loc, buf.seq_lens, slots, buf.positions, buf.is_padding)

@@ -189,7 +189,7 @@ def build_numba(buf: NumbaBuffers, cm: CommonAttentionMetadata, sp: Split, page_
     """`build` with the three arrays by one kernel (kernels.paged_kv) into `buf`."""
     n = cm.num_reqs
     kv = _kv_lens(cm, sp, num_speculative_tokens, dcp_size, dcp_rank, interleave)
-    table = cm.block_table_tensor
+    table = np.ascontiguousarray(cm.block_table_tensor)  # the kernel's signature (a view: the rows' slice is)
     if len(buf.last) < n or len(buf.indices) < n * table.shape[1]:
         buf.indptr = np.zeros(n + 1, dtype=np.int32)
         buf.indices = np.zeros(n * table.shape[1], dtype=np.int32)

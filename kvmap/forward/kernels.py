@@ -142,7 +142,7 @@ AOT_EXPORTS = {
     "pad_tails": ("pad_tails", "void(i4[:], i4[:], i8[:, :], i8[:], i8, i8, i8, i8, i8, i8, i4[:], i4[:], "
                                "i8[:, :], i8[:], b1[:])"),
     "common_split": ("common_split", "void(i4[:], i4[:], i4[:], i4[:], i4[:], i8, i8, b1, i8, b1, b1[:], i8[:])"),
-    "paged_kv": ("paged_kv", "i8(i4[:], i4[:, :], i8, i8, i4[:], i4[:], i4[:])"),
+    "paged_kv": ("paged_kv", "i8(i4[:], i4[:, ::1], i8, i8, i4[:], i4[:], i4[:])"),
     "mrv2_sampler": ("mrv2_sampler", "i8(i4[:], i4[:], i4[:], i8, i4[:], i8[:], i8[:], i4[:])"),
 }
 AOT_SOURCES = ("forward/kernels.py",)
