@@ -112,6 +112,10 @@ class SplitBuffers(gp.SplitRules):
         self.any_local = any(g.kind == "chunked_local" for g in cfg.groups)
         self.is_prefilling = np.zeros(cfg.max_num_seqs, dtype=bool)  # [num_reqs] (V1) or [R] (MRV2)
         self.out = np.zeros(6, dtype=np.int64)  # the kernel's scalars (kernels.common_split)
+        # the configuration's, per step the same (results are never written, inputs.py)
+        self.attending = [(g, self.rules[g]) for g, grp in enumerate(cfg.groups) if gp._attends(grp)]
+        self.thresholds = [self.rules[g][0] if gp._attends(grp) else None for g, grp in enumerate(cfg.groups)]
+        self.local = [False] * len(cfg.groups)  # [G] (a chunked_local group takes the numpy form)
 
 
 def attention_numba(cfg: ForwardConfig, step, buf: SplitBuffers) -> gp.Attention:
@@ -121,33 +125,28 @@ def attention_numba(cfg: ForwardConfig, step, buf: SplitBuffers) -> gp.Attention
     desc, tails = pad.desc, pad.tails
     if desc.num_reqs == 0:
         return gp._empty(cfg)
-    r, v1 = step.rows, cfg.runner == "v1"
-    n, t = (desc.num_reqs_padded, desc.num_tokens_padded) if desc.pad_attn else (desc.num_reqs, desc.num_tokens)
-    qsl, sl = tails.query_start_loc[: n + 1], tails.seq_lens[:n]
-    pre = buf.is_prefilling[: n if v1 else desc.num_reqs]
+    r, v1, R = step.rows, cfg.runner == "v1", desc.num_reqs
+    n, t = (desc.num_reqs_padded, desc.num_tokens_padded) if desc.pad_attn else (R, desc.num_tokens)
+    qsl, sl = tails.query_start_loc, tails.seq_lens  # [n + 1], [n] (the tails are the attention's counts)
+    if len(sl) != n:
+        qsl, sl = qsl[: n + 1], sl[:n]
+    pre = buf.is_prefilling[: n if v1 else R]
     lens = r.num_prompt_tokens if v1 else r.prefill_len
-    common, thresholds, splits, local = [], [], [], []
+    common, splits = [None] * len(cfg.groups), [None] * len(cfg.groups)
     memo: dict = {}  # (threshold, require_uniform) -> (max_query_len, max_seq_len, split)
-    for g, grp in enumerate(cfg.groups):
-        local.append(False)
-        if not gp._attends(grp):
-            common.append(None)
-            thresholds.append(None)
-            splits.append(None)
-            continue
-        rule = buf.rules[g]
-        if rule not in memo:
+    for g, rule in buf.attending:
+        got = memo.get(rule)
+        if got is None:
             th, uniform = rule
             buf.k.common_split(qsl, sl, r.num_computed_tokens, lens, r.idx_mapping, n, t, v1,
                                -1 if th is None else th, uniform, pre, buf.out)
-            mq, ms, *s = buf.out.tolist()
-            memo[rule] = mq, ms, None if th is None else A.Split(*s)
-        mq, ms, sp = memo[rule]
-        common.append(A.CommonAttentionMetadata(qsl, sl, n, t, mq, ms, tails.block_tables[g][:n],
-                                                tails.slot_mapping[g], pre, sl))
-        thresholds.append(rule[0])
-        splits.append(sp)
-    return gp.Attention(common, thresholds, splits, local)
+            o = buf.out.tolist()
+            got = memo[rule] = o[0], o[1], None if th is None else A.Split(o[2], o[3], o[4], o[5])
+        table = tails.block_tables[g]  # [R, W] (a padded row has no blocks: never read, graph_parts.py)
+        common[g] = A.CommonAttentionMetadata(qsl, sl, n, t, got[0], got[1], table if len(table) <= n else table[:n],
+                                              tails.slot_mapping[g], pre, sl)
+        splits[g] = got[2]
+    return gp.Attention(common, buf.thresholds, splits, buf.local)
 
 
 # ------------------------------------------------------------------------------------------ backends
@@ -158,7 +157,11 @@ class BackendBuffers:
     def __init__(self, cfg: ForwardConfig) -> None:
         k = load(_KERNELS)
         self.flashinfer = [FI.NumbaBuffers(k) for _ in cfg.groups]  # [G]
+        self.names = gp.backend_names(cfg)  # [G] the configuration's (never written)
+
+    def build_flashinfer(self, g: int, *args) -> FI.FlashInferMetadata:
+        return FI.build_numba(self.flashinfer[g], *args)
 
 
 def backends_numba(cfg: ForwardConfig, step, buf: BackendBuffers) -> gp.Backends:
-    return gp.backends_with(cfg, step, lambda g, *args: FI.build_numba(buf.flashinfer[g], *args), FA.build)
+    return gp.backends_with(cfg, step, buf.build_flashinfer, FA.build, buf.names)

@@ -324,9 +324,15 @@ def attention_spec(cfg: ForwardConfig, step) -> Attention:
 
 # ------------------------------------------------------------------------------------------ backends
 
-def backends_with(cfg: ForwardConfig, step, fi_build, fa_build) -> Backends:
+def backend_names(cfg: ForwardConfig) -> list[str | None]:
+    """[G] the groups' attention_backend (None: a state group)."""
+    return [g.attention_backend if _attends(g) else None for g in cfg.groups]
+
+
+def backends_with(cfg: ForwardConfig, step, fi_build, fa_build, names: list | None = None) -> Backends:
     """The part by the given forms: fi_build(g, cm, split, page_size, k, dcp_size, rank, interleave) and
-    fa_build(cm, mode, max_capture_size, fa_version, dcp_size, rank, interleave)."""
+    fa_build(cm, mode, max_capture_size, fa_version, dcp_size, rank, interleave); `names`: backend_names(cfg)
+    (a caller may keep it)."""
     pad: Padding = step.parts["cudagraph"]
     att: Attention = step.parts["attention"]
     m = step.mappings()
@@ -346,7 +352,7 @@ def backends_with(cfg: ForwardConfig, step, fi_build, fa_build) -> Backends:
             out.append(FA.triton_attn(cm))
         else:
             out.append(None)
-    return Backends(out, [g.attention_backend if _attends(g) else None for g in cfg.groups], cfg.dcp_size > 1)
+    return Backends(out, backend_names(cfg) if names is None else names, cfg.dcp_size > 1)
 
 
 def _fi_numpy(g: int, *args) -> FI.FlashInferMetadata:

@@ -113,10 +113,11 @@ class ForwardBuilder:
     def host(self, step: ForwardStep) -> ForwardInputs:
         """Every part the backend has not already put in `step.parts`, in `PARTS` order."""
         cfg, done = self.config, step.parts
+        native = bool(done)  # parts the backend built: `done` is then not in PARTS order
         for name, host, b in self.forms:
             if name not in done:
                 done[name] = host(cfg, step, b)
-        return ForwardInputs(cfg.runner, {name: done[name] for name, _, _ in self.forms})
+        return ForwardInputs(cfg.runner, {name: done[name] for name, _, _ in self.forms} if native else done)
 
 
 def forward_spec(config: ForwardConfig, step: ForwardStep) -> ForwardInputs:
