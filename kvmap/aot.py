@@ -1,12 +1,13 @@
 """Ahead-of-time compiled kernels: numba's kernels built into an extension module at install, loaded at once.
 
-A kernel module (`kvmap/workers/kernels_cpu.py`, `kvmap/kv/kernels.py`) stays the one source of its kernels,
-written for numba's JIT. It declares `AOT_EXPORTS` (exported name -> (kernel, signature)) and `AOT_SOURCES`
-(the files its machine code depends on), and `AOT_BOUNDSCHECK = True` when its kernels index with lengths
-read from a trace (its twin is then compiled with bounds checks, as its JIT kernels are). `build` compiles
-those exports with `numba.pycc` into a twin extension module next to it (`_<name>_aot`): setup.py does it at install, `python -m kvmap.aot` by hand.
-`load` then hands out the twin without importing numba or setting up its type system (docs/performance.md,
-"Start-up"), or the JIT module when the twin is missing or was built from other sources.
+A kernel module (`kvmap/workers/kernels_cpu.py`, `kvmap/kv/kernels.py`, `kvmap/forward/kernels.py`) stays the
+one source of its kernels, written for numba's JIT. It declares `AOT_EXPORTS` (exported name -> (kernel,
+signature)) and `AOT_SOURCES` (the files its machine code depends on), and `AOT_BOUNDSCHECK = True` when its
+kernels are compiled with bounds checks (the twin then is too, as its JIT kernels are). `build` compiles those
+exports with `numba.pycc` into a twin extension module next to it (`_<name>_aot`): setup.py does it at
+install, `python -m kvmap.aot` by hand. `load` then hands out the twin without importing numba or setting up
+its type system (docs/performance.md, "Start-up"), or the JIT module when the twin is missing or was built
+from other sources.
 
 Rules:
 - The twin is used only if its `source_hash()` equals the hash of the sources on disk now: an edited kernel

@@ -4,21 +4,16 @@ their bounds. The whole parts are held to the specs through the numba worker's d
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
 from kvmap.aot import load
 from kvmap.forward import attention as fa
-from kvmap.forward import compiled as nf
 from kvmap.forward import cudagraph as cg
 from kvmap.forward import flashinfer as fib
-from kvmap.forward import sampler as S
 from kvmap.layout import PAD_SLOT_ID
 
 from .test_forward import _metadata, assert_equal, random_batch
-from .test_forward_sampler import rows, same
 
 pytest.importorskip("numba")
 K = load("kvmap.forward.kernels")
@@ -111,11 +106,3 @@ def test_flashinfer_kernel_checks_its_bounds():
     table = np.arange(5, dtype=np.int32).reshape(1, 5)
     with pytest.raises(IndexError):
         K.paged_kv(kv, table, 16, 1, np.zeros(2, np.int32), np.zeros(64, np.int32), np.zeros(1, np.int32))
-
-
-def test_mrv2_sampler_numba_equals_the_spec():
-    cfg = SimpleNamespace(runner="mrv2", max_num_seqs=8, num_speculative_tokens=3)
-    buf = nf.SamplerBuffers(cfg, 64)
-    for qs, d in (([4, 1, 4, 2], [3, 0, 3, 1]), ([1, 1, 1], [0, 0, 0]), ([7, 9], [0, 0])):
-        r, _ = rows(qs, [10] * len(qs), d, [20] * len(qs), idx=list(range(len(qs)))[::-1])
-        same(nf.sampler_numba(cfg, SimpleNamespace(rows=r), buf), S.mrv2_spec(r))

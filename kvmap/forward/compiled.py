@@ -1,15 +1,15 @@
-"""The numba worker's forward parts: the rules of graph_parts.py and sampler.py by their numba forms
-(forward/kernels.py), over buffers allocated once.
+"""The numba worker's forward parts: the rules of graph_parts.py by their numba forms (forward/kernels.py),
+over buffers allocated once.
 
 Rules:
-- Each `*_numba` part returns what its numpy form (`graph_parts.*_host`, `sampler.*_numpy`) returns, value for
-  value (tests/test_forward_compiled.py and the dumps of tests/test_forward_wired.py hold both to the specs);
-  its arrays are views of its buffers, valid until the next step.
+- Each `*_numba` part returns what its numpy form (`graph_parts.*_host`) returns, value for value
+  (tests/test_forward_compiled.py and the dumps of tests/test_forward_wired.py hold both to the specs); its
+  arrays are views of its buffers, valid until the next step.
 - A kernel per rule and step (or group): `step_shape` (the dispatch inputs), `pad_tails` (a padded step),
   `common_split` (CommonAttentionMetadata and the split, once per distinct split rule), `paged_kv` (FlashInfer's
-  arrays, per group), `mrv2_sampler`. What has no numba form runs its numpy form: V1's sampler, the
-  dispatcher's table lookups, chunked_local virtual batches (the whole attention part then), DCP's local
-  lengths, FlashAttention's and Triton's metadata.
+  arrays, per group). What has no numba form runs its numpy form: the sampler (a numba form bought no
+  measurable time: docs/performance.md), the dispatcher's table lookups, chunked_local virtual batches (the
+  whole attention part then), DCP's local lengths, FlashAttention's and Triton's metadata.
 - A step's BatchDescriptor depends only on the configuration and (R, T, max_query_len, eligible): the
   dispatcher's answers are remembered (shared between steps: results are never written, inputs.py).
 - Buffers hold max_num_seqs request rows and max_num_tokens token rows: a step never has more (the padded
@@ -26,35 +26,11 @@ from kvmap.forward import cudagraph as C
 from kvmap.forward import flash_attn as FA
 from kvmap.forward import flashinfer as FI
 from kvmap.forward import graph_parts as gp
-from kvmap.forward import sampler as S
 from kvmap.forward.config import ForwardConfig
 from kvmap.layout import PAD_SLOT_ID
 
 _KERNELS = "kvmap.forward.kernels"
 DESCS_KEPT = 4096  # dispatch results remembered per replay (a step's shape recurs; cleared when full)
-
-
-# ------------------------------------------------------------------------------------------ sampler
-
-class SamplerBuffers(S.SamplerBuffers):
-    """The numpy form's buffers and the kernels."""
-
-    def __init__(self, cfg: ForwardConfig, max_num_tokens: int) -> None:
-        super().__init__(cfg.max_num_seqs, cfg.num_speculative_tokens, max_num_tokens)
-        self.k = load(_KERNELS)
-        self.no_drafts = np.zeros(cfg.max_num_seqs, dtype=np.int32)  # [R] MRV2's fast path (never written)
-
-
-def sampler_numba(cfg: ForwardConfig, step, buf: SamplerBuffers):
-    r = step.rows
-    if cfg.runner != "mrv2":
-        return S.v1_numpy(r, cfg.num_speculative_tokens, buf)
-    R = len(r.idx_mapping)
-    drafts = r.num_draft_tokens if r.has_drafts else buf.no_drafts[:R]  # MRV2's fast path: one logit per request
-    L = buf.k.mrv2_sampler(r.query_start_loc, r.idx_mapping, drafts, S.NUM_NEW_SAMPLED_TOKENS, buf.cu_num_logits,
-                           buf.logits_indices, buf.expanded_idx_mapping, buf.expanded_local_pos)
-    return S.MRV2Sampler(buf.cu_num_logits[: R + 1], buf.logits_indices[:L], buf.expanded_idx_mapping[:L],
-                         buf.expanded_local_pos[:L])
 
 
 # ------------------------------------------------------------------------------------------ cudagraph
