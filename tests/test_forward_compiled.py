@@ -4,6 +4,8 @@ their bounds. The whole parts are held to the specs through the numba worker's d
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -106,3 +108,39 @@ def test_flashinfer_kernel_checks_its_bounds():
     table = np.arange(5, dtype=np.int32).reshape(1, 5)
     with pytest.raises(IndexError):
         K.paged_kv(kv, table, 16, 1, np.zeros(2, np.int32), np.zeros(64, np.int32), np.zeros(1, np.int32))
+
+
+def test_deferred_flashinfer_metadata_is_made_on_first_read():
+    """The numba worker's backends part leaves its FlashInfer objects to the first read (forward/deferred.py):
+    after prepare_forward the part is pending; an attribute read makes it once, and the values are the numpy
+    worker's."""
+    from kvmap.forward.deferred import Deferred
+    from kvmap.run.config import ReplayConfig
+    from kvmap.run.replay import replay
+    from kvmap.trace import Trace
+    from kvmap.workers.registry import make_worker
+
+    from .conftest import TRACES
+
+    trace = Trace(TRACES / "spec_decode.jsonl")
+    cfg = ReplayConfig(forward=True, nvtx=False, warmup=0, write_kv=False, attention_backend="FLASHINFER",
+                       cudagraph_mode="FULL_AND_PIECEWISE", cudagraph_capture_sizes="default")
+    want: list[dict] = []
+    replay(trace, replace(cfg, backend="numpy"), on_mappings=want.append)
+    w = make_worker("numba", trace.header)
+    seen: list[int] = []
+
+    def check(step: int) -> None:
+        f = w.forward
+        if not want[step]["req_ids"]:  # no request: no metadata, nothing deferred
+            assert f.backends.metadata == [None]
+            return
+        assert type(f.parts["backends"]) is Deferred
+        md = f.backends.metadata[0]
+        assert isinstance(md, fib.FlashInferMetadata) and f.backends is f.parts["backends"]
+        assert md.paged_kv_indptr.tolist() == want[step]["paged_kv_indptr"][0]
+        assert w.mappings_dict() == want[step]
+        seen.append(step)
+
+    replay(trace, cfg, worker=w, on_step=check)
+    assert len(seen) == sum(1 for d in want if d["req_ids"]) > 0

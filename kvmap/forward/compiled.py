@@ -27,6 +27,7 @@ from kvmap.forward import flash_attn as FA
 from kvmap.forward import flashinfer as FI
 from kvmap.forward import graph_parts as gp
 from kvmap.forward.config import ForwardConfig
+from kvmap.forward.deferred import Deferred
 from kvmap.layout import PAD_SLOT_ID
 
 _KERNELS = "kvmap.forward.kernels"
@@ -139,5 +140,21 @@ class BackendBuffers:
         return FI.build_numba(self.flashinfer[g], *args)
 
 
-def backends_numba(cfg: ForwardConfig, step, buf: BackendBuffers) -> gp.Backends:
-    return gp.backends_with(cfg, step, buf.build_flashinfer, FA.build, buf.names)
+def backends_numba(cfg: ForwardConfig, step, buf: BackendBuffers):
+    """The part, its FlashInfer metadata objects made on first read (`inputs.Deferred`): the kernels run now."""
+    pending: list[int] = []  # the FlashInfer groups: a maker in `metadata` until read
+
+    def flashinfer(g: int, *args):
+        pending.append(g)
+        return FI.paged_kv_numba(buf.flashinfer[g], *args)
+
+    b = gp.backends_with(cfg, step, flashinfer, FA.build, buf.names)
+    if not pending:
+        return b
+
+    def make() -> gp.Backends:
+        for g in pending:
+            b.metadata[g] = b.metadata[g]()
+        return b
+
+    return Deferred(make)

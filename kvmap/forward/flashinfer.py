@@ -24,6 +24,7 @@ Rules (issue 26 forward-pass notes, section 6.2; vllm/v1/attention/backends/flas
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +32,8 @@ import numpy as np
 from kvmap.forward.attention import CommonAttentionMetadata, Split
 from kvmap.layout import dcp_local_seq_len, dcp_local_seq_lens
 
-__all__ = ["DecodePlan", "FlashInferMetadata", "NumbaBuffers", "PrefillPlan", "build", "build_numba", "build_spec"]
+__all__ = ["DecodePlan", "FlashInferMetadata", "NumbaBuffers", "PrefillPlan", "build", "build_numba", "build_spec",
+           "paged_kv_numba"]
 
 
 @dataclass(slots=True)  # a step's result: not frozen (inputs.py)
@@ -187,6 +189,15 @@ def build_numba(buf: NumbaBuffers, cm: CommonAttentionMetadata, sp: Split, page_
                 num_speculative_tokens: int = 0, dcp_size: int = 1, dcp_rank: int = 0, interleave: int = 1,
                 fa2_native_decode: bool = False) -> FlashInferMetadata:
     """`build` with the three arrays by one kernel (kernels.paged_kv) into `buf`."""
+    return paged_kv_numba(buf, cm, sp, page_size, num_speculative_tokens, dcp_size, dcp_rank, interleave,
+                          fa2_native_decode)()
+
+
+def paged_kv_numba(buf: NumbaBuffers, cm: CommonAttentionMetadata, sp: Split, page_size: int,
+                   num_speculative_tokens: int = 0, dcp_size: int = 1, dcp_rank: int = 0, interleave: int = 1,
+                   fa2_native_decode: bool = False) -> Callable[[], FlashInferMetadata]:
+    """`build_numba`'s arrays, computed now; returns the maker of the metadata around them (views of `buf`: call
+    it before the next step)."""
     n = cm.num_reqs
     kv = _kv_lens(cm, sp, num_speculative_tokens, dcp_size, dcp_rank, interleave)
     table = np.ascontiguousarray(cm.block_table_tensor)  # the kernel's signature (a view: the rows' slice is)
@@ -194,6 +205,7 @@ def build_numba(buf: NumbaBuffers, cm: CommonAttentionMetadata, sp: Split, page_
         buf.indptr = np.zeros(n + 1, dtype=np.int32)
         buf.indices = np.zeros(n * table.shape[1], dtype=np.int32)
         buf.last = np.zeros(n, dtype=np.int32)
-    nnz = buf.k.paged_kv(kv, table, page_size, n, buf.indptr, buf.indices, buf.last)
-    return _metadata(cm, sp, page_size, dcp_size, fa2_native_decode, kv, buf.indptr[: n + 1], buf.indices[:nnz],
-                     buf.last[:n])
+    indptr, indices, last = buf.indptr, buf.indices, buf.last
+    nnz = buf.k.paged_kv(kv, table, page_size, n, indptr, indices, last)
+    return lambda: _metadata(cm, sp, page_size, dcp_size, fa2_native_decode, kv, indptr[: n + 1], indices[:nnz],
+                             last[:n])

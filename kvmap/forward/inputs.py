@@ -32,6 +32,7 @@ from kvmap.forward import compiled as nf
 from kvmap.forward import graph_parts as gp
 from kvmap.forward import sampler
 from kvmap.forward.config import ForwardConfig
+from kvmap.forward.deferred import Deferred
 from kvmap.forward.sampler import SamplerBuffers, SamplerRows
 
 
@@ -87,15 +88,18 @@ class ForwardInputs:
 
     def __getattr__(self, name: str):  # forward.sampler, forward.cudagraph, ...
         try:
-            return self.parts[name]
+            p = self.parts[name]
         except KeyError:
             raise AttributeError(name) from None
+        if type(p) is Deferred:  # made on first read (deferred.py)
+            p = self.parts[name] = p.make()
+        return p
 
     def to_dict(self) -> dict:
         """The dump keys of every part, in `PARTS` order (vLLM's names; docs/trace-format.md)."""
         out: dict = {}
-        for p in self.parts.values():
-            out.update(p.to_dict())
+        for name in self.parts:
+            out.update(getattr(self, name).to_dict())
         return out
 
 
