@@ -1,6 +1,6 @@
 """Where `prepare_forward` spends its time: the median of each forward part in the replay loop, beside the phase
 and the four mapping phases of the same run (docs/performance.md, "prepare_forward against the mapping
-phases").
+phases (issue 26's floor)").
 
     python scripts/forward_parts.py [--backend numba] [--trace traces/long_mixed.jsonl.gz]
         [--attention-backend FLASHINFER] [--cudagraph-mode FULL_AND_PIECEWISE] [--cudagraph-capture-sizes default]

@@ -7,9 +7,11 @@ Rules:
   arrays are views of its buffers, valid until the next step.
 - A kernel per rule and step (or group): `step_shape` (the dispatch inputs), `pad_tails` (a padded step),
   `common_split` (CommonAttentionMetadata and the split, once per distinct split rule), `paged_kv` (FlashInfer's
-  arrays, per group). What has no numba form runs its numpy form: the sampler (a numba form bought no
-  measurable time: docs/performance.md), the dispatcher's table lookups, chunked_local virtual batches (the
+  arrays, per group). What has no numba form runs its numpy form: the sampler (a numba form bought under
+  10%: docs/performance.md), the dispatcher's table lookups, chunked_local virtual batches (the
   whole attention part then), DCP's local lengths, FlashAttention's and Triton's metadata.
+- The backends part runs its FlashInfer kernels in the phase and leaves the metadata objects to the first read
+  (`Deferred`, deferred.py: the dump's `to_dict`, `explain`).
 - A step's BatchDescriptor depends only on the configuration and (R, T, max_query_len, eligible): the
   dispatcher's answers are remembered (shared between steps: results are never written, inputs.py).
 - Buffers hold max_num_seqs request rows and max_num_tokens token rows: a step never has more (the padded
