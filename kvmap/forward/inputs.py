@@ -14,7 +14,8 @@ Rules:
   batches, the decode/prefill split) and `backends` (each group's backend metadata) chain so
   (kvmap/forward/graph_parts.py).
 - The results are slots dataclasses, not frozen (a frozen dataclass's `__init__` sets each field through
-  `object.__setattr__`, four times the cost, in the timed phase); nothing writes a result after its part.
+  `object.__setattr__`, in the timed phase: docs/performance.md); nothing writes a result after its part. A
+  part that no later part reads may return `Deferred` (deferred.py): its objects are made on the first read.
 - A part may have a numba form (`numba`: its host function and buffers, forward/compiled.py), which the numba
   worker's builder runs instead of the numpy one (`ForwardBuilder(..., numba=True)`); it returns the same values.
 - A backend that builds a part with its own code (the vLLM backends: the sampler from vLLM's input
