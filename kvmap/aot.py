@@ -1,11 +1,13 @@
 """Ahead-of-time compiled kernels: numba's kernels built into an extension module at install, loaded at once.
 
-A kernel module (`kvmap/workers/kernels_cpu.py`, `kvmap/kv/kernels.py`) stays the one source of its kernels,
-written for numba's JIT. It declares `AOT_EXPORTS` (exported name -> (kernel, signature)) and `AOT_SOURCES`
-(the files its machine code depends on). `build` compiles those exports with `numba.pycc` into a twin
-extension module next to it (`_<name>_aot`): setup.py does it at install, `python -m kvmap.aot` by hand.
-`load` then hands out the twin without importing numba or setting up its type system (docs/performance.md,
-"Start-up"), or the JIT module when the twin is missing or was built from other sources.
+A kernel module (`kvmap/workers/kernels_cpu.py`, `kvmap/kv/kernels.py`, `kvmap/forward/kernels.py`) stays the
+one source of its kernels, written for numba's JIT. It declares `AOT_EXPORTS` (exported name -> (kernel,
+signature)) and `AOT_SOURCES` (the files its machine code depends on), and `AOT_BOUNDSCHECK = True` when its
+kernels are compiled with bounds checks (the twin then is too, as its JIT kernels are). `build` compiles those
+exports with `numba.pycc` into a twin extension module next to it (`_<name>_aot`): setup.py does it at
+install, `python -m kvmap.aot` by hand. `load` then hands out the twin without importing numba or setting up
+its type system (docs/performance.md, "Start-up"), or the JIT module when the twin is missing or was built
+from other sources.
 
 Rules:
 - The twin is used only if its `source_hash()` equals the hash of the sources on disk now: an edited kernel
@@ -275,7 +277,15 @@ def build(module: str, out_dir: str | os.PathLike, target_cpu: str = "host", ver
     cc.export("source_hash", "i8()")(ns["source_hash"])
     cc.export("cpu_hash", "i8()")(ns["cpu_hash"])
     os.makedirs(out_dir, exist_ok=True)
-    cc.compile()
+    from numba.core import config
+
+    saved = config.BOUNDSCHECK
+    if spec.get("AOT_BOUNDSCHECK"):  # numba.pycc takes no per-export flags: the global switch, for this module
+        config.BOUNDSCHECK = 1
+    try:
+        cc.compile()
+    finally:
+        config.BOUNDSCHECK = saved
     return Path(out_dir) / (basename + _ext_suffix())
 
 
@@ -285,7 +295,7 @@ def _ext_suffix() -> str:
     return sysconfig.get_config_var("EXT_SUFFIX") or ".so"
 
 
-KERNEL_MODULES = ("kvmap.workers.kernels_cpu", "kvmap.kv.kernels")
+KERNEL_MODULES = ("kvmap.workers.kernels_cpu", "kvmap.kv.kernels", "kvmap.forward.kernels")
 
 
 def twins_on_disk() -> bool:

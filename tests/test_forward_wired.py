@@ -58,13 +58,13 @@ def test_host_forms_equal_the_specs(name, runner, config):
 
 def test_long_trace_slice_equals_the_spec():
     got: dict = {}
-    for b in ("reference", "numpy"):
+    for b in ("reference", "numpy", "numba"):
         got[b] = []
         replay(Trace(TRACES / "long_mixed.jsonl.gz"),
                ReplayConfig(backend=b, forward=True, nvtx=False, warmup=0, write_kv=False, start=0, stop=200,
                             attention_backend="FLASHINFER", cudagraph_mode="FULL_AND_PIECEWISE",
                             cudagraph_capture_sizes="default"), on_mappings=got[b].append)
-    assert got["numpy"] == got["reference"] and len(got["numpy"]) == 200
+    assert got["numpy"] == got["reference"] == got["numba"] and len(got["numpy"]) == 200
 
 
 # ------------------------------------------------------------------------------- what the traces exercise

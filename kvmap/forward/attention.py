@@ -38,7 +38,7 @@ __all__ = ["BACKENDS", "BackendRules", "CommonAttentionMetadata", "Split", "comm
            "split_decodes_prefills_and_extends_spec"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # a step's result: not frozen (inputs.py)
 class CommonAttentionMetadata:
     """vLLM's `CommonAttentionMetadata` for one KV-cache group (host arrays; vLLM keeps device copies)."""
 
@@ -152,7 +152,7 @@ def require_uniform(backend: str, flashinfer_decode: str = "native") -> bool:
 
 # ------------------------------------------------------------------------------------------ split
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # a step's result: not frozen (inputs.py)
 class Split:
     num_decodes: int
     num_prefills: int

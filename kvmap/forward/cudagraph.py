@@ -126,7 +126,7 @@ def resolve_capture_sizes(runner: str, mode: str, sizes: list[int] | None, max_n
 
 # ------------------------------------------------------------------------------------------ dispatch
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # a step's result: not frozen (inputs.py)
 class BatchDescriptor:
     """One step's graph choice. `cudagraph_mode` is the runtime mode: "FULL", "PIECEWISE" or "NONE"."""
 
@@ -329,7 +329,7 @@ def dispatch(runner: str, mode: str, capture_sizes: list[int], max_num_seqs: int
 
 # ------------------------------------------------------------------------------------------ padded tails
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # a step's result: not frozen (inputs.py)
 class PaddedTails:
     """The step's inputs at the padded shape (issue 26 forward-pass notes, section 4.5), host arrays."""
 

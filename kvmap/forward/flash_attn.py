@@ -35,7 +35,7 @@ __all__ = ["FlashAttentionMetadata", "TritonAttentionMetadata", "build", "build_
 MAX_NUM_SPLITS_FOR_CUDA_GRAPH = 32  # vllm/config/attention.py: flash_attn_max_num_splits_for_cuda_graph
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # a step's result: not frozen (inputs.py)
 class FlashAttentionMetadata:
     num_actual_tokens: int
     max_query_len: int
@@ -55,7 +55,7 @@ class FlashAttentionMetadata:
     causal: bool = True
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # a step's result: not frozen (inputs.py)
 class TritonAttentionMetadata:
     """`TritonAttentionMetadataBuilder.build`: the common fields, passed through."""
 

@@ -18,11 +18,13 @@ Rules (issue 26 forward-pass notes, section 6.2; vllm/v1/attention/backends/flas
   decode; `num_qo_heads` is multiplied by the DCP size. (Should N exceed n, vLLM's slices would reach stale
   entries of its persistent buffers; kvmap gives only the n + 1 defined ones.)
 - Only the native paths: trtllm-gen and XQA (SM90+ with cubins) take the block table directly; the caller says
-  which path runs. Each rule has a scalar spec (`build_spec`) and a numpy form (`build`).
+  which path runs. Each rule has a scalar spec (`build_spec`), a numpy form (`build`) and a numba form
+  (`build_numba`: the three arrays by kernels.paged_kv, the numba worker's), held together by tests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,10 +32,11 @@ import numpy as np
 from kvmap.forward.attention import CommonAttentionMetadata, Split
 from kvmap.layout import dcp_local_seq_len, dcp_local_seq_lens
 
-__all__ = ["DecodePlan", "FlashInferMetadata", "PrefillPlan", "build", "build_spec"]
+__all__ = ["DecodePlan", "FlashInferMetadata", "NumbaBuffers", "PrefillPlan", "build", "build_numba", "build_spec",
+           "paged_kv_numba"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # a step's result: not frozen (inputs.py)
 class PrefillPlan:
     """The native prefill wrapper's `plan()` index arguments (rows num_decodes .. n)."""
 
@@ -44,7 +47,7 @@ class PrefillPlan:
     page_size: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # a step's result: not frozen (inputs.py)
 class DecodePlan:
     """The native decode wrapper's `plan()` (`fast_plan_decode`) index arguments."""
 
@@ -56,7 +59,7 @@ class DecodePlan:
     num_qo_heads_factor: int  # num_qo_heads is multiplied by this (the DCP size)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # a step's result: not frozen (inputs.py)
 class FlashInferMetadata:
     num_decodes: int
     num_prefills: int
@@ -119,19 +122,47 @@ def build_spec(cm: CommonAttentionMetadata, sp: Split, page_size: int, num_specu
                               np.array(last, i32), prefill, decode)
 
 
+def _kv_lens(cm: CommonAttentionMetadata, sp: Split, num_speculative_tokens: int, dcp_size: int, dcp_rank: int,
+             interleave: int) -> np.ndarray:
+    """[n] int32 the KV lengths paged (a view when dcp_size == 1: never written)."""
+    n = cm.num_reqs
+    src = cm.seq_lens_cpu_upper_bound if num_speculative_tokens == 0 else cm.seq_lens
+    kv = np.asarray(src[:n], dtype=np.int32)
+    if dcp_size > 1:
+        kv = kv.copy()
+        if sp.num_prefills > 0:
+            kv[sp.num_decodes:] -= np.diff(cm.query_start_loc[sp.num_decodes: n + 1])
+        kv = dcp_local_seq_lens(kv, dcp_size, dcp_rank, interleave)
+    return kv
+
+
+def _metadata(cm: CommonAttentionMetadata, sp: Split, page_size: int, dcp_size: int, fa2_native_decode: bool,
+              kv: np.ndarray, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray) -> FlashInferMetadata:
+    """The metadata around the three arrays (both fast forms). kv - (nb - 1) * page_size lies in 1..page_size
+    for kv > 0 (the rule's remainder, page_size for 0) and is 0 for kv = 0, so FlashInfer's get_seq_lens of
+    every row is kv itself."""
+    n = cm.num_reqs
+    prefill = decode = None
+    if sp.num_prefills > 0:
+        d = sp.num_decodes
+        qsl = cm.query_start_loc[d: n + 1]
+        prefill = PrefillPlan((qsl - qsl[0]).astype(np.int32), indptr[d: n + 1], last[d:n], kv[d:n], page_size)
+    if sp.num_decodes > 0:
+        N, q_len = sp.num_decode_tokens, 1
+        if fa2_native_decode:
+            N, q_len = sp.num_decodes, sp.num_decode_tokens // sp.num_decodes
+        decode = DecodePlan(indptr[: N + 1], last[:N], kv[:N], page_size, q_len, dcp_size)
+    return FlashInferMetadata(sp.num_decodes, sp.num_prefills, sp.num_decode_tokens, sp.num_prefill_tokens, kv,
+                              indptr, indices, last, prefill, decode)
+
+
 def build(cm: CommonAttentionMetadata, sp: Split, page_size: int, num_speculative_tokens: int = 0,
           dcp_size: int = 1, dcp_rank: int = 0, interleave: int = 1,
           fa2_native_decode: bool = False) -> FlashInferMetadata:
     """The entry point per step and group (numpy form). `sp`: `attention.split(cm, "FLASHINFER", ...)`;
     `page_size`: the group's kernel block size; DCP: this rank's index and the interleave size."""
     n = cm.num_reqs
-    src = cm.seq_lens_cpu_upper_bound if num_speculative_tokens == 0 else cm.seq_lens
-    kv = np.asarray(src[:n], dtype=np.int32)  # a view: never written below
-    if dcp_size > 1:
-        kv = kv.copy()
-        if sp.num_prefills > 0:
-            kv[sp.num_decodes:] -= np.diff(cm.query_start_loc[sp.num_decodes: n + 1])
-        kv = dcp_local_seq_lens(kv, dcp_size, dcp_rank, interleave)
+    kv = _kv_lens(cm, sp, num_speculative_tokens, dcp_size, dcp_rank, interleave)
     nb = (kv + (page_size - 1)) // page_size
     indptr = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(nb, out=indptr[1:])
@@ -139,19 +170,42 @@ def build(cm: CommonAttentionMetadata, sp: Split, page_size: int, num_speculativ
     # each row's first nb pages, concatenated: flat index = row * width + (i - indptr[row])
     shift = np.arange(0, n * table.shape[1], table.shape[1], dtype=np.int64) - indptr[:n]
     indices = table.ravel()[np.arange(int(indptr[n]), dtype=np.int64) + np.repeat(shift, nb)]
-    # kv - (nb - 1) * page_size lies in 1..page_size for kv > 0 (the rule's remainder, page_size for 0) and is
-    # 0 for kv = 0; FlashInfer's get_seq_lens of every row is then kv itself
     last = kv - np.maximum(nb - 1, 0) * page_size
-    seq = kv
-    prefill = decode = None
-    if sp.num_prefills > 0:
-        d = sp.num_decodes
-        qsl = cm.query_start_loc[d: n + 1]
-        prefill = PrefillPlan((qsl - qsl[0]).astype(np.int32), indptr[d: n + 1], last[d:n], seq[d:n], page_size)
-    if sp.num_decodes > 0:
-        N, q_len = sp.num_decode_tokens, 1
-        if fa2_native_decode:
-            N, q_len = sp.num_decodes, sp.num_decode_tokens // sp.num_decodes
-        decode = DecodePlan(indptr[: N + 1], last[:N], seq[:N], page_size, q_len, dcp_size)
-    return FlashInferMetadata(sp.num_decodes, sp.num_prefills, sp.num_decode_tokens, sp.num_prefill_tokens, kv,
-                              indptr, indices.astype(np.int32, copy=False), last, prefill, decode)
+    return _metadata(cm, sp, page_size, dcp_size, fa2_native_decode, kv, indptr, indices.astype(np.int32, copy=False),
+                     last)
+
+
+class NumbaBuffers:
+    """The numba form's outputs for one group, grown when a step needs more (valid until the next step)."""
+
+    def __init__(self, kernels) -> None:
+        self.k = kernels  # kvmap.forward.kernels, as kvmap.aot.load gives them
+        self.indptr = np.zeros(1, dtype=np.int32)  # [n + 1]
+        self.indices = np.zeros(0, dtype=np.int32)  # [n * width] at least
+        self.last = np.zeros(0, dtype=np.int32)  # [n]
+
+
+def build_numba(buf: NumbaBuffers, cm: CommonAttentionMetadata, sp: Split, page_size: int,
+                num_speculative_tokens: int = 0, dcp_size: int = 1, dcp_rank: int = 0, interleave: int = 1,
+                fa2_native_decode: bool = False) -> FlashInferMetadata:
+    """`build` with the three arrays by one kernel (kernels.paged_kv) into `buf`."""
+    return paged_kv_numba(buf, cm, sp, page_size, num_speculative_tokens, dcp_size, dcp_rank, interleave,
+                          fa2_native_decode)()
+
+
+def paged_kv_numba(buf: NumbaBuffers, cm: CommonAttentionMetadata, sp: Split, page_size: int,
+                   num_speculative_tokens: int = 0, dcp_size: int = 1, dcp_rank: int = 0, interleave: int = 1,
+                   fa2_native_decode: bool = False) -> Callable[[], FlashInferMetadata]:
+    """`build_numba`'s arrays, computed now; returns the maker of the metadata around them (views of `buf`: call
+    it before the next step)."""
+    n = cm.num_reqs
+    kv = _kv_lens(cm, sp, num_speculative_tokens, dcp_size, dcp_rank, interleave)
+    table = np.ascontiguousarray(cm.block_table_tensor)  # the kernel's signature (a view: the rows' slice is)
+    if len(buf.last) < n or len(buf.indices) < n * table.shape[1]:
+        buf.indptr = np.zeros(n + 1, dtype=np.int32)
+        buf.indices = np.zeros(n * table.shape[1], dtype=np.int32)
+        buf.last = np.zeros(n, dtype=np.int32)
+    indptr, indices, last = buf.indptr, buf.indices, buf.last
+    nnz = buf.k.paged_kv(kv, table, page_size, n, indptr, indices, last)
+    return lambda: _metadata(cm, sp, page_size, dcp_size, fa2_native_decode, kv, indptr[: n + 1], indices[:nnz],
+                             last[:n])

@@ -324,18 +324,26 @@ def attention_spec(cfg: ForwardConfig, step) -> Attention:
 
 # ------------------------------------------------------------------------------------------ backends
 
-def _backends(cfg: ForwardConfig, step, fi_build, fa_build) -> Backends:
+def backend_names(cfg: ForwardConfig) -> list[str | None]:
+    """[G] the groups' attention_backend (None: a state group)."""
+    return [g.attention_backend if _attends(g) else None for g in cfg.groups]
+
+
+def backends_with(cfg: ForwardConfig, step, fi_build, fa_build, names: list | None = None) -> Backends:
+    """The part by the given forms: fi_build(g, cm, split, page_size, k, dcp_size, rank, interleave) and
+    fa_build(cm, mode, max_capture_size, fa_version, dcp_size, rank, interleave); `names`: backend_names(cfg)
+    (a caller may keep it)."""
     pad: Padding = step.parts["cudagraph"]
     att: Attention = step.parts["attention"]
     m = step.mappings()
     rank, interleave = m.ranks[0], cfg.cp_kv_cache_interleave_size
     out: list = []
-    for grp, cm, sp in zip(cfg.groups, att.common, att.splits):
+    for g, (grp, cm, sp) in enumerate(zip(cfg.groups, att.common, att.splits)):
         name = grp.attention_backend
         if cm is None or name is None:
             out.append(None)
         elif name == "FLASHINFER":
-            out.append(fi_build(cm, sp, grp.kernel_block_size, cfg.num_speculative_tokens, cfg.dcp_size, rank,
+            out.append(fi_build(g, cm, sp, grp.kernel_block_size, cfg.num_speculative_tokens, cfg.dcp_size, rank,
                                 interleave))
         elif name == "FLASH_ATTN":
             out.append(fa_build(cm, cfg.cudagraph_mode, pad.max_cudagraph_capture_size, FA_VERSION, cfg.dcp_size,
@@ -344,12 +352,20 @@ def _backends(cfg: ForwardConfig, step, fi_build, fa_build) -> Backends:
             out.append(FA.triton_attn(cm))
         else:
             out.append(None)
-    return Backends(out, [g.attention_backend if _attends(g) else None for g in cfg.groups], cfg.dcp_size > 1)
+    return Backends(out, backend_names(cfg) if names is None else names, cfg.dcp_size > 1)
+
+
+def _fi_numpy(g: int, *args) -> FI.FlashInferMetadata:
+    return FI.build(*args)
+
+
+def _fi_spec(g: int, *args) -> FI.FlashInferMetadata:
+    return FI.build_spec(*args)
 
 
 def backends_host(cfg: ForwardConfig, step, _buf) -> Backends:
-    return _backends(cfg, step, FI.build, FA.build)
+    return backends_with(cfg, step, _fi_numpy, FA.build)
 
 
 def backends_spec(cfg: ForwardConfig, step) -> Backends:
-    return _backends(cfg, step, FI.build_spec, FA.build_spec)
+    return backends_with(cfg, step, _fi_spec, FA.build_spec)

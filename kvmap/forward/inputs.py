@@ -13,6 +13,11 @@ Rules:
   step's graph choice and padded tails), `attention` (CommonAttentionMetadata per group, chunked_local virtual
   batches, the decode/prefill split) and `backends` (each group's backend metadata) chain so
   (kvmap/forward/graph_parts.py).
+- The results are slots dataclasses, not frozen (a frozen dataclass's `__init__` sets each field through
+  `object.__setattr__`, in the timed phase: docs/performance.md); nothing writes a result after its part. A
+  part that no later part reads may return `Deferred` (deferred.py): its objects are made on the first read.
+- A part may have a numba form (`numba`: its host function and buffers, forward/compiled.py), which the numba
+  worker's builder runs instead of the numpy one (`ForwardBuilder(..., numba=True)`); it returns the same values.
 - A backend that builds a part with its own code (the vLLM backends: the sampler from vLLM's input
   preparation) puts that result in `step.parts` before `ForwardBuilder.host`, which computes only the parts not
   yet there; the worker names those parts in `native_forward_parts` (workers/contract.py).
@@ -24,9 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmap.forward import compiled as nf
 from kvmap.forward import graph_parts as gp
 from kvmap.forward import sampler
 from kvmap.forward.config import ForwardConfig
+from kvmap.forward.deferred import Deferred
 from kvmap.forward.sampler import SamplerBuffers, SamplerRows
 
 
@@ -46,6 +53,7 @@ class Part:
     host: Callable[[ForwardConfig, ForwardStep, Any], Any]  # (config, step, buffers) -> result (numpy form)
     spec: Callable[[ForwardConfig, ForwardStep], Any]  # (config, step) -> result (scalar spec)
     buffers: Callable[[ForwardConfig, int], Any]  # (config, max_num_tokens) -> the host form's buffers
+    numba: tuple[Callable, Callable] | None = None  # the numba form's (host, buffers), as the two above
 
 
 def _sampler_host(cfg: ForwardConfig, step: ForwardStep, buf: SamplerBuffers):
@@ -63,9 +71,12 @@ def _sampler_spec(cfg: ForwardConfig, step: ForwardStep):
 PARTS: tuple[Part, ...] = (
     Part("sampler", _sampler_host, _sampler_spec,
          lambda cfg, T: SamplerBuffers(cfg.max_num_seqs, cfg.num_speculative_tokens, T)),
-    Part("cudagraph", gp.cudagraph_host, gp.cudagraph_spec, lambda cfg, T: gp.PaddingBuffers(cfg)),
-    Part("attention", gp.attention_host, gp.attention_spec, lambda cfg, T: gp.SplitRules(cfg)),
-    Part("backends", gp.backends_host, gp.backends_spec, lambda cfg, T: None),
+    Part("cudagraph", gp.cudagraph_host, gp.cudagraph_spec, lambda cfg, T: gp.PaddingBuffers(cfg),
+         (nf.cudagraph_numba, nf.PaddingBuffers)),
+    Part("attention", gp.attention_host, gp.attention_spec, lambda cfg, T: gp.SplitRules(cfg),
+         (nf.attention_numba, lambda cfg, T: nf.SplitBuffers(cfg))),
+    Part("backends", gp.backends_host, gp.backends_spec, lambda cfg, T: None,
+         (nf.backends_numba, lambda cfg, T: nf.BackendBuffers(cfg))),
 )
 
 
@@ -78,32 +89,39 @@ class ForwardInputs:
 
     def __getattr__(self, name: str):  # forward.sampler, forward.cudagraph, ...
         try:
-            return self.parts[name]
+            p = self.parts[name]
         except KeyError:
             raise AttributeError(name) from None
+        if type(p) is Deferred:  # made on first read (deferred.py)
+            p = self.parts[name] = p.make()
+        return p
 
     def to_dict(self) -> dict:
         """The dump keys of every part, in `PARTS` order (vLLM's names; docs/trace-format.md)."""
         out: dict = {}
-        for p in self.parts.values():
-            out.update(p.to_dict())
+        for name in self.parts:
+            out.update(getattr(self, name).to_dict())
         return out
 
 
 class ForwardBuilder:
-    """Computes a step's `ForwardInputs` with the host forms, into buffers allocated once."""
+    """Computes a step's `ForwardInputs` with the host forms (the numba forms where `numba` and written), into
+    buffers allocated once."""
 
-    def __init__(self, config: ForwardConfig, max_num_tokens: int) -> None:
+    def __init__(self, config: ForwardConfig, max_num_tokens: int, numba: bool = False) -> None:
         self.config = config
-        self.buffers = [p.buffers(config, max_num_tokens) for p in PARTS]
+        forms = [p.numba if numba and p.numba else (p.host, p.buffers) for p in PARTS]
+        self.buffers = [buffers(config, max_num_tokens) for _, buffers in forms]  # [parts] each form's buffers
+        self.forms = [(p.name, host, b) for p, (host, _), b in zip(PARTS, forms, self.buffers)]
 
     def host(self, step: ForwardStep) -> ForwardInputs:
         """Every part the backend has not already put in `step.parts`, in `PARTS` order."""
         cfg, done = self.config, step.parts
-        for p, b in zip(PARTS, self.buffers):
-            if p.name not in done:
-                done[p.name] = p.host(cfg, step, b)
-        return ForwardInputs(cfg.runner, {p.name: done[p.name] for p in PARTS})
+        native = bool(done)  # parts the backend built: `done` is then not in PARTS order
+        for name, host, b in self.forms:
+            if name not in done:
+                done[name] = host(cfg, step, b)
+        return ForwardInputs(cfg.runner, {name: done[name] for name, _, _ in self.forms} if native else done)
 
 
 def forward_spec(config: ForwardConfig, step: ForwardStep) -> ForwardInputs:

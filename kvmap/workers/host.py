@@ -43,6 +43,7 @@ class HostWorker(Worker):
 
     ops_class: ClassVar[type[MappingOps]]  # the backend's array functions, built once per worker
     computes_forward = True
+    numba_forward: ClassVar[bool] = False  # the forward parts' numba forms (forward/compiled.py) where written
 
     def __init__(self, header: TraceHeader, device: str = "cpu") -> None:
         super().__init__(header, device)
@@ -143,7 +144,7 @@ class HostWorker(Worker):
 
     def use_forward(self, config: ForwardConfig) -> None:
         super().use_forward(config)
-        self.forward_builder = ForwardBuilder(config, self.buffers.max_num_tokens)
+        self.forward_builder = ForwardBuilder(config, self.buffers.max_num_tokens, self.numba_forward)
 
     def prepare_forward(self) -> None:
         """The forward inputs by the numpy forms on the host mappings (device backends: host copies of theirs,

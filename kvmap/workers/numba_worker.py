@@ -1,5 +1,6 @@
-"""The compiled host backend (`numba`, the default): the batch order, the mapping phases, the hot state updates
-and the KV canary paths as numba kernels, over the host worker's state and buffers.
+"""The compiled host backend (`numba`, the default): the batch order, the mapping phases, the hot state updates,
+the KV canary paths and the forward parts (their numba forms, forward/compiled.py) as numba kernels, over the
+host worker's state and buffers.
 
 Rules: one kernel call per phase and group (workers/kernels_cpu.py, kv/kernels.py), each returning its slices of
 the buffers; the KV cache it makes writes and reads back through the compiled kernels, so `--backend numpy`
@@ -118,3 +119,4 @@ class NumbaWorker(HostWorker):
 
     name = "numba"
     ops_class = NumbaOps
+    numba_forward = True

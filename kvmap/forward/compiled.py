@@ -1,0 +1,162 @@
+"""The numba worker's forward parts: the rules of graph_parts.py by their numba forms (forward/kernels.py),
+over buffers allocated once.
+
+Rules:
+- Each `*_numba` part returns what its numpy form (`graph_parts.*_host`) returns, value for value
+  (tests/test_forward_compiled.py and the dumps of tests/test_forward_wired.py hold both to the specs); its
+  arrays are views of its buffers, valid until the next step.
+- A kernel per rule and step (or group): `step_shape` (the dispatch inputs), `pad_tails` (a padded step),
+  `common_split` (CommonAttentionMetadata and the split, once per distinct split rule), `paged_kv` (FlashInfer's
+  arrays, per group). What has no numba form runs its numpy form: the sampler (a numba form bought under
+  10%: docs/performance.md), the dispatcher's table lookups, chunked_local virtual batches (the
+  whole attention part then), DCP's local lengths, FlashAttention's and Triton's metadata.
+- The backends part runs its FlashInfer kernels in the phase and leaves the metadata objects to the first read
+  (`Deferred`, deferred.py: the dump's `to_dict`, `explain`).
+- A step's BatchDescriptor depends only on the configuration and (R, T, max_query_len, eligible): the
+  dispatcher's answers are remembered (shared between steps: results are never written, inputs.py).
+- Buffers hold max_num_seqs request rows and max_num_tokens token rows: a step never has more (the padded
+  counts come from capture sizes within both); the kernels check their bounds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvmap.aot import load
+from kvmap.forward import attention as A
+from kvmap.forward import cudagraph as C
+from kvmap.forward import flash_attn as FA
+from kvmap.forward import flashinfer as FI
+from kvmap.forward import graph_parts as gp
+from kvmap.forward.config import ForwardConfig
+from kvmap.forward.deferred import Deferred
+from kvmap.layout import PAD_SLOT_ID
+
+_KERNELS = "kvmap.forward.kernels"
+DESCS_KEPT = 4096  # dispatch results remembered per replay (a step's shape recurs; cleared when full)
+
+
+# ------------------------------------------------------------------------------------------ cudagraph
+
+class PaddingBuffers(gp.PaddingBuffers):
+    """The dispatcher, the kernels and the padded tails' buffers."""
+
+    def __init__(self, cfg: ForwardConfig, max_num_tokens: int) -> None:
+        super().__init__(cfg)
+        self.k = load(_KERNELS)
+        R, T = cfg.max_num_seqs, max_num_tokens
+        self.shape = np.zeros(3, dtype=np.int64)  # [T, max_query_len, decode_graph_eligible]
+        self.descs: dict = {}  # (R, T, max_query_len, eligible) -> (BatchDescriptor, num_slots): the config's
+        self.query_start_loc = np.zeros(R + 1, dtype=np.int32)  # [num_reqs_padded + 1]
+        self.seq_lens = np.zeros(R, dtype=np.int32)  # [num_reqs_padded]
+        self.slot_mapping = np.zeros((len(cfg.groups), T), dtype=np.int64)  # [G, num_slots]
+        self.is_padding = np.zeros(T, dtype=bool)  # [num_tokens_padded]
+        self.positions = np.zeros(T if cfg.runner == "v1" else 0, dtype=np.int64)  # [num_tokens_padded] (V1)
+
+
+def cudagraph_numba(cfg: ForwardConfig, step, buf: PaddingBuffers) -> gp.Padding:
+    r, m = step.rows, step.mappings()
+    qsl, mrv2 = r.query_start_loc, cfg.runner == "mrv2"
+    buf.k.step_shape(qsl, r.num_computed_tokens, r.prefill_len, r.idx_mapping, r.num_draft_tokens, mrv2, buf.shape)
+    key = (len(r.idx_mapping), *buf.shape.tolist())  # (R, T, max_query_len, decode_graph_eligible)
+    got = buf.descs.get(key)
+    if got is None:
+        if len(buf.descs) >= DESCS_KEPT:
+            buf.descs.clear()
+        desc = buf.dispatcher.dispatch(key[0], key[1], key[2], key[3] == 1)
+        got = buf.descs[key] = desc, C._num_slots(cfg.runner, desc, True)
+    desc, n = got
+    R, T = key[0], key[1]
+    tables = gp._tables(m)
+    Rp, Tp = desc.num_reqs_padded, desc.num_tokens_padded
+    if Tp == T and Rp == R:  # nothing padded: the arrays themselves
+        tails = C.PaddedTails(qsl, r.seq_lens, m.slot_mapping, tables, None, None if mrv2 else m.positions)
+    else:
+        slots = buf.slot_mapping[:, :n]
+        buf.k.pad_tails(qsl, r.seq_lens, m.slot_mapping, m.positions, R, T, Rp, Tp, n, PAD_SLOT_ID,
+                        buf.query_start_loc, buf.seq_lens, slots, buf.positions, buf.is_padding)
+        tails = C.PaddedTails(buf.query_start_loc[: Rp + 1], buf.seq_lens[:Rp], slots, tables, buf.is_padding[:Tp],
+                              None if mrv2 else buf.positions[:Tp])
+    return gp.Padding(desc, tails, buf.sizes[-1] if buf.sizes else 0)
+
+
+# ------------------------------------------------------------------------------------------ attention
+
+class SplitBuffers(gp.SplitRules):
+    """Each group's split rule, the kernels, and the metadata's buffers."""
+
+    def __init__(self, cfg: ForwardConfig) -> None:
+        super().__init__(cfg)
+        self.k = load(_KERNELS)
+        self.any_local = any(g.kind == "chunked_local" for g in cfg.groups)
+        self.is_prefilling = np.zeros(cfg.max_num_seqs, dtype=bool)  # [num_reqs] (V1) or [R] (MRV2)
+        self.out = np.zeros(6, dtype=np.int64)  # the kernel's scalars (kernels.common_split)
+        # the configuration's, per step the same (results are never written, inputs.py)
+        self.attending = [(g, self.rules[g]) for g, grp in enumerate(cfg.groups) if gp._attends(grp)]
+        self.thresholds = [self.rules[g][0] if gp._attends(grp) else None for g, grp in enumerate(cfg.groups)]
+        self.local = [False] * len(cfg.groups)  # [G] (a chunked_local group takes the numpy form)
+
+
+def attention_numba(cfg: ForwardConfig, step, buf: SplitBuffers) -> gp.Attention:
+    if buf.any_local:  # virtual batches: the numpy form
+        return gp.attention_host(cfg, step, buf)
+    pad: gp.Padding = step.parts["cudagraph"]
+    desc, tails = pad.desc, pad.tails
+    if desc.num_reqs == 0:
+        return gp._empty(cfg)
+    r, v1, R = step.rows, cfg.runner == "v1", desc.num_reqs
+    n, t = (desc.num_reqs_padded, desc.num_tokens_padded) if desc.pad_attn else (R, desc.num_tokens)
+    qsl, sl = tails.query_start_loc, tails.seq_lens  # [n + 1], [n] (the tails are the attention's counts)
+    if len(sl) != n:
+        qsl, sl = qsl[: n + 1], sl[:n]
+    pre = buf.is_prefilling[: n if v1 else R]
+    lens = r.num_prompt_tokens if v1 else r.prefill_len
+    common, splits = [None] * len(cfg.groups), [None] * len(cfg.groups)
+    memo: dict = {}  # (threshold, require_uniform) -> (max_query_len, max_seq_len, split)
+    for g, rule in buf.attending:
+        got = memo.get(rule)
+        if got is None:
+            th, uniform = rule
+            buf.k.common_split(qsl, sl, r.num_computed_tokens, lens, r.idx_mapping, n, t, v1,
+                               -1 if th is None else th, uniform, pre, buf.out)
+            o = buf.out.tolist()
+            got = memo[rule] = o[0], o[1], None if th is None else A.Split(o[2], o[3], o[4], o[5])
+        table = tails.block_tables[g]  # [R, W] (a padded row has no blocks: never read, graph_parts.py)
+        common[g] = A.CommonAttentionMetadata(qsl, sl, n, t, got[0], got[1], table if len(table) <= n else table[:n],
+                                              tails.slot_mapping[g], pre, sl)
+        splits[g] = got[2]
+    return gp.Attention(common, buf.thresholds, splits, buf.local)
+
+
+# ------------------------------------------------------------------------------------------ backends
+
+class BackendBuffers:
+    """Each group's FlashInfer buffers."""
+
+    def __init__(self, cfg: ForwardConfig) -> None:
+        k = load(_KERNELS)
+        self.flashinfer = [FI.NumbaBuffers(k) for _ in cfg.groups]  # [G]
+        self.names = gp.backend_names(cfg)  # [G] the configuration's (never written)
+
+    def build_flashinfer(self, g: int, *args) -> FI.FlashInferMetadata:
+        return FI.build_numba(self.flashinfer[g], *args)
+
+
+def backends_numba(cfg: ForwardConfig, step, buf: BackendBuffers):
+    """The part, its FlashInfer metadata objects made on first read (`inputs.Deferred`): the kernels run now."""
+    pending: list[int] = []  # the FlashInfer groups: a maker in `metadata` until read
+
+    def flashinfer(g: int, *args):
+        pending.append(g)
+        return FI.paged_kv_numba(buf.flashinfer[g], *args)
+
+    b = gp.backends_with(cfg, step, flashinfer, FA.build, buf.names)
+    if not pending:
+        return b
+
+    def make() -> gp.Backends:
+        for g in pending:
+            b.metadata[g] = b.metadata[g]()
+        return b
+
+    return Deferred(make)

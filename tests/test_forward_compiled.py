@@ -1,0 +1,146 @@
+"""kvmap.forward's numba forms (forward/kernels.py, composed by forward/compiled.py for the numba worker) equal
+their rules' scalar specs on fuzzed batches, as the numpy forms do (tests/test_forward.py); the kernels check
+their bounds. The whole parts are held to the specs through the numba worker's dumps (test_forward_wired.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kvmap.aot import load
+from kvmap.forward import attention as fa
+from kvmap.forward import cudagraph as cg
+from kvmap.forward import flashinfer as fib
+from kvmap.layout import PAD_SLOT_ID
+
+from .test_forward import _metadata, assert_equal, random_batch
+
+pytest.importorskip("numba")
+K = load("kvmap.forward.kernels")
+
+
+@pytest.mark.parametrize("runner", ["mrv2", "v1"])
+def test_shape_and_padded_tails_equal_the_specs_fuzzed(runner):
+    rng = np.random.default_rng(2601)
+    for i in range(150):
+        k = int(rng.integers(0, 3))
+        mode = ("NONE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL")[i % 4]
+        q, computed, seq = random_batch(rng, 16, k)
+        R, T = len(q), int(q.sum())
+        qsl = np.zeros(R + 1, dtype=np.int32)
+        np.cumsum(q, out=qsl[1:])
+        idx = rng.permutation(20)[:R].astype(np.int32)
+        prefill = rng.integers(0, 250, 20).astype(np.int32)
+        drafts = np.minimum(rng.integers(0, k + 1, R), q - 1).astype(np.int32)
+        shape = np.zeros(3, dtype=np.int64)
+        K.step_shape(qsl, computed, prefill, idx, drafts, runner == "mrv2", shape)
+        pre = [int(prefill[j]) for j in idx]
+        eligible = cg.decode_graph_eligible(q.tolist(), drafts.tolist(), np.minimum(computed, pre).tolist(), pre)
+        assert shape.tolist() == [T, int(q.max()), int(eligible) if runner == "mrv2" else 1]
+        sizes = cg.resolve_capture_sizes(runner, mode, None, 16, 4096, k)
+        desc = cg.dispatch(runner, mode, sizes, 16, k, R, T, int(q.max()), eligible)
+        slots = rng.integers(0, 10**6, (2, T)).astype(np.int64)
+        positions = np.arange(T, dtype=np.int64) + 7
+        spec = cg.pad_tails_spec(runner, desc, qsl, seq, slots, [], positions)
+        Rp, Tp, n = desc.num_reqs_padded, desc.num_tokens_padded, spec.slot_mapping.shape[1]
+        out = (np.zeros(Rp + 1, np.int32), np.zeros(Rp, np.int32), np.zeros((2, n), np.int64),
+               np.zeros(Tp if runner == "v1" else 0, np.int64), np.zeros(Tp, bool))
+        K.pad_tails(qsl, seq, slots, positions, R, T, Rp, Tp, n, PAD_SLOT_ID, *out)
+        got = cg.PaddedTails(*out[:3], [], out[4], out[3] if runner == "v1" else None)
+        assert_equal(got, spec)
+
+
+@pytest.mark.parametrize("runner", ["mrv2", "v1"])
+def test_common_metadata_and_split_equal_the_specs_fuzzed(runner):
+    rng = np.random.default_rng(2602)
+    for i in range(150):
+        k = int(rng.integers(0, 3))
+        mode = ("NONE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL")[i % 4]
+        desc, cms = _metadata(rng, runner, mode, k, groups=1)
+        cm, R = cms[0], desc.num_reqs
+        # the rule's inputs again, per request row (the kernel reads them through idx_mapping)
+        idx = np.arange(R, dtype=np.int32)[::-1].copy()
+        computed = rng.integers(0, 200, R).astype(np.int32)
+        prompt = rng.integers(0, 260, R).astype(np.int32)
+        by_row = np.zeros(R, np.int32)
+        by_row[idx] = prompt
+        want = fa.common_metadata_spec(runner, desc, _tails(cm, desc), 0, computed, prompt)
+        pre = np.zeros(cm.num_reqs if runner == "v1" else R, dtype=bool)
+        out = np.zeros(6, dtype=np.int64)
+        for t, u in ((1, False), (1, True), (1 + k, True), (128, True), (3, False)):
+            K.common_split(cm.query_start_loc, cm.seq_lens, computed, by_row, idx, cm.num_reqs, cm.num_actual_tokens,
+                           runner == "v1", t, u, pre, out)
+            assert out[:2].tolist() == [want.max_query_len, want.max_seq_len]
+            assert pre.tolist() == want.is_prefilling.tolist()
+            sp = fa.split_decodes_and_prefills_spec(cm.query_start_loc, cm.num_reqs, cm.num_actual_tokens,
+                                                    want.max_query_len, t, u)
+            assert fa.Split(*out[2:].tolist()) == sp, (t, u)
+
+
+def _tails(cm, desc):
+    """The padded tails a metadata was built from (the fields the rule reads)."""
+    return cg.PaddedTails(cm.query_start_loc, cm.seq_lens, cm.slot_mapping[None], [cm.block_table_tensor], None, None)
+
+
+@pytest.mark.parametrize("runner", ["mrv2", "v1"])
+def test_flashinfer_numba_equals_the_spec_fuzzed(runner):
+    rng = np.random.default_rng(2603)
+    buf = fib.NumbaBuffers(K)
+    for i in range(150):
+        k = int(rng.integers(0, 3))
+        mode = ("NONE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL")[i % 4]
+        _, cms = _metadata(rng, runner, mode, k)
+        cm = cms[0]
+        for cp, rank, inter in ((1, 0, 1), (2, 1, 1), (4, 3, 8), (4, 0, 16)):
+            sp = fa.split(cm, "FLASHINFER", k, cp, runner=runner)
+            for fa2 in (False, True):
+                if fa2 and sp.num_decodes and sp.num_decode_tokens % sp.num_decodes:
+                    continue
+                a = (cm, sp, 16, k, cp, rank, inter, fa2)
+                assert_equal(fib.build_numba(buf, *a), fib.build_spec(*a))
+
+
+def test_flashinfer_kernel_checks_its_bounds():
+    """A row claiming more pages than its table row holds is an IndexError, not a read past the table."""
+    kv = np.array([16 * 5 + 1], dtype=np.int32)  # 6 pages
+    table = np.arange(5, dtype=np.int32).reshape(1, 5)
+    with pytest.raises(IndexError):
+        K.paged_kv(kv, table, 16, 1, np.zeros(2, np.int32), np.zeros(64, np.int32), np.zeros(1, np.int32))
+
+
+def test_deferred_flashinfer_metadata_is_made_on_first_read():
+    """The numba worker's backends part leaves its FlashInfer objects to the first read (forward/deferred.py):
+    after prepare_forward the part is pending; an attribute read makes it once, and the values are the numpy
+    worker's."""
+    from kvmap.forward.deferred import Deferred
+    from kvmap.run.config import ReplayConfig
+    from kvmap.run.replay import replay
+    from kvmap.trace import Trace
+    from kvmap.workers.registry import make_worker
+
+    from .conftest import TRACES
+
+    trace = Trace(TRACES / "spec_decode.jsonl")
+    cfg = ReplayConfig(forward=True, nvtx=False, warmup=0, write_kv=False, attention_backend="FLASHINFER",
+                       cudagraph_mode="FULL_AND_PIECEWISE", cudagraph_capture_sizes="default")
+    want: list[dict] = []
+    replay(trace, replace(cfg, backend="numpy"), on_mappings=want.append)
+    w = make_worker("numba", trace.header)
+    seen: list[int] = []
+
+    def check(step: int) -> None:
+        f = w.forward
+        if not want[step]["req_ids"]:  # no request: no metadata, nothing deferred
+            assert f.backends.metadata == [None]
+            return
+        assert type(f.parts["backends"]) is Deferred
+        md = f.backends.metadata[0]
+        assert isinstance(md, fib.FlashInferMetadata) and f.backends is f.parts["backends"]
+        assert md.paged_kv_indptr.tolist() == want[step]["paged_kv_indptr"][0]
+        assert w.mappings_dict() == want[step]
+        seen.append(step)
+
+    replay(trace, cfg, worker=w, on_step=check)
+    assert len(seen) == sum(1 for d in want if d["req_ids"]) > 0
