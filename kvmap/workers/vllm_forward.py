@@ -214,17 +214,14 @@ class VllmAttentionParts:
 
     def backends(self, step) -> gp.Backends:
         """FLASHINFER groups by vLLM's builder (else kvmap's numpy form); other backends kvmap's."""
-        att: gp.Attention = step.parts["attention"]
-        group_of = {id(cm): g for g, cm in enumerate(att.common) if cm is not None}
         rank = step.mappings().ranks[0]
 
-        def fi_build(cm, sp, *args):
-            g = group_of[id(cm)]
+        def fi_build(g, cm, sp, *args):
             if self.flashinfer_error is not None or cm.num_reqs > self.h.max_num_seqs:  # vllm#49980
                 return FI.build(cm, sp, *args)
             return self.flashinfer(g, self.vcms[g], rank)
 
-        return gp._backends(self.cfg, step, fi_build, gp.FA.build)
+        return gp.backends_with(self.cfg, step, fi_build, gp.FA.build)
 
     def flashinfer(self, g: int, v, rank: int) -> FI.FlashInferMetadata:
         import vllm.v1.attention.backends.flashinfer as fi
