@@ -43,7 +43,9 @@ def test_the_long_traces_prefill_steps_are_not_outliers():
     med = np.median(total)
     old = 0.6745 * (total - med) / np.median(np.abs(total - med)) > 14  # the median-step rule this replaces
     slow = slow_steps(work, nt, nr)
-    assert old.sum() > 50 and np.median(nt[old]) > 500  # what it flagged: the big prefill steps
+    # what it flagged: the big prefill steps (about 70 on a quiet machine; fewer when other work widens the
+    # spread: 25 with the test suite running beside it)
+    assert old.sum() >= 10 and np.median(nt[old]) > 500
     assert len(slow.index) <= len(m) // 100  # a busy machine may still slow a few steps, not the big ones
     assert not any("--warmup" in w for w in warnings(r))
 
