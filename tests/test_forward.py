@@ -175,3 +175,31 @@ def test_thresholds():
     assert fa.reorder_batch_threshold("TRITON_MLA", 2, runner="v1", parallel_drafting=True) == 1 + 2 * 2
     with pytest.raises(ValueError, match="unknown attention backend"):
         fa.reorder_batch_threshold("NOPE")
+
+
+@pytest.mark.parametrize("backend", ["reference", "numpy", "numba"])
+def test_mrv2_upper_bound_adds_the_async_spec_correction(backend):
+    """Model Runner V2 keeps the scheduler's optimistic num_computed_tokens on the host, so under async spec
+    decode `seq_lens_cpu_upper_bound` (and `max_seq_len`, its maximum) is seq_lens + the step's
+    num_computed_tokens_correction of each row (vllm/v1/worker/gpu/model_runner.py 1271-1278, 1534-1541); V1
+    corrects its own first: there the bound is seq_lens. Checked in every form on async_spec_decode.jsonl."""
+    from kvmap.run.config import ReplayConfig
+    from kvmap.run.replay import replay
+    from kvmap.trace import Trace
+
+    from .conftest import TRACES
+
+    trace = Trace(TRACES / "async_spec_decode.jsonl")
+    corr = {s.step: s.async_spec.num_computed_tokens_correction for s in trace.steps() if s.async_spec}
+    seen = 0
+    for runner in ("mrv2", "v1"):
+        got = []
+        replay(trace, ReplayConfig(backend=backend, nvtx=False, warmup=0, forward=True, batch_order=runner),
+               on_mappings=got.append)
+        for d in got:
+            c = corr.get(d["step"]) or {}
+            extra = [c.get(r, 0) if runner == "mrv2" else 0 for r in d["req_ids"]]
+            if d["req_ids"]:
+                assert d["max_seq_len"] == max(s + e for s, e in zip(d["seq_lens"], extra)), (runner, d["step"])
+                seen += runner == "mrv2" and d["max_seq_len"] > max(d["seq_lens"])
+    assert seen >= 5  # steps where the optimistic bound is the larger

@@ -10,7 +10,10 @@ Rules (issue 26 forward-pass notes, section 5; vllm/v1/attention/backend.py 389-
   `max_seq_len` the maximum of `seq_lens_cpu_upper_bound` (0 on padded rows).
 - `is_prefilling`: V1 `num_computed_tokens < num_prompt_tokens`, length n, padded rows False; MRV2
   `num_computed_prefill_tokens < prefill_len` (prefill_len counts pre-preemption outputs), length R.
-- `seq_lens_cpu_upper_bound` = seq_lens (exact outside async spec decode), 0 on padded rows.
+- `seq_lens_cpu_upper_bound` = seq_lens, 0 on padded rows; under MRV2 with async spec decode each row's
+  `num_computed_tokens_correction` is added (MRV2 keeps the scheduler's optimistic num_computed_tokens on the
+  host, `req_states.num_computed_tokens_np`, model_runner.py 1271-1278 and 1534-1541; V1 corrects its own
+  before it adds). `max_seq_len` is its maximum, so it follows.
 - `split_decodes_and_prefills`: all decodes when max_query_len <= threshold (and uniform not required or the
   threshold is 1); none when the first row is above the threshold; with require_uniform, rows equal to the
   first or 0 (FULL-graph padding) are decodes, else a row differing from the first and nonzero is a prefill;
@@ -32,7 +35,7 @@ import numpy as np
 
 from kvmap.forward.cudagraph import BatchDescriptor, PaddedTails
 
-__all__ = ["BACKENDS", "BackendRules", "CommonAttentionMetadata", "Split", "common_metadata",
+__all__ = ["BACKENDS", "BackendRules", "CommonAttentionMetadata", "Split", "common_metadata", "upper_bound",
            "common_metadata_spec", "reorder_batch_threshold", "require_uniform", "split",
            "split_decodes_and_prefills", "split_decodes_and_prefills_spec", "split_decodes_prefills_and_extends",
            "split_decodes_prefills_and_extends_spec"]
@@ -62,8 +65,9 @@ def _counts(desc: BatchDescriptor) -> tuple[int, int]:
 
 
 def common_metadata_spec(runner: str, desc: BatchDescriptor, tails: PaddedTails, group: int,
-                         num_computed_tokens, prompt_or_prefill_len) -> CommonAttentionMetadata:
-    """Scalar spec. `prompt_or_prefill_len` [R]: V1 num_prompt_tokens, MRV2 prefill_len."""
+                         num_computed_tokens, prompt_or_prefill_len, correction=None) -> CommonAttentionMetadata:
+    """Scalar spec. `prompt_or_prefill_len` [R]: V1 num_prompt_tokens, MRV2 prefill_len; `correction` [R] or
+    None: the rows' num_computed_tokens_correction (async spec decode)."""
     n, t = _counts(desc)
     R = desc.num_reqs
     qsl = [int(tails.query_start_loc[b]) for b in range(n + 1)]
@@ -71,16 +75,20 @@ def common_metadata_spec(runner: str, desc: BatchDescriptor, tails: PaddedTails,
     rows = R if runner == "mrv2" else n
     pre = [b < R and int(num_computed_tokens[b]) < int(prompt_or_prefill_len[b]) for b in range(rows)]
     max_q = max(qsl[b + 1] - qsl[b] for b in range(R))
+    up = [sl[b] + (int(correction[b]) if runner == "mrv2" and correction is not None and b < R else 0)
+          for b in range(n)]
     return CommonAttentionMetadata(
-        np.array(qsl, dtype=np.int32), np.array(sl, dtype=np.int32), n, t, max_q, max(sl),
+        np.array(qsl, dtype=np.int32), np.array(sl, dtype=np.int32), n, t, max_q, max(up),
         tails.block_tables[group][:n], tails.slot_mapping[group], np.array(pre, dtype=bool),
-        np.array(sl, dtype=np.int32))
+        np.array(up, dtype=np.int32))
 
 
 def common_metadata(runner: str, desc: BatchDescriptor, tails: PaddedTails, group: int,
-                    num_computed_tokens: np.ndarray, prompt_or_prefill_len: np.ndarray) -> CommonAttentionMetadata:
+                    num_computed_tokens: np.ndarray, prompt_or_prefill_len: np.ndarray,
+                    correction: np.ndarray | None = None) -> CommonAttentionMetadata:
     """The entry point per step and group (numpy form). `tails`: the step's `cudagraph.pad_tails`;
-    num_computed_tokens [R] int32; prompt_or_prefill_len [R] int32 (V1: num_prompt_tokens, MRV2: prefill_len)."""
+    num_computed_tokens [R] int32; prompt_or_prefill_len [R] int32 (V1: num_prompt_tokens, MRV2: prefill_len);
+    correction [R] int32 or None (async spec decode)."""
     n, t = _counts(desc)
     R = desc.num_reqs
     qsl = tails.query_start_loc[: n + 1]
@@ -91,8 +99,18 @@ def common_metadata(runner: str, desc: BatchDescriptor, tails: PaddedTails, grou
         pre = np.zeros(n, dtype=bool)
         np.less(num_computed_tokens[:R], prompt_or_prefill_len[:R], out=pre[:R])
     max_q = int((qsl[1: R + 1] - qsl[:R]).max())
-    return CommonAttentionMetadata(qsl, sl, n, t, max_q, int(sl.max()), tails.block_tables[group][:n],
-                                   tails.slot_mapping[group], pre, sl)
+    up = upper_bound(runner, sl, R, correction)
+    return CommonAttentionMetadata(qsl, sl, n, t, max_q, int(up.max()), tails.block_tables[group][:n],
+                                   tails.slot_mapping[group], pre, up)
+
+
+def upper_bound(runner: str, seq_lens: np.ndarray, R: int, correction: np.ndarray | None) -> np.ndarray:
+    """[n] seq_lens_cpu_upper_bound (numpy form): `seq_lens` itself unless MRV2 rows carry a correction."""
+    if runner != "mrv2" or correction is None:
+        return seq_lens
+    up = seq_lens.copy()
+    up[:R] += correction[:R]
+    return up
 
 
 # ------------------------------------------------------------------------------------------ thresholds

@@ -111,19 +111,20 @@ def attention_numba(cfg: ForwardConfig, step, buf: SplitBuffers) -> gp.Attention
         qsl, sl = qsl[: n + 1], sl[:n]
     pre = buf.is_prefilling[: n if v1 else R]
     lens = r.num_prompt_tokens if v1 else r.prefill_len
+    up = A.upper_bound(cfg.runner, sl, R, r.num_computed_tokens_correction)  # [n]: max_seq_len's source
     common, splits = [None] * len(cfg.groups), [None] * len(cfg.groups)
     memo: dict = {}  # (threshold, require_uniform) -> (max_query_len, max_seq_len, split)
     for g, rule in buf.attending:
         got = memo.get(rule)
         if got is None:
             th, uniform = rule
-            buf.k.common_split(qsl, sl, r.num_computed_tokens, lens, r.idx_mapping, n, t, v1,
+            buf.k.common_split(qsl, up, r.num_computed_tokens, lens, r.idx_mapping, n, t, v1,
                                -1 if th is None else th, uniform, pre, buf.out)
             o = buf.out.tolist()
             got = memo[rule] = o[0], o[1], None if th is None else A.Split(o[2], o[3], o[4], o[5])
         table = tails.block_tables[g]  # [R, W] (a padded row has no blocks: never read, graph_parts.py)
         common[g] = A.CommonAttentionMetadata(qsl, sl, n, t, got[0], got[1], table if len(table) <= n else table[:n],
-                                              tails.slot_mapping[g], pre, sl)
+                                              tails.slot_mapping[g], pre, up)
         splits[g] = got[2]
     return gp.Attention(common, buf.thresholds, splits, buf.local)
 

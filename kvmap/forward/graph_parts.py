@@ -263,7 +263,8 @@ def attention_host(cfg: ForwardConfig, step, buf: SplitRules) -> Attention:
         return _empty(cfg)
     r, m = step.rows, step.mappings()
     lens = (r.prefill_len if cfg.runner == "mrv2" else r.num_prompt_tokens)[r.idx_mapping]
-    cm0 = A.common_metadata(cfg.runner, pad.desc, pad.tails, 0, r.num_computed_tokens, lens)
+    cm0 = A.common_metadata(cfg.runner, pad.desc, pad.tails, 0, r.num_computed_tokens, lens,
+                            r.num_computed_tokens_correction)
     common, thresholds, splits, local = [], [], [], []
     memo: dict = {}  # (threshold, require_uniform) -> split of the shared metadata
     for g, grp in enumerate(cfg.groups):
@@ -309,7 +310,8 @@ def attention_spec(cfg: ForwardConfig, step) -> Attention:
             thresholds.append(None)
             splits.append(None)
             continue
-        cm = A.common_metadata_spec(cfg.runner, pad.desc, pad.tails, g, r.num_computed_tokens, lens)
+        cm = A.common_metadata_spec(cfg.runner, pad.desc, pad.tails, g, r.num_computed_tokens, lens,
+                                    r.num_computed_tokens_correction)
         if local[-1]:
             cm = L.virtual_batches_spec(replace(cm, block_table_tensor=_local_table_spec(cfg, grp, m, g,
                                                                                           cm.num_reqs)),

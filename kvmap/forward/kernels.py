@@ -60,10 +60,11 @@ def pad_tails(query_start_loc, seq_lens, slot_mapping, positions, R, T, Rp, Tp, 
 
 
 @_jit
-def common_split(query_start_loc, seq_lens, num_computed_tokens, prompt_or_prefill_len, idx_mapping, n,
+def common_split(query_start_loc, seq_lens_cpu_upper_bound, num_computed_tokens, prompt_or_prefill_len, idx_mapping, n,
                  num_actual_tokens, v1, threshold, require_uniform, is_prefilling_out, out):
     """attention.common_metadata's scalars and flags with split_decodes_and_prefills (short extends as decodes),
-    over the padded query_start_loc [n + 1] and seq_lens [n] and the unpadded R = len(idx_mapping) rows.
+    over the padded query_start_loc [n + 1] and seq_lens_cpu_upper_bound [n] and the unpadded R =
+    len(idx_mapping) rows.
     is_prefilling_out: [n] under V1 (padded rows False), [R] under MRV2; `prompt_or_prefill_len` per request
     row (V1 num_prompt_tokens, MRV2 prefill_len). out: [max_query_len, max_seq_len, num_decodes, num_prefills,
     num_decode_tokens, num_prefill_tokens]; threshold < 0: no split (out[2:] untouched)."""
@@ -77,7 +78,7 @@ def common_split(query_start_loc, seq_lens, num_computed_tokens, prompt_or_prefi
             is_prefilling_out[b] = False
     max_seq = 0
     for b in range(n):
-        max_seq = max(max_seq, seq_lens[b])
+        max_seq = max(max_seq, seq_lens_cpu_upper_bound[b])
     out[0] = max_q
     out[1] = max_seq
     if threshold < 0:

@@ -49,6 +49,19 @@ class SamplerRows:
     num_prompt_tokens: np.ndarray  # [max_num_seqs] int32, req_state_idx -> V1 input_batch.num_prompt_tokens
     input_ids: np.ndarray  # [T] int32, flat token -> token id (drafts staged at their positions)
     has_drafts: bool = True  # the step schedules drafts (scheduled_spec_decode_tokens non-empty): MRV2's test
+    # [R] int32 or None, batch_idx -> how far the scheduler's num_computed_tokens is above the worker's (async
+    # spec decode's num_computed_tokens_correction; None: no row's is)
+    num_computed_tokens_correction: np.ndarray | None = None
+
+
+def corrections(step, batch_req_ids) -> np.ndarray | None:
+    """[R] int32 batch_idx -> the request's num_computed_tokens_correction this step (async spec decode), or None
+    when the step carries none (`step`: the trace's Step; `batch_req_ids`: the ids in batch order)."""
+    a = step.async_spec if step is not None else None
+    corr = a.num_computed_tokens_correction if a is not None else None
+    if not corr:
+        return None
+    return np.array([corr.get(r, 0) for r in batch_req_ids], dtype=np.int32)
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ import numpy as np
 from kvmap.errors import TraceError
 from kvmap.forward.config import ForwardConfig
 from kvmap.forward.inputs import ForwardBuilder, ForwardStep
-from kvmap.forward.sampler import SamplerRows
+from kvmap.forward.sampler import SamplerRows, corrections
 from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
 from kvmap.layout import null_history_groups, rank_layouts, seq_layouts
 from kvmap.trace import Step, TraceHeader
@@ -158,8 +158,10 @@ class HostWorker(Worker):
         i = self.inputs if self.mirror is None else self.mappings()
         spec = b.step is None or b.step.scheduler_output.scheduled_spec_decode_tokens
         drafts = b.num_draft_tokens[b.order] if spec else b.num_draft_tokens  # no drafts: zeros in any order
+        a = b.step.async_spec if b.step is not None else None
+        corr = corrections(b.step, b.batch_req_ids()) if a is not None else None
         rows = SamplerRows(i.idx_mapping, i.query_start_loc, i.seq_lens, i.num_computed_tokens, drafts,
-                           st.prefill_len, st.num_prompt_tokens, i.input_ids, bool(spec))
+                           st.prefill_len, st.num_prompt_tokens, i.input_ids, bool(spec), corr)
         return ForwardStep(rows, self.mappings, self.last_sampled_tokens)
 
     def last_sampled_tokens(self) -> np.ndarray:
