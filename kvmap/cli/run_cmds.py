@@ -17,6 +17,10 @@ from kvmap.cli.console import ProgressBar, Spinner, err, out
 from kvmap.cli.guard import user_errors
 from kvmap.cli.options import (AttentionBackendOpt, BackendOpt, CaptureSizesOpt, CudagraphModeOpt, PercentilesOpt,
                                StepsOpt, TraceArg, WarmupOpt, parse_percentiles, parse_steps)
+from kvmap.cli.replay_options import (BatchOrderOpt, CsvOpt, DeviceOpt, DumpOpt, ForwardOpt, HeadSizeOpt, HtmlOpt,
+                                      JsonOpt, KvDtypeOpt, KvHeadsOpt, NoKvOpt, NprocOpt, NvtxCaptureOpt, NvtxOpt,
+                                      ProgressOpt, QuietOpt, RankOpt, ReorderOpt, RunnerOpt, RunsOpt, TraceOutOpt,
+                                      VerifyKvOpt)
 from kvmap import defaults
 from kvmap.errors import KvmapError
 
@@ -48,29 +52,6 @@ Examples:
 }
 
 
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, or cuda[:N] (state, mappings and KV cache on the GPU; "
-                                        "needs --backend torch or triton).", rich_help_panel="Backend")]
-RunnerOpt = Annotated[Optional[str], typer.Option("--runner", help="mrv2 (Model Runner V2: batch sorted by "
-                                                 "scheduled tokens) or v1 (V1's persistent batch: lowest hole, "
-                                                 "condense): the batch order and the --forward rules, to diff dumps "
-                                                 "against either runner. Default: the trace header's runner, else "
-                                                 "mrv2.", show_default=False, rich_help_panel="Backend")]
-BatchOrderOpt = Annotated[Optional[str], typer.Option("--batch-order", hidden=True,
-                                                      help="Deprecated name of --runner.")]
-ReorderOpt = Annotated[Optional[int], typer.Option("--reorder-threshold", help="With --runner v1: the attention "
-                                                   "backend's reorder_batch_threshold (decode-first regions; "
-                                                   "FlashAttention sets none).", min=1, rich_help_panel="Backend")]
-
-HtmlOpt = Annotated[Optional[Path], typer.Option("--html", metavar="FILE", help="Write a self-contained HTML "
-                                                 "report: time per step and phase, cost against batch size, "
-                                                 "batch composition, KV cache occupancy and memory efficiency "
-                                                 "(opens offline).", rich_help_panel="Outputs")]
-
-RunsOpt = Annotated[int, typer.Option("--runs", metavar="N", help="Replay N times, each with a fresh worker and KV "
-                                      "cache; the summary adds each phase's mean +- sigma over the runs' medians "
-                                      "(other figures: the last run).", min=1, rich_help_panel="Window")]
-
-
 @user_errors
 def replay(
     trace: TraceArg = None,
@@ -82,53 +63,27 @@ def replay(
     reorder_threshold: ReorderOpt = None,
     warmup: WarmupOpt = defaults.WARMUP,
     runs: RunsOpt = 1,
-    forward: Annotated[bool, typer.Option("--forward", help="Also compute every step's other forward-pass inputs "
-                                          "(sampler indices, CUDA-graph padding, attention metadata and the "
-                                          "decode/prefill split, backend metadata; docs/trace-format.md, "
-                                          "\"Forward-pass dump keys\") as the timed phase prepare_forward; "
-                                          "--dump-mappings then carries them.",
-                                          rich_help_panel="Forward pass")] = False,
+    forward: ForwardOpt = False,
     attention_backend: AttentionBackendOpt = None,
     cudagraph_mode: CudagraphModeOpt = None,
     cudagraph_capture_sizes: CaptureSizesOpt = None,
-    verify_kv: Annotated[bool, typer.Option("--verify-kv", help="Read back every scheduled request's "
-                                            "readable context from the KV cache each step and check it bit "
-                                            "for bit.", rich_help_panel="KV cache")] = False,
-    no_kv: Annotated[bool, typer.Option("--no-kv", help="Do not write the KV cache (mappings only).",
-                                        rich_help_panel="KV cache")] = False,
-    kv_heads: Annotated[int, typer.Option(help="KV heads per token in the KV cache.", min=1,
-                                          rich_help_panel="KV cache")] = defaults.KV_HEADS,
-    head_size: Annotated[int, typer.Option(help="Head size of the KV cache.", min=1,
-                                           rich_help_panel="KV cache")] = defaults.KV_HEAD_SIZE,
-    kv_dtype: Annotated[str, typer.Option(help="KV cache dtype: bfloat16, float16, float32, fp8.",
-                                          rich_help_panel="KV cache")] = defaults.KV_DTYPE,
-    dump_mappings: Annotated[Optional[Path], typer.Option(help="Write every step's mappings as JSON "
-                                                          "Lines (docs/trace-format.md).",
-                                                          rich_help_panel="Outputs")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the run (summary, per-phase "
-                                                     "statistics, per-step timings) as JSON.",
-                                                     rich_help_panel="Outputs")] = None,
-    csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write one CSV row per step and phase.",
-                                                    rich_help_panel="Outputs")] = None,
-    trace_out: Annotated[Optional[Path], typer.Option("--trace-out", help="Write a Chrome trace-event file "
-                                                      "(Perfetto), one track per phase.",
-                                                      rich_help_panel="Outputs")] = None,
+    verify_kv: VerifyKvOpt = False,
+    no_kv: NoKvOpt = False,
+    kv_heads: KvHeadsOpt = defaults.KV_HEADS,
+    head_size: HeadSizeOpt = defaults.KV_HEAD_SIZE,
+    kv_dtype: KvDtypeOpt = defaults.KV_DTYPE,
+    dump_mappings: DumpOpt = None,
+    json_out: JsonOpt = None,
+    csv_out: CsvOpt = None,
+    trace_out: TraceOutOpt = None,
     html_out: HtmlOpt = None,
-    nvtx: Annotated[bool, typer.Option("--nvtx/--no-nvtx", help="Emit NVTX ranges (domain kvmap).",
-                                       rich_help_panel="Outputs")] = True,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.",
-                                           rich_help_panel="Outputs")] = True,
-    nvtx_capture: Annotated[bool, typer.Option("--nvtx-capture", hidden=True,
-                                               help="Wrap the measured steps in the kvmap_capture range.")] = False,
+    nvtx: NvtxOpt = True,
+    progress: ProgressOpt = True,
+    nvtx_capture: NvtxCaptureOpt = False,
     percentiles: PercentilesOpt = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no summary.", rich_help_panel="Outputs")] = False,
-    rank: Annotated[Optional[int], typer.Option("--rank", help="DCP traces: compute only this decode context "
-                                                "parallel rank (default: every rank, in this process).",
-                                                min=0, rich_help_panel="Multi-rank")] = None,
-    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Run one process per rank on "
-                                                 "torch.distributed (gloo on CPU, NCCL on cuda), launched with "
-                                                 "torchrun; the dump equals the one-process replay.",
-                                                 min=1, rich_help_panel="Multi-rank")] = None,
+    quiet: QuietOpt = False,
+    rank: RankOpt = None,
+    nproc: NprocOpt = None,
 ) -> None:
     """Replay a trace step by step: every index mapping, a real paged KV cache, a timing summary."""
     from kvmap.files import check_outputs, resolve_trace
