@@ -90,13 +90,11 @@ def build_scheduler(w: Workload):
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if w.protocol == "v2" else "0"
-    try:
-        import torch
+    try:  # vLLM imports torch: a missing one is named here too
         from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, \
             resolve_kv_cache_block_sizes
-        from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, \
-            KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import KVCacheConfig
         from vllm.v1.structured_output import StructuredOutputManager
     except ImportError as e:
         raise KvmapError(f"{INSTALL_HINT} ({e})") from None
@@ -134,6 +132,29 @@ def build_scheduler(w: Workload):
         why = str(why).split(" [type=")[0]
         raise KvmapError(f"vLLM refuses this configuration: {why}",
                          field="async_scheduling" if w.async_scheduling else None) from None
+    groups = kv_cache_group_specs(w)
+    kvc = KVCacheConfig(num_blocks=w.num_gpu_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    cc.num_gpu_blocks = w.num_gpu_blocks
+    bs, hbs = resolve_kv_cache_block_sizes(kvc, vc)
+    scheduler = sc.get_scheduler_cls()(vllm_config=vc, kv_cache_config=kvc,
+                                       structured_output_manager=StructuredOutputManager(vc),
+                                       block_size=bs, hash_block_size=hbs)
+    hasher = None
+    if w.enable_prefix_caching:
+        from vllm.utils.hashing import get_hash_fn_by_name
+
+        hash_fn = get_hash_fn_by_name(cc.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(hbs, hash_fn)
+    return vc, kvc, scheduler, hasher
+
+
+def kv_cache_group_specs(w: Workload) -> list:
+    """vLLM's KVCacheGroupSpec of each of the workload's groups (layers named in order, tiny heads)."""
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroupSpec, \
+        MambaSpec, SlidingWindowSpec
+
     groups, n = [], 0
     for g in w.kv_cache_groups:
         names = [f"model.layers.{n + i}.self_attn" for i in range(g.num_layers)]
@@ -152,20 +173,7 @@ def build_scheduler(w: Workload):
         else:
             spec = FullAttentionSpec(block_size=w.block_size, num_kv_heads=1, head_size=8, dtype=torch.float16)
         groups.append(KVCacheGroupSpec(names, spec))
-    kvc = KVCacheConfig(num_blocks=w.num_gpu_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
-    cc.num_gpu_blocks = w.num_gpu_blocks
-    bs, hbs = resolve_kv_cache_block_sizes(kvc, vc)
-    scheduler = sc.get_scheduler_cls()(vllm_config=vc, kv_cache_config=kvc,
-                                       structured_output_manager=StructuredOutputManager(vc),
-                                       block_size=bs, hash_block_size=hbs)
-    hasher = None
-    if w.enable_prefix_caching:
-        from vllm.utils.hashing import get_hash_fn_by_name
-
-        hash_fn = get_hash_fn_by_name(cc.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        hasher = get_request_block_hasher(hbs, hash_fn)
-    return vc, kvc, scheduler, hasher
+    return groups
 
 
 def workload_forward(w: Workload) -> dict:
