@@ -159,9 +159,9 @@ class ReferenceWorker(Worker):
         c = step.scheduler_output.scheduled_cached_reqs
         for r in c.req_ids:
             self._live(step, r, "scheduled_cached_reqs.req_ids")
-        corrections = step.async_spec.num_computed_tokens_correction if step.async_spec is not None else {}
+        corr = step.async_spec.num_computed_tokens_correction if step.async_spec is not None else {}
         for r, nc in zip(c.req_ids, c.num_computed_tokens):
-            k = corrections.get(r, 0)  # async spec decode: the worker-true start
+            k = corr.get(r, 0)  # async spec decode: the worker-true start
             if k > nc:
                 raise self._error(step, r, f"correction {k} is larger than num_computed_tokens {nc}",
                                   "num_computed_tokens_correction", "schema")
