@@ -120,7 +120,7 @@ def test_the_recorder_writes_extra_retained_tokens():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
-    from kvmap.record.recorder import header_from_config
+    from kvmap.record.header import header_from_config
 
     kw = dict(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16)
     groups = [KVCacheGroupSpec(["a"], FullAttentionSpec(**kw)),

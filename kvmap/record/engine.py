@@ -31,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmap.errors import KvmapError
-from kvmap.record.recorder import RecordingScheduler, TraceWriter, header_from_config
+from kvmap.record.header import header_from_config
+from kvmap.record.recorder import RecordingScheduler, TraceWriter
 from kvmap.record.workload import Arrival, Workload, arrivals
 
 INSTALL_HINT = ("vLLM is not installed. kvmap record needs vLLM's scheduler (no GPU needed): "

@@ -17,7 +17,8 @@ import functools
 import os
 import sys
 
-from kvmap.record.recorder import RecordingScheduler, TraceWriter, eos_of, forward_keys, header_from_config
+from kvmap.record.header import eos_of, forward_keys, header_from_config
+from kvmap.record.recorder import RecordingScheduler, TraceWriter
 
 ENV = "KVMAP_RECORD_TRACE"
 
