@@ -25,6 +25,7 @@ from kvmap.trace import Step, TraceHeader
 from kvmap.workers.contract import Worker
 from kvmap.workers.mappings import DUMP_KEYS, BatchMappings, mappings_from_dict
 from kvmap.workers.order import mrv2_key
+from kvmap.workers.reference_rules import check_continuation, located
 
 
 class ReferenceRequest:
@@ -108,7 +109,7 @@ class ReferenceWorker(Worker):
         continuation: checked against what it held, freed, and added again (the freed row comes straight back)."""
         held = self.requests.get(nr.req_id)
         if held is not None and not held.preempted:
-            self._check_continuation(step, nr, held)
+            check_continuation(self.header, step, nr, held)
             self._free(nr.req_id)
         if nr.req_id in self.requests:
             raise self._error(step, nr.req_id, "scheduled as new while preempted (it must come back resumed)",
@@ -122,36 +123,6 @@ class ReferenceWorker(Worker):
         self._check_width(step, nr.req_id, nr.block_ids, "block_ids")
         self.requests[nr.req_id] = req = ReferenceRequest(row, nr.token_ids, nr.num_computed_tokens, nr.block_ids)
         req.num_prompt_tokens = len(nr.prompt_token_ids)
-
-    def _check_continuation(self, step: Step, nr, held: ReferenceRequest) -> None:
-        """num_computed_tokens leaves the held tokens' last one out, the new prompt's first num_computed_tokens
-        tokens are the held ones, and every held block stays at its logical index (or turns into the null block,
-        outside full attention)."""
-        h = self.header
-        new, nc = nr.token_ids, nr.num_computed_tokens
-        field = "prefill_token_ids" if nr.prefill_token_ids is not None else "prompt_token_ids"
-        if nc > len(held.tokens) - 1:
-            raise self._error(step, nr.req_id, f"num_computed_tokens {nc} passes the {len(held.tokens) - 1} tokens "
-                              "the request kept", "num_computed_tokens", "continuation_mismatch")
-        keep = nc
-        if len(new) < keep:
-            raise self._error(step, nr.req_id, f"a continuation of {len(new)} tokens is shorter than the {keep} it "
-                              "keeps", field, "continuation_mismatch")
-        for p in range(keep):
-            if new[p] != held.tokens[p]:
-                raise self._error(step, nr.req_id, f"position {p} holds token {new[p]}, but the request held "
-                                  f"{held.tokens[p]} there (a continuation keeps its first {keep} tokens)", field,
-                                  "continuation_mismatch")
-        null = h.null_block_id if h.null_block_id is not None else 0
-        for g, (ids, old) in enumerate(zip(nr.block_ids, held.block_ids)):
-            if len(ids) < len(old):
-                raise self._error(step, nr.req_id, f"{len(ids)} blocks drop the {len(old)} the request held",
-                                  "block_ids", "continuation_mismatch", group=g)
-            for j, b in enumerate(old):
-                stale = ids[j] == null and h.kv_cache_groups[g].kind != "full_attention"
-                if ids[j] != b and not stale:
-                    raise self._error(step, nr.req_id, f"logical block {j} is {ids[j]}, but the request held block "
-                                      f"{b} there", "block_ids", "continuation_mismatch", group=g)
 
     def _update_cached(self, step: Step) -> None:
         """Cached requests: num_computed_tokens (less an async correction), resumed rows, full token lists,
@@ -242,10 +213,7 @@ class ReferenceWorker(Worker):
                 raise self._error(step, req_id, f"{len(ids)} blocks exceed the row width {self.row_width[g]}",
                                   field, "row_width", group=g)
 
-    @staticmethod
-    def _error(step: Step, req_id: str, message: str, field: str, kind: str, group: int | None = None) -> TraceError:
-        return TraceError(message, line=step.line, step=step.step, req_id=req_id, group=group, field=field,
-                          kind=kind)
+    _error = staticmethod(located)
 
     def prepare_batch(self) -> None:
         pass
