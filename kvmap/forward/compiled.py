@@ -29,6 +29,7 @@ from kvmap.forward import flash_attn as FA
 from kvmap.forward import flashinfer as FI
 from kvmap.forward import graph_parts as gp
 from kvmap.forward.config import ForwardConfig
+from kvmap.forward.core import core_of
 from kvmap.forward.deferred import Deferred
 from kvmap.layout import PAD_SLOT_ID
 
@@ -55,7 +56,7 @@ class PaddingBuffers(gp.PaddingBuffers):
 
 
 def cudagraph_numba(cfg: ForwardConfig, step, buf: PaddingBuffers) -> gp.Padding:
-    r, m = step.rows, step.mappings()
+    r, m = step.rows, core_of(step)
     qsl, mrv2 = r.query_start_loc, cfg.runner == "mrv2"
     buf.k.step_shape(qsl, r.num_computed_tokens, r.prefill_len, r.idx_mapping, r.num_draft_tokens, mrv2, buf.shape)
     key = (len(r.idx_mapping), *buf.shape.tolist())  # (R, T, max_query_len, decode_graph_eligible)
@@ -67,7 +68,7 @@ def cudagraph_numba(cfg: ForwardConfig, step, buf: PaddingBuffers) -> gp.Padding
         got = buf.descs[key] = desc, C._num_slots(cfg.runner, desc, True)
     desc, n = got
     R, T = key[0], key[1]
-    tables = gp._tables(m)
+    tables = m.tables
     Rp, Tp = desc.num_reqs_padded, desc.num_tokens_padded
     if Tp == T and Rp == R:  # nothing padded: the arrays themselves
         tails = C.PaddedTails(qsl, r.seq_lens, m.slot_mapping, tables, None, None if mrv2 else m.positions)

@@ -33,6 +33,7 @@ from kvmap.forward import compiled as nf
 from kvmap.forward import graph_parts as gp
 from kvmap.forward import sampler
 from kvmap.forward.config import ForwardConfig
+from kvmap.forward.core import CoreArrays
 from kvmap.forward.deferred import Deferred
 from kvmap.forward.sampler import SamplerBuffers, SamplerRows
 
@@ -45,6 +46,7 @@ class ForwardStep:
     mappings: Callable[[], Any]  # () -> the step's BatchMappings (workers/mappings.py): tables, slot_mapping
     last_sampled_tokens: Callable[[], Any]  # () -> [max_num_seqs] req_state_idx -> last sampled id (explain)
     parts: dict[str, Any] = field(default_factory=dict)  # the results of the parts computed so far this step
+    core: CoreArrays | None = None  # the host workers' own core arrays (None: from `mappings()`; core.py)
 
 
 @dataclass(frozen=True, slots=True)
