@@ -84,7 +84,7 @@ def cudagraph_numba(cfg: ForwardConfig, step, buf: PaddingBuffers) -> gp.Padding
 # ------------------------------------------------------------------------------------------ attention
 
 class SplitBuffers(gp.SplitRules):
-    """Each group's split rule, the kernels, and the metadata's buffers."""
+    """Each group's split rule, the kernels, the metadata's buffers and FlashInfer's."""
 
     def __init__(self, cfg: ForwardConfig) -> None:
         super().__init__(cfg)
@@ -96,9 +96,18 @@ class SplitBuffers(gp.SplitRules):
         self.attending = [(g, self.rules[g]) for g, grp in enumerate(cfg.groups) if gp._attends(grp)]
         self.thresholds = [self.rules[g][0] if gp._attends(grp) else None for g, grp in enumerate(cfg.groups)]
         self.local = [False] * len(cfg.groups)  # [G] (a chunked_local group takes the numpy form)
+        names = gp.backend_names(cfg)
+        # FlashInfer's arrays computed here, the objects of both parts deferred, when no backend needs the
+        # objects in the phase (no FlashAttention/Triton group) and no DCP rank adjusts the KV lengths
+        self.fused = cfg.dcp_size == 1 and not self.any_local and not {"FLASH_ATTN", "TRITON_ATTN"} & set(names)
+        self.flashinfer = [(g, cfg.groups[g].kernel_block_size, FI.NumbaBuffers(self.k))
+                           for g, name in enumerate(names) if name == "FLASHINFER"]  # [(g, page_size, buffers)]
+        self.kv_is_seq_lens = cfg.num_speculative_tokens > 0  # FlashInfer pages seq_lens, not the upper bound
 
 
-def attention_numba(cfg: ForwardConfig, step, buf: SplitBuffers) -> gp.Attention:
+def attention_numba(cfg: ForwardConfig, step, buf: SplitBuffers):
+    """The part; when `buf.fused`, also FlashInfer's arrays: `Deferred(make, [(g, page_size, arrays)])`, the
+    objects made on first read (the backends part makes its own from the payload)."""
     if buf.any_local:  # virtual batches: the numpy form
         return gp.attention_host(cfg, step, buf)
     pad: gp.Padding = step.parts["cudagraph"]
@@ -113,21 +122,33 @@ def attention_numba(cfg: ForwardConfig, step, buf: SplitBuffers) -> gp.Attention
     pre = buf.is_prefilling[: n if v1 else R]
     lens = r.num_prompt_tokens if v1 else r.prefill_len
     up = A.upper_bound(cfg.runner, sl, R, r.num_computed_tokens_correction)  # [n]: max_seq_len's source
-    common, splits = [None] * len(cfg.groups), [None] * len(cfg.groups)
+    got: list = [None] * len(cfg.groups)  # [G] (max_query_len, max_seq_len, split) of the group's rule
     memo: dict = {}  # (threshold, require_uniform) -> (max_query_len, max_seq_len, split)
     for g, rule in buf.attending:
-        got = memo.get(rule)
-        if got is None:
+        v = memo.get(rule)
+        if v is None:
             th, uniform = rule
             buf.k.common_split(qsl, up, r.num_computed_tokens, lens, r.idx_mapping, n, t, v1,
                                -1 if th is None else th, uniform, pre, buf.out)
             o = buf.out.tolist()
-            got = memo[rule] = o[0], o[1], None if th is None else A.Split(o[2], o[3], o[4], o[5])
-        table = tails.block_tables[g]  # [R, W] (a padded row has no blocks: never read, graph_parts.py)
-        common[g] = A.CommonAttentionMetadata(qsl, sl, n, t, got[0], got[1], table if len(table) <= n else table[:n],
-                                              tails.slot_mapping[g], pre, up)
-        splits[g] = got[2]
-    return gp.Attention(common, buf.thresholds, splits, buf.local)
+            v = memo[rule] = o[0], o[1], None if th is None else A.Split(o[2], o[3], o[4], o[5])
+        got[g] = v
+
+    def make() -> gp.Attention:
+        common, splits = [None] * len(cfg.groups), [None] * len(cfg.groups)
+        for g, v in enumerate(got):
+            if v is not None:
+                table = tails.block_tables[g]  # [R, W] (a padded row has no blocks: never read, graph_parts.py)
+                common[g] = A.CommonAttentionMetadata(qsl, sl, n, t, v[0], v[1], table if len(table) <= n else
+                                                      table[:n], tails.slot_mapping[g], pre, up)
+                splits[g] = v[2]
+        return gp.Attention(common, buf.thresholds, splits, buf.local)
+
+    if not buf.fused:
+        return make()
+    kv = np.asarray(sl if buf.kv_is_seq_lens else up, dtype=np.int32)  # [n] (flashinfer._kv_lens without DCP)
+    fi = [(g, ps, FI.arrays_numba(b, kv, tails.block_tables[g], ps, n)) for g, ps, b in buf.flashinfer]
+    return Deferred(make, fi)
 
 
 # ------------------------------------------------------------------------------------------ backends
@@ -145,7 +166,17 @@ class BackendBuffers:
 
 
 def backends_numba(cfg: ForwardConfig, step, buf: BackendBuffers):
-    """The part, its FlashInfer metadata objects made on first read (`inputs.Deferred`): the kernels run now."""
+    """The part, its FlashInfer metadata objects made on first read (`Deferred`): the kernels run now (here, or
+    in the attention part when it is deferred, `SplitBuffers.fused`)."""
+    att = step.parts["attention"]
+    if type(att) is Deferred:  # FlashInfer's arrays are the attention part's payload
+        def made() -> gp.Backends:
+            a, md = att.get(), [None] * len(cfg.groups)
+            for g, ps, arrays in att.payload:
+                md[g] = FI.metadata_of(a.common[g], a.splits[g], ps, arrays)
+            return gp.Backends(md, buf.names, False)
+
+        return Deferred(made)
     pending: list[int] = []  # the FlashInfer groups: a maker in `metadata` until read
 
     def flashinfer(g: int, *args):

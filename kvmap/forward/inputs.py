@@ -95,7 +95,7 @@ class ForwardInputs:
         except KeyError:
             raise AttributeError(name) from None
         if type(p) is Deferred:  # made on first read (deferred.py)
-            p = self.parts[name] = p.make()
+            p = self.parts[name] = p.get()
         return p
 
     def to_dict(self) -> dict:
