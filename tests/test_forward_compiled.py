@@ -5,17 +5,21 @@ their bounds. The whole parts are held to the specs through the numba worker's d
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from kvmap.aot import load
 from kvmap.forward import attention as fa
+from kvmap.forward import compiled as nf
 from kvmap.forward import cudagraph as cg
 from kvmap.forward import flashinfer as fib
+from kvmap.forward import sampler as S
 from kvmap.layout import PAD_SLOT_ID
 
 from .test_forward import _metadata, assert_equal, random_batch
+from .test_forward_sampler import rows, same
 
 pytest.importorskip("numba")
 K = load("kvmap.forward.kernels")
@@ -144,3 +148,19 @@ def test_deferred_flashinfer_metadata_is_made_on_first_read():
 
     replay(trace, cfg, worker=w, on_step=check)
     assert len(seen) == sum(1 for d in want if d["req_ids"]) > 0
+
+
+def test_mrv2_sampler_numba_equals_the_spec_fuzzed():
+    """The numba part's MRV2 indices (made on first read) equal the spec's, with drafts and without (the fast
+    path: one logit per request, the drafts array not read), through one set of buffers, step after step."""
+    rng = np.random.default_rng(2602)
+    cfg = SimpleNamespace(runner="mrv2", max_num_seqs=16, num_speculative_tokens=3)
+    buf = nf.SamplerBuffers(cfg, 16 * 8)
+    for i in range(200):
+        R = int(rng.integers(0, 17))
+        d = rng.integers(0, 4, R) if i % 2 else np.zeros(R, np.int64)
+        qs = d + rng.integers(1, 5, R)
+        r, _ = rows(qs.tolist(), [10] * R, d.tolist(), [20] * R, idx=rng.permutation(16)[:R].tolist())
+        r = replace(r, has_drafts=bool(i % 2))
+        got = nf.sampler_numba(cfg, SimpleNamespace(rows=r), buf)
+        same(got.get(), S.mrv2_spec(r))

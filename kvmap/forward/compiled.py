@@ -28,6 +28,7 @@ from kvmap.forward import cudagraph as C
 from kvmap.forward import flash_attn as FA
 from kvmap.forward import flashinfer as FI
 from kvmap.forward import graph_parts as gp
+from kvmap.forward import sampler as S
 from kvmap.forward.config import ForwardConfig
 from kvmap.forward.core import core_of
 from kvmap.forward.deferred import Deferred
@@ -35,6 +36,30 @@ from kvmap.layout import PAD_SLOT_ID
 
 _KERNELS = "kvmap.forward.kernels"
 DESCS_KEPT = 4096  # dispatch results remembered per replay (a step's shape recurs; cleared when full)
+
+
+# ------------------------------------------------------------------------------------------ sampler
+
+class SamplerBuffers(S.SamplerBuffers):
+    """The numpy form's buffers and the kernels."""
+
+    def __init__(self, cfg: ForwardConfig, max_num_tokens: int) -> None:
+        super().__init__(cfg.max_num_seqs, cfg.num_speculative_tokens, max_num_tokens)
+        self.k = load(_KERNELS)
+
+
+def sampler_numba(cfg: ForwardConfig, step, buf: SamplerBuffers):
+    """MRV2's indices by one kernel, the object made on first read (no later part reads it); V1: the numpy
+    form."""
+    r = step.rows
+    if cfg.runner != "mrv2":
+        return S.v1_numpy(r, cfg.num_speculative_tokens, buf)
+    R = len(r.idx_mapping)
+    L = buf.k.mrv2_sampler(r.query_start_loc, r.idx_mapping, r.num_draft_tokens, r.has_drafts,
+                           S.NUM_NEW_SAMPLED_TOKENS, buf.cu_num_logits, buf.logits_indices,
+                           buf.expanded_idx_mapping, buf.expanded_local_pos)
+    return Deferred(lambda: S.MRV2Sampler(buf.cu_num_logits[: R + 1], buf.logits_indices[:L],
+                                          buf.expanded_idx_mapping[:L], buf.expanded_local_pos[:L]))
 
 
 # ------------------------------------------------------------------------------------------ cudagraph

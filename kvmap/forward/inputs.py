@@ -72,7 +72,8 @@ def _sampler_spec(cfg: ForwardConfig, step: ForwardStep):
 
 PARTS: tuple[Part, ...] = (
     Part("sampler", _sampler_host, _sampler_spec,
-         lambda cfg, T: SamplerBuffers(cfg.max_num_seqs, cfg.num_speculative_tokens, T)),
+         lambda cfg, T: SamplerBuffers(cfg.max_num_seqs, cfg.num_speculative_tokens, T),
+         (nf.sampler_numba, nf.SamplerBuffers)),
     Part("cudagraph", gp.cudagraph_host, gp.cudagraph_spec, lambda cfg, T: gp.PaddingBuffers(cfg),
          (nf.cudagraph_numba, nf.PaddingBuffers)),
     Part("attention", gp.attention_host, gp.attention_spec, lambda cfg, T: gp.SplitRules(cfg),
