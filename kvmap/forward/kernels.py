@@ -111,10 +111,10 @@ def paged_kv(kv_lens, block_table, page_size, n, indptr_out, indices_out, last_p
         kv = kv_lens[b]
         nb_ = (kv + page_size - 1) // page_size
         s = indptr_out[b]
-        if nb_ > 0:  # one slice copy per row, its bounds checked once (a slice past the end would be clipped)
-            if nb_ > block_table.shape[1] or s + nb_ > indices_out.shape[0]:
-                raise IndexError("paged_kv: a row's pages past its table row or the indices buffer")
-            indices_out[s: s + nb_] = block_table[b, :nb_]
+        if nb_ > 0:  # through the row's views: one bounds check per element, not two
+            row, out = block_table[b], indices_out[s: s + nb_]
+            for j in range(nb_):
+                out[j] = row[j]
         indptr_out[b + 1] = s + nb_
         last_page_len_out[b] = kv - max(nb_ - 1, 0) * page_size
     return indptr_out[n]
