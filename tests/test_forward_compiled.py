@@ -115,9 +115,11 @@ def test_flashinfer_kernel_checks_its_bounds():
 
 
 def test_deferred_flashinfer_metadata_is_made_on_first_read():
-    """The numba worker's backends part leaves its FlashInfer objects to the first read (forward/deferred.py):
+    """The numba worker's attention and backends parts leave their objects to the first read (forward/deferred.py),
+    over the worker's own core arrays (forward/core.py, the same as its mappings'):
     after prepare_forward the part is pending; an attribute read makes it once, and the values are the numpy
     worker's."""
+    from kvmap.forward.core import from_mappings
     from kvmap.forward.deferred import Deferred
     from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
@@ -139,7 +141,11 @@ def test_deferred_flashinfer_metadata_is_made_on_first_read():
         if not want[step]["req_ids"]:  # no request: no metadata, nothing deferred
             assert f.backends.metadata == [None]
             return
-        assert type(f.parts["backends"]) is Deferred
+        assert type(f.parts["backends"]) is Deferred and type(f.parts["attention"]) is Deferred
+        core, want_core = w.forward_step().core, from_mappings(w.mappings())  # the worker's arrays: the mappings'
+        assert [np.array_equal(getattr(core, k), getattr(want_core, k)) for k in ("slot_mapping", "positions")] == [
+            True, True] and core.rank == want_core.rank
+        assert [t.tolist() for t in core.tables] == [t.tolist() for t in want_core.tables]
         md = f.backends.metadata[0]
         assert isinstance(md, fib.FlashInferMetadata) and f.backends is f.parts["backends"]
         assert md.paged_kv_indptr.tolist() == want[step]["paged_kv_indptr"][0]

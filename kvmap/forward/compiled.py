@@ -5,13 +5,17 @@ Rules:
 - Each `*_numba` part returns what its numpy form (`graph_parts.*_host`) returns, value for value
   (tests/test_forward_compiled.py and the dumps of tests/test_forward_wired.py hold both to the specs); its
   arrays are views of its buffers, valid until the next step.
-- A kernel per rule and step (or group): `step_shape` (the dispatch inputs), `pad_tails` (a padded step),
-  `common_split` (CommonAttentionMetadata and the split, once per distinct split rule), `paged_kv` (FlashInfer's
-  arrays, per group). What has no numba form runs its numpy form: the sampler (a numba form bought under
-  10%: docs/performance.md), the dispatcher's table lookups, chunked_local virtual batches (the
-  whole attention part then), DCP's local lengths, FlashAttention's and Triton's metadata.
-- The backends part runs its FlashInfer kernels in the phase and leaves the metadata objects to the first read
-  (`Deferred`, deferred.py: the dump's `to_dict`, `explain`).
+- A kernel per rule and step (or group): `mrv2_sampler` (MRV2's sampler indices), `step_shape` (the dispatch
+  inputs), `pad_tails` (a padded step), `common_split` (CommonAttentionMetadata and the split, once per distinct
+  split rule), `paged_kv` (FlashInfer's arrays, per group). What has no numba form runs its numpy form: V1's
+  sampler, the dispatcher's table lookups, chunked_local virtual batches (the whole attention part then),
+  DCP's local lengths, FlashAttention's and Triton's metadata.
+- The parts leave their objects to the first read where no later part's host function needs them (`Deferred`,
+  deferred.py: the dump's `to_dict`, `explain`): the sampler's; the attention part's and the backends', when
+  no FlashAttention/Triton group and no DCP rank needs them in the phase (`SplitBuffers.fused`): the attention
+  part then runs FlashInfer's kernels too and hands their arrays to the backends part as its payload.
+  Otherwise the backends part runs FlashInfer's kernels over the attention part's objects.
+- The host workers give their own core arrays (`ForwardStep.core`, core.py): no `BatchMappings` in the phase.
 - A step's BatchDescriptor depends only on the configuration and (R, T, max_query_len, eligible): the
   dispatcher's answers are remembered (shared between steps: results are never written, inputs.py).
 - Buffers hold max_num_seqs request rows and max_num_tokens token rows: a step never has more (the padded
