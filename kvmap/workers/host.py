@@ -163,8 +163,8 @@ class HostWorker(Worker):
         corr = corrections(b.step, b.batch_req_ids()) if a is not None else None
         rows = SamplerRows(i.idx_mapping, i.query_start_loc, i.seq_lens, i.num_computed_tokens, drafts,
                            st.prefill_len, st.num_prompt_tokens, i.input_ids, bool(spec), corr)
-        core = None  # the numba parts' core arrays: this worker's own (a device's or DCP's: from mappings())
-        if self.mirror is None and not self.multirank:
+        core = None  # the numba parts' core arrays: this worker's own (a device's, DCP's, the others': mappings())
+        if self.numba_forward and self.mirror is None and not self.multirank:
             tables = self.kernel_tables if self.kernel_split else self.tables.block_tables
             core = CoreArrays(self.slots, i.positions, tables, 0)
         return ForwardStep(rows, self.mappings, self.last_sampled_tokens, core=core)
