@@ -5,17 +5,21 @@ their bounds. The whole parts are held to the specs through the numba worker's d
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from kvmap.aot import load
 from kvmap.forward import attention as fa
+from kvmap.forward import compiled as nf
 from kvmap.forward import cudagraph as cg
 from kvmap.forward import flashinfer as fib
+from kvmap.forward import sampler as S
 from kvmap.layout import PAD_SLOT_ID
 
 from .test_forward import _metadata, assert_equal, random_batch
+from .test_forward_sampler import rows, same
 
 pytest.importorskip("numba")
 K = load("kvmap.forward.kernels")
@@ -111,9 +115,11 @@ def test_flashinfer_kernel_checks_its_bounds():
 
 
 def test_deferred_flashinfer_metadata_is_made_on_first_read():
-    """The numba worker's backends part leaves its FlashInfer objects to the first read (forward/deferred.py):
+    """The numba worker's attention and backends parts leave their objects to the first read (forward/deferred.py),
+    over the worker's own core arrays (forward/core.py, the same as its mappings'):
     after prepare_forward the part is pending; an attribute read makes it once, and the values are the numpy
     worker's."""
+    from kvmap.forward.core import from_mappings
     from kvmap.forward.deferred import Deferred
     from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
@@ -135,7 +141,11 @@ def test_deferred_flashinfer_metadata_is_made_on_first_read():
         if not want[step]["req_ids"]:  # no request: no metadata, nothing deferred
             assert f.backends.metadata == [None]
             return
-        assert type(f.parts["backends"]) is Deferred
+        assert type(f.parts["backends"]) is Deferred and type(f.parts["attention"]) is Deferred
+        core, want_core = w.forward_step().core, from_mappings(w.mappings())  # the worker's arrays: the mappings'
+        assert [np.array_equal(getattr(core, k), getattr(want_core, k)) for k in ("slot_mapping", "positions")] == [
+            True, True] and core.rank == want_core.rank
+        assert [t.tolist() for t in core.tables] == [t.tolist() for t in want_core.tables]
         md = f.backends.metadata[0]
         assert isinstance(md, fib.FlashInferMetadata) and f.backends is f.parts["backends"]
         assert md.paged_kv_indptr.tolist() == want[step]["paged_kv_indptr"][0]
@@ -144,3 +154,19 @@ def test_deferred_flashinfer_metadata_is_made_on_first_read():
 
     replay(trace, cfg, worker=w, on_step=check)
     assert len(seen) == sum(1 for d in want if d["req_ids"]) > 0
+
+
+def test_mrv2_sampler_numba_equals_the_spec_fuzzed():
+    """The numba part's MRV2 indices (made on first read) equal the spec's, with drafts and without (the fast
+    path: one logit per request, the drafts array not read), through one set of buffers, step after step."""
+    rng = np.random.default_rng(2602)
+    cfg = SimpleNamespace(runner="mrv2", max_num_seqs=16, num_speculative_tokens=3)
+    buf = nf.SamplerBuffers(cfg, 16 * 8)
+    for i in range(200):
+        R = int(rng.integers(0, 17))
+        d = rng.integers(0, 4, R) if i % 2 else np.zeros(R, np.int64)
+        qs = d + rng.integers(1, 5, R)
+        r, _ = rows(qs.tolist(), [10] * R, d.tolist(), [20] * R, idx=rng.permutation(16)[:R].tolist())
+        r = replace(r, has_drafts=bool(i % 2))
+        got = nf.sampler_numba(cfg, SimpleNamespace(rows=r), buf)
+        same(got.get(), S.mrv2_spec(r))

@@ -8,6 +8,7 @@ FlashInfer indices."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -54,6 +55,22 @@ def test_host_forms_equal_the_specs(name, runner, config):
         for a, b in zip(got, ref):
             assert a == b, (backend, a["step"], [k for k in b if a.get(k) != b[k]])
         assert len(got) == len(ref)
+
+
+@pytest.mark.parametrize("runner", ["mrv2", "v1"])
+def test_numba_forms_without_a_backend_equal_the_specs(runner):
+    """No group's backend named (split and backend metadata None): the numba worker's dump equals the
+    reference's on FULL_AND_PIECEWISE steps, padded ones of both kinds among them."""
+    modes: set = set()
+    for name in SMALL:
+        cfg = ReplayConfig(forward=True, batch_order=runner, nvtx=False, warmup=0, write_kv=False,
+                           cudagraph_mode="FULL_AND_PIECEWISE", cudagraph_capture_sizes="default")
+        got: dict = {"reference": [], "numba": []}
+        for b in got:
+            replay(Trace(TRACES / name), replace(cfg, backend=b), on_mappings=got[b].append)
+        assert got["numba"] == got["reference"], name
+        modes |= {d["cudagraph_mode"] for d in got["numba"] if d["req_ids"]}
+    assert {"FULL", "PIECEWISE"} <= modes  # padded steps of both kinds
 
 
 def test_long_trace_slice_equals_the_spec():

@@ -5,13 +5,17 @@ Rules:
 - Each `*_numba` part returns what its numpy form (`graph_parts.*_host`) returns, value for value
   (tests/test_forward_compiled.py and the dumps of tests/test_forward_wired.py hold both to the specs); its
   arrays are views of its buffers, valid until the next step.
-- A kernel per rule and step (or group): `step_shape` (the dispatch inputs), `pad_tails` (a padded step),
-  `common_split` (CommonAttentionMetadata and the split, once per distinct split rule), `paged_kv` (FlashInfer's
-  arrays, per group). What has no numba form runs its numpy form: the sampler (a numba form bought under
-  10%: docs/performance.md), the dispatcher's table lookups, chunked_local virtual batches (the
-  whole attention part then), DCP's local lengths, FlashAttention's and Triton's metadata.
-- The backends part runs its FlashInfer kernels in the phase and leaves the metadata objects to the first read
-  (`Deferred`, deferred.py: the dump's `to_dict`, `explain`).
+- A kernel per rule and step (or group): `mrv2_sampler` (MRV2's sampler indices), `step_shape` (the dispatch
+  inputs), `pad_tails` (a padded step), `common_split` (CommonAttentionMetadata and the split, once per distinct
+  split rule), `paged_kv` (FlashInfer's arrays, per group). What has no numba form runs its numpy form: V1's
+  sampler, the dispatcher's table lookups, chunked_local virtual batches (the whole attention part then),
+  DCP's local lengths, FlashAttention's and Triton's metadata.
+- The parts leave their objects to the first read where no later part's host function needs them (`Deferred`,
+  deferred.py: the dump's `to_dict`, `explain`): the sampler's; the attention part's and the backends', when
+  no FlashAttention/Triton group and no DCP rank needs them in the phase (`SplitBuffers.fused`): the attention
+  part then runs FlashInfer's kernels too and hands their arrays to the backends part as its payload.
+  Otherwise the backends part runs FlashInfer's kernels over the attention part's objects.
+- The host workers give their own core arrays (`ForwardStep.core`, core.py): no `BatchMappings` in the phase.
 - A step's BatchDescriptor depends only on the configuration and (R, T, max_query_len, eligible): the
   dispatcher's answers are remembered (shared between steps: results are never written, inputs.py).
 - Buffers hold max_num_seqs request rows and max_num_tokens token rows: a step never has more (the padded
@@ -28,12 +32,38 @@ from kvmap.forward import cudagraph as C
 from kvmap.forward import flash_attn as FA
 from kvmap.forward import flashinfer as FI
 from kvmap.forward import graph_parts as gp
+from kvmap.forward import sampler as S
 from kvmap.forward.config import ForwardConfig
+from kvmap.forward.core import core_of
 from kvmap.forward.deferred import Deferred
 from kvmap.layout import PAD_SLOT_ID
 
 _KERNELS = "kvmap.forward.kernels"
 DESCS_KEPT = 4096  # dispatch results remembered per replay (a step's shape recurs; cleared when full)
+
+
+# ------------------------------------------------------------------------------------------ sampler
+
+class SamplerBuffers(S.SamplerBuffers):
+    """The numpy form's buffers and the kernels."""
+
+    def __init__(self, cfg: ForwardConfig, max_num_tokens: int) -> None:
+        super().__init__(cfg.max_num_seqs, cfg.num_speculative_tokens, max_num_tokens)
+        self.k = load(_KERNELS)
+
+
+def sampler_numba(cfg: ForwardConfig, step, buf: SamplerBuffers):
+    """MRV2's indices by one kernel, the object made on first read (no later part reads it); V1: the numpy
+    form."""
+    r = step.rows
+    if cfg.runner != "mrv2":
+        return S.v1_numpy(r, cfg.num_speculative_tokens, buf)
+    R = len(r.idx_mapping)
+    L = buf.k.mrv2_sampler(r.query_start_loc, r.idx_mapping, r.num_draft_tokens, r.has_drafts,
+                           S.NUM_NEW_SAMPLED_TOKENS, buf.cu_num_logits, buf.logits_indices,
+                           buf.expanded_idx_mapping, buf.expanded_local_pos)
+    return Deferred(lambda: S.MRV2Sampler(buf.cu_num_logits[: R + 1], buf.logits_indices[:L],
+                                          buf.expanded_idx_mapping[:L], buf.expanded_local_pos[:L]))
 
 
 # ------------------------------------------------------------------------------------------ cudagraph
@@ -55,7 +85,7 @@ class PaddingBuffers(gp.PaddingBuffers):
 
 
 def cudagraph_numba(cfg: ForwardConfig, step, buf: PaddingBuffers) -> gp.Padding:
-    r, m = step.rows, step.mappings()
+    r, m = step.rows, core_of(step)
     qsl, mrv2 = r.query_start_loc, cfg.runner == "mrv2"
     buf.k.step_shape(qsl, r.num_computed_tokens, r.prefill_len, r.idx_mapping, r.num_draft_tokens, mrv2, buf.shape)
     key = (len(r.idx_mapping), *buf.shape.tolist())  # (R, T, max_query_len, decode_graph_eligible)
@@ -67,7 +97,7 @@ def cudagraph_numba(cfg: ForwardConfig, step, buf: PaddingBuffers) -> gp.Padding
         got = buf.descs[key] = desc, C._num_slots(cfg.runner, desc, True)
     desc, n = got
     R, T = key[0], key[1]
-    tables = gp._tables(m)
+    tables = m.tables
     Rp, Tp = desc.num_reqs_padded, desc.num_tokens_padded
     if Tp == T and Rp == R:  # nothing padded: the arrays themselves
         tails = C.PaddedTails(qsl, r.seq_lens, m.slot_mapping, tables, None, None if mrv2 else m.positions)
@@ -83,7 +113,7 @@ def cudagraph_numba(cfg: ForwardConfig, step, buf: PaddingBuffers) -> gp.Padding
 # ------------------------------------------------------------------------------------------ attention
 
 class SplitBuffers(gp.SplitRules):
-    """Each group's split rule, the kernels, and the metadata's buffers."""
+    """Each group's split rule, the kernels, the metadata's buffers and FlashInfer's."""
 
     def __init__(self, cfg: ForwardConfig) -> None:
         super().__init__(cfg)
@@ -95,9 +125,18 @@ class SplitBuffers(gp.SplitRules):
         self.attending = [(g, self.rules[g]) for g, grp in enumerate(cfg.groups) if gp._attends(grp)]
         self.thresholds = [self.rules[g][0] if gp._attends(grp) else None for g, grp in enumerate(cfg.groups)]
         self.local = [False] * len(cfg.groups)  # [G] (a chunked_local group takes the numpy form)
+        names = gp.backend_names(cfg)
+        # FlashInfer's arrays computed here, the objects of both parts deferred, when no backend needs the
+        # objects in the phase (no FlashAttention/Triton group) and no DCP rank adjusts the KV lengths
+        self.fused = cfg.dcp_size == 1 and not self.any_local and not {"FLASH_ATTN", "TRITON_ATTN"} & set(names)
+        self.flashinfer = [(g, cfg.groups[g].kernel_block_size, FI.NumbaBuffers(self.k))
+                           for g, name in enumerate(names) if name == "FLASHINFER"]  # [(g, page_size, buffers)]
+        self.kv_is_seq_lens = cfg.num_speculative_tokens > 0  # FlashInfer pages seq_lens, not the upper bound
 
 
-def attention_numba(cfg: ForwardConfig, step, buf: SplitBuffers) -> gp.Attention:
+def attention_numba(cfg: ForwardConfig, step, buf: SplitBuffers):
+    """The part; when `buf.fused`, also FlashInfer's arrays: `Deferred(make, [(g, page_size, arrays)])`, the
+    objects made on first read (the backends part makes its own from the payload)."""
     if buf.any_local:  # virtual batches: the numpy form
         return gp.attention_host(cfg, step, buf)
     pad: gp.Padding = step.parts["cudagraph"]
@@ -112,21 +151,33 @@ def attention_numba(cfg: ForwardConfig, step, buf: SplitBuffers) -> gp.Attention
     pre = buf.is_prefilling[: n if v1 else R]
     lens = r.num_prompt_tokens if v1 else r.prefill_len
     up = A.upper_bound(cfg.runner, sl, R, r.num_computed_tokens_correction)  # [n]: max_seq_len's source
-    common, splits = [None] * len(cfg.groups), [None] * len(cfg.groups)
+    got: list = [None] * len(cfg.groups)  # [G] (max_query_len, max_seq_len, split) of the group's rule
     memo: dict = {}  # (threshold, require_uniform) -> (max_query_len, max_seq_len, split)
     for g, rule in buf.attending:
-        got = memo.get(rule)
-        if got is None:
+        v = memo.get(rule)
+        if v is None:
             th, uniform = rule
             buf.k.common_split(qsl, up, r.num_computed_tokens, lens, r.idx_mapping, n, t, v1,
                                -1 if th is None else th, uniform, pre, buf.out)
             o = buf.out.tolist()
-            got = memo[rule] = o[0], o[1], None if th is None else A.Split(o[2], o[3], o[4], o[5])
-        table = tails.block_tables[g]  # [R, W] (a padded row has no blocks: never read, graph_parts.py)
-        common[g] = A.CommonAttentionMetadata(qsl, sl, n, t, got[0], got[1], table if len(table) <= n else table[:n],
-                                              tails.slot_mapping[g], pre, up)
-        splits[g] = got[2]
-    return gp.Attention(common, buf.thresholds, splits, buf.local)
+            v = memo[rule] = o[0], o[1], None if th is None else A.Split(o[2], o[3], o[4], o[5])
+        got[g] = v
+
+    def make() -> gp.Attention:
+        common, splits = [None] * len(cfg.groups), [None] * len(cfg.groups)
+        for g, v in enumerate(got):
+            if v is not None:
+                table = tails.block_tables[g]  # [R, W] (a padded row has no blocks: never read, graph_parts.py)
+                common[g] = A.CommonAttentionMetadata(qsl, sl, n, t, v[0], v[1], table if len(table) <= n else
+                                                      table[:n], tails.slot_mapping[g], pre, up)
+                splits[g] = v[2]
+        return gp.Attention(common, buf.thresholds, splits, buf.local)
+
+    if not buf.fused:
+        return make()
+    kv = np.asarray(sl if buf.kv_is_seq_lens else up, dtype=np.int32)  # [n] (flashinfer._kv_lens without DCP)
+    fi = [(g, ps, FI.arrays_numba(b, kv, tails.block_tables[g], ps, n)) for g, ps, b in buf.flashinfer]
+    return Deferred(make, fi)
 
 
 # ------------------------------------------------------------------------------------------ backends
@@ -144,7 +195,17 @@ class BackendBuffers:
 
 
 def backends_numba(cfg: ForwardConfig, step, buf: BackendBuffers):
-    """The part, its FlashInfer metadata objects made on first read (`inputs.Deferred`): the kernels run now."""
+    """The part, its FlashInfer metadata objects made on first read (`Deferred`): the kernels run now (here, or
+    in the attention part when it is deferred, `SplitBuffers.fused`)."""
+    att = step.parts["attention"]
+    if type(att) is Deferred:  # FlashInfer's arrays are the attention part's payload
+        def made() -> gp.Backends:
+            a, md = att.get(), [None] * len(cfg.groups)
+            for g, ps, arrays in att.payload:
+                md[g] = FI.metadata_of(a.common[g], a.splits[g], ps, arrays)
+            return gp.Backends(md, buf.names, False)
+
+        return Deferred(made)
     pending: list[int] = []  # the FlashInfer groups: a maker in `metadata` until read
 
     def flashinfer(g: int, *args):

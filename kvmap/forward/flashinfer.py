@@ -200,12 +200,27 @@ def paged_kv_numba(buf: NumbaBuffers, cm: CommonAttentionMetadata, sp: Split, pa
     it before the next step)."""
     n = cm.num_reqs
     kv = _kv_lens(cm, sp, num_speculative_tokens, dcp_size, dcp_rank, interleave)
-    table = np.ascontiguousarray(cm.block_table_tensor)  # the kernel's signature (a view: the rows' slice is)
+    a = arrays_numba(buf, kv, cm.block_table_tensor, page_size, n)
+    return lambda: metadata_of(cm, sp, page_size, a, dcp_size, fa2_native_decode)
+
+
+def arrays_numba(buf: NumbaBuffers, kv: np.ndarray, block_table: np.ndarray, page_size: int,
+                 n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(kv [n], paged_kv_indptr [n + 1], paged_kv_indices [nnz], paged_kv_last_page_len [n]) by the kernel into
+    `buf` (views valid until the next step). kv: [n] int32 the KV lengths paged (`_kv_lens`); block_table:
+    [>= n, W] int32."""
+    table = np.ascontiguousarray(block_table)  # the kernel's signature (a view: the rows' slice is)
     if len(buf.last) < n or len(buf.indices) < n * table.shape[1]:
         buf.indptr = np.zeros(n + 1, dtype=np.int32)
         buf.indices = np.zeros(n * table.shape[1], dtype=np.int32)
         buf.last = np.zeros(n, dtype=np.int32)
     indptr, indices, last = buf.indptr, buf.indices, buf.last
     nnz = buf.k.paged_kv(kv, table, page_size, n, indptr, indices, last)
-    return lambda: _metadata(cm, sp, page_size, dcp_size, fa2_native_decode, kv, indptr[: n + 1], indices[:nnz],
-                             last[:n])
+    return kv, indptr[: n + 1], indices[:nnz], last[:n]
+
+
+def metadata_of(cm: CommonAttentionMetadata, sp: Split, page_size: int, arrays: tuple, dcp_size: int = 1,
+                fa2_native_decode: bool = False) -> FlashInferMetadata:
+    """The metadata around `arrays_numba`'s arrays."""
+    kv, indptr, indices, last = arrays
+    return _metadata(cm, sp, page_size, dcp_size, fa2_native_decode, kv, indptr, indices, last)

@@ -38,6 +38,7 @@ from kvmap.forward import flash_attn as FA
 from kvmap.forward import flashinfer as FI
 from kvmap.forward import local_attention as L
 from kvmap.forward.config import ForwardConfig, GroupForward
+from kvmap.forward.core import core_of
 
 FLASHINFER_DECODE = "native"  # the native decode path (a header key names no other yet)
 FA_VERSION = 3  # FlashAttention 3 (Hopper's default): the version that sets max_num_splits under FULL graphs
@@ -337,8 +338,7 @@ def backends_with(cfg: ForwardConfig, step, fi_build, fa_build, names: list | No
     (a caller may keep it)."""
     pad: Padding = step.parts["cudagraph"]
     att: Attention = step.parts["attention"]
-    m = step.mappings()
-    rank, interleave = m.ranks[0], cfg.cp_kv_cache_interleave_size
+    rank, interleave = core_of(step).rank, cfg.cp_kv_cache_interleave_size
     out: list = []
     for g, (grp, cm, sp) in enumerate(zip(cfg.groups, att.common, att.splits)):
         name = grp.attention_backend

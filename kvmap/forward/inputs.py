@@ -6,16 +6,17 @@ Rules:
   in dump order; adding a part is one line there. Each part returns an object with `to_dict()`, whose keys are
   vLLM's own field names (per KV-cache group where vLLM keeps them per group) and go into the dump record.
 - A part reads only `ForwardConfig` (config.py) and the step (`ForwardStep`: the per-row extras in batch order
-  and the step's core `BatchMappings`), never the worker: the parts are pure functions, so a device form can
-  be added beside the host one later (not written yet: device backends compute the forward inputs on host
-  copies of their mappings).
+  and the step's core `BatchMappings`, or the four of them in `core`: core.py), never the worker: the parts
+  are pure functions, so a device form can be added beside the host one later (not written yet: device
+  backends compute the forward inputs on host copies of their mappings).
 - A part may read the results of the parts before it in `PARTS` (`step.parts[name]`): `cudagraph` (the
   step's graph choice and padded tails), `attention` (CommonAttentionMetadata per group, chunked_local virtual
   batches, the decode/prefill split) and `backends` (each group's backend metadata) chain so
   (kvmap/forward/graph_parts.py).
 - The results are slots dataclasses, not frozen (a frozen dataclass's `__init__` sets each field through
   `object.__setattr__`, in the timed phase: docs/performance.md); nothing writes a result after its part. A
-  part that no later part reads may return `Deferred` (deferred.py): its objects are made on the first read.
+  part may return `Deferred` (deferred.py): its objects are made on the first read, and a later part's host
+  function reads only its `payload`.
 - A part may have a numba form (`numba`: its host function and buffers, forward/compiled.py), which the numba
   worker's builder runs instead of the numpy one (`ForwardBuilder(..., numba=True)`); it returns the same values.
 - A backend that builds a part with its own code (the vLLM backends: the sampler from vLLM's input
@@ -33,6 +34,7 @@ from kvmap.forward import compiled as nf
 from kvmap.forward import graph_parts as gp
 from kvmap.forward import sampler
 from kvmap.forward.config import ForwardConfig
+from kvmap.forward.core import CoreArrays
 from kvmap.forward.deferred import Deferred
 from kvmap.forward.sampler import SamplerBuffers, SamplerRows
 
@@ -45,6 +47,7 @@ class ForwardStep:
     mappings: Callable[[], Any]  # () -> the step's BatchMappings (workers/mappings.py): tables, slot_mapping
     last_sampled_tokens: Callable[[], Any]  # () -> [max_num_seqs] req_state_idx -> last sampled id (explain)
     parts: dict[str, Any] = field(default_factory=dict)  # the results of the parts computed so far this step
+    core: CoreArrays | None = None  # the host workers' own core arrays (None: from `mappings()`; core.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +73,8 @@ def _sampler_spec(cfg: ForwardConfig, step: ForwardStep):
 
 PARTS: tuple[Part, ...] = (
     Part("sampler", _sampler_host, _sampler_spec,
-         lambda cfg, T: SamplerBuffers(cfg.max_num_seqs, cfg.num_speculative_tokens, T)),
+         lambda cfg, T: SamplerBuffers(cfg.max_num_seqs, cfg.num_speculative_tokens, T),
+         (nf.sampler_numba, nf.SamplerBuffers)),
     Part("cudagraph", gp.cudagraph_host, gp.cudagraph_spec, lambda cfg, T: gp.PaddingBuffers(cfg),
          (nf.cudagraph_numba, nf.PaddingBuffers)),
     Part("attention", gp.attention_host, gp.attention_spec, lambda cfg, T: gp.SplitRules(cfg),
@@ -93,7 +97,7 @@ class ForwardInputs:
         except KeyError:
             raise AttributeError(name) from None
         if type(p) is Deferred:  # made on first read (deferred.py)
-            p = self.parts[name] = p.make()
+            p = self.parts[name] = p.get()
         return p
 
     def to_dict(self) -> dict:

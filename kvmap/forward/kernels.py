@@ -1,6 +1,6 @@
 """Compiled forms (numba) of the forward rules whose numpy forms cost more in numpy's per-call overhead than in
 work: the step's shape and padded tails (cudagraph.py), CommonAttentionMetadata with the decode/prefill split
-(attention.py) and FlashInfer's paged-KV arrays (flashinfer.py).
+(attention.py), FlashInfer's paged-KV arrays (flashinfer.py) and Model Runner V2's sampler indices (sampler.py).
 
 Rules:
 - One kernel per rule and step (or group): one loop over the batch, writing preallocated buffers, returning
@@ -120,6 +120,25 @@ def paged_kv(kv_lens, block_table, page_size, n, indptr_out, indices_out, last_p
     return indptr_out[n]
 
 
+@_jit
+def mrv2_sampler(query_start_loc, idx_mapping, num_draft_tokens, has_drafts, num_new_sampled, cu_num_logits,
+                 logits_indices, expanded_idx_mapping, expanded_local_pos):
+    """sampler.mrv2_spec into the buffers: each request's d_b + S logit rows at the end of its query (d_b = 0
+    for every row without drafts: `num_draft_tokens` is then not read). Returns L."""
+    R = idx_mapping.shape[0]
+    cu_num_logits[0] = 0
+    k = 0
+    for b in range(R):
+        m = (num_draft_tokens[b] if has_drafts else 0) + num_new_sampled
+        for j in range(m):
+            logits_indices[k] = query_start_loc[b + 1] - m + j
+            expanded_idx_mapping[k] = idx_mapping[b]
+            expanded_local_pos[k] = j
+            k += 1
+        cu_num_logits[b + 1] = k
+    return k
+
+
 # The ahead-of-time build (kvmap/aot.py): exported name -> (kernel, signature). The arrays are the host worker's
 # buffers and the forward buffers (forward/compiled.py): int32 rows, int64 slots, positions and scalars.
 AOT_EXPORTS = {
@@ -128,6 +147,7 @@ AOT_EXPORTS = {
                                "i8[:, :], i8[:], b1[:])"),
     "common_split": ("common_split", "void(i4[:], i4[:], i4[:], i4[:], i4[:], i8, i8, b1, i8, b1, b1[:], i8[:])"),
     "paged_kv": ("paged_kv", "i8(i4[:], i4[:, ::1], i8, i8, i4[:], i4[:], i4[:])"),
+    "mrv2_sampler": ("mrv2_sampler", "i8(i4[:], i4[:], i4[:], b1, i8, i4[:], i8[:], i8[:], i4[:])"),
 }
 AOT_SOURCES = ("forward/kernels.py",)
 # the AOT build compiles this module with bounds checks (kvmap/aot.py `build`), as the JIT does

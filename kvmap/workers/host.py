@@ -25,6 +25,7 @@ import numpy as np
 
 from kvmap.errors import TraceError
 from kvmap.forward.config import ForwardConfig
+from kvmap.forward.core import CoreArrays
 from kvmap.forward.inputs import ForwardBuilder, ForwardStep
 from kvmap.forward.sampler import SamplerRows, corrections
 from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
@@ -162,7 +163,11 @@ class HostWorker(Worker):
         corr = corrections(b.step, b.batch_req_ids()) if a is not None else None
         rows = SamplerRows(i.idx_mapping, i.query_start_loc, i.seq_lens, i.num_computed_tokens, drafts,
                            st.prefill_len, st.num_prompt_tokens, i.input_ids, bool(spec), corr)
-        return ForwardStep(rows, self.mappings, self.last_sampled_tokens)
+        core = None  # the numba parts' core arrays: this worker's own (a device's, DCP's, the others': mappings())
+        if self.numba_forward and self.mirror is None and not self.multirank:
+            tables = self.kernel_tables if self.kernel_split else self.tables.block_tables
+            core = CoreArrays(self.slots, i.positions, tables, 0)
+        return ForwardStep(rows, self.mappings, self.last_sampled_tokens, core=core)
 
     def last_sampled_tokens(self) -> np.ndarray:
         """[max_num_seqs] int32, req_state_idx -> the last known token of its row (MRV2's last_sampled_tokens)."""
