@@ -14,14 +14,15 @@ from kvmap.workers.order import V1PersistentBatch, mrv2_key
 from .conftest import bundled_traces
 
 
-def _step(i, new=(), cached=(), n=None, finished=(), resumed=(), nc=None):
+def _step(i, new=(), cached=(), n=None, finished=(), resumed=(), nc=None, preempted=()):
     """A step with `new` requests (prompt of 10 tokens) and `cached` ones; n: req -> scheduled tokens."""
     new_reqs = [NewRequestData(r, list(range(10)), [[]], 0, None) for r in new]
     cached = list(cached)
     nc = nc or {}
     c = CachedRequestData(cached, set(resumed), [None] * len(cached), [nc.get(r, 10) for r in cached], {}, None)
     n = n or {r: 1 for r in [*new, *cached]}
-    return Step(i, i + 2, SchedulerOutput(new_reqs, c, n, sum(n.values()), {}, list(finished), []), None, None)
+    return Step(i, i + 2, SchedulerOutput(new_reqs, c, n, sum(n.values()), {}, list(finished), list(preempted)),
+                None, None)
 
 
 def _nc(step):
@@ -49,6 +50,18 @@ def test_v1_unscheduled_rows_leave_and_come_back_into_the_lowest_hole():
     assert b.update(s, _nc(s)) == list("ADC")
     s = _step(2, new="E", cached="ABCD")  # new first (lowest hole: none, append), then re-added B
     assert b.update(s, _nc(s)) == list("ADCEB")
+
+
+def test_v1_adds_a_v2_resume_after_the_new_and_re_added_requests():
+    b = V1PersistentBatch()
+    s = _step(0, new="ABCD")
+    b.update(s, _nc(s))
+    s = _step(1, cached="AD", preempted="B")  # B preempted, C merely unscheduled: D moves into row 1
+    assert b.update(s, _nc(s)) == list("AD")
+    # v2 protocol: B comes back as new, listed before the new E; V1's scheduler sends it resumed, after the
+    # running ones: E, then the re-added C, then B
+    s = _step(2, new="BE", cached="ADC")
+    assert b.update(s, _nc(s)) == list("ADECB")
 
 
 def test_v1_reorder_puts_decodes_first_by_swaps():

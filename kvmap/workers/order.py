@@ -7,8 +7,9 @@ Rules:
 - V1 (`v1`): the persistent batch (vLLM's `gpu_model_runner._update_states`): finished
   requests leave their row, then every row not scheduled this step (preempted, resumed, merely unscheduled),
   then every streaming-input continuation (a live id in `scheduled_new_reqs`, `_update_streaming_request`);
-  new requests (continuations among them, scheduler order) and then re-added cached ones take the lowest hole
-  or are appended;
+  new requests (continuations among them, scheduler order), then re-added cached ones, then (v2 protocol) the
+  requests back from a preemption (sent as new; V1's scheduler lists a resumed request after the running ones)
+  take the lowest hole or are appended;
   `condense()` moves the highest occupied rows into the remaining holes, lowest hole first; then, only if the
   attention backend sets `reorder_batch_threshold`, the 4-region reorder by swaps (decode, short extend, long
   extend, prefill), exactly as `reorder_batch_to_split_decodes_and_prefills` swaps them.
@@ -46,6 +47,7 @@ class V1PersistentBatch:
         self.rows: list[str | None] = []  # batch row -> req_id (None: a hole until condense)
         self.index: dict[str, int] = {}  # req_id -> batch row
         self.prompt_len: dict[str, int] = {}  # req_id -> num_prompt_tokens (kept while the request lives)
+        self.preempted: set[str] = set()  # requests preempted and not yet back
 
     def _remove(self, req_id: str, holes: list[int]) -> None:
         i = self.index.pop(req_id, None)
@@ -61,6 +63,8 @@ class V1PersistentBatch:
         for r in so.finished_req_ids:
             self._remove(r, holes)
             self.prompt_len.pop(r, None)
+            self.preempted.discard(r)
+        self.preempted.update(so.preempted_req_ids)
         scheduled = so.num_scheduled_tokens
         resumed = so.scheduled_cached_reqs.resumed_req_ids
         for r in [r for r in self.index if r not in scheduled or r in resumed]:
@@ -70,8 +74,11 @@ class V1PersistentBatch:
         holes.sort(reverse=True)  # popped from the end: lowest first
         for nr in so.scheduled_new_reqs:
             self.prompt_len[nr.req_id] = len(nr.prompt_token_ids)
-        to_add = [nr.req_id for nr in so.scheduled_new_reqs]
+        back = [nr.req_id for nr in so.scheduled_new_reqs if nr.req_id in self.preempted]  # v2: resumed as new
+        to_add = [nr.req_id for nr in so.scheduled_new_reqs if nr.req_id not in self.preempted]
         to_add += [r for r in so.scheduled_cached_reqs.req_ids if r not in self.index and r not in to_add]
+        to_add += back
+        self.preempted.difference_update(back, resumed)
         for r in to_add:
             i = holes.pop() if holes else len(self.rows)
             if i == len(self.rows):

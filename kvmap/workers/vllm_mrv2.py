@@ -30,9 +30,9 @@ Rules:
   kvmap's numpy forms (kvmap/forward), as `backend_detail` says. Nothing runs the model.
 - DCP: one `BlockTables`; each computed rank's slots by the same kernel with that `cp_rank`.
 - Runs natively on a GPU (`--device cuda`), else on host tensors under the Triton interpreter
-  (`vllm_compat.prepare_cpu`). Model Runner V2 gets the v2 protocol; a v1-protocol trace replays until a
-  request is preempted (V1 keeps its state for a resume Model Runner V2 never receives), then stops with one
-  located error.
+  (`vllm_compat.prepare_cpu`). Model Runner V2 gets the v2 protocol: a v1-protocol preemption keeps the
+  request (its row, as V1's worker does) and its resume comes as a new request with every token as prefill
+  tokens, which `add_requests` frees and adds again (the row comes straight back).
 """
 
 from __future__ import annotations
@@ -130,28 +130,43 @@ def _sliding_window_reach(groups) -> list[int]:
     return reach
 
 
-def scheduler_output(step: Step, protocol: str):
-    """The trace's scheduler output in the shape the runner reads (vLLM's SchedulerOutput fields)."""
+def scheduler_output(step: Step, protocol: str, req_states):
+    """The trace's scheduler output in the shape the runner reads (vLLM's SchedulerOutput fields). A v1-protocol
+    preemption is not passed on (V1's worker keeps the request for its resume, so Model Runner V2 keeps it too), and
+    the resume reaches Model Runner V2 as a v2-protocol one: a new request with every token as prefill tokens
+    (`all_token_ids`), its original `prompt_len` (`req_states`: the runner's) and the replacement row;
+    `add_requests` frees the live id and adds it again, so the freed row comes straight back."""
     so = step.scheduler_output
     c = so.scheduled_cached_reqs
-    if protocol == "v1" and so.preempted_req_ids:  # V1 keeps a preempted request's state for its resume
-        raise TraceError("preempted under the V1 runner protocol: Model Runner V2 frees the request and never "
-                         "receives its resume (replay this trace with --backend vllm-v1)", line=step.line,
-                         step=step.step, req_id=sorted(so.preempted_req_ids)[0], field="preempted_req_ids",
-                         kind="protocol")
     new = [SimpleNamespace(
         req_id=nr.req_id, prompt_token_ids=nr.prompt_token_ids, prompt_len=len(nr.prompt_token_ids),
         prefill_token_ids=nr.prefill_token_ids if nr.prefill_token_ids is not None else nr.prompt_token_ids,
         num_computed_tokens=nr.num_computed_tokens, block_ids=tuple(nr.block_ids), sampling_params=None,
         pooling_params=None, mm_features=[], lora_request=None) for nr in so.scheduled_new_reqs]
-    cached = SimpleNamespace(req_ids=c.req_ids, num_computed_tokens=c.num_computed_tokens,
-                             new_block_ids=[None if b is None else tuple(b) for b in c.new_block_ids])
+    keep = [i for i, r in enumerate(c.req_ids) if r not in c.resumed_req_ids]
+    for i, r in enumerate(c.req_ids):
+        if r not in c.resumed_req_ids:
+            continue
+        if r not in c.all_token_ids:
+            raise TraceError("resumed without its tokens in all_token_ids: Model Runner V2 re-adds a resumed "
+                             "request with every token as prefill tokens", line=step.line, step=step.step,
+                             req_id=r, field="scheduled_cached_reqs.all_token_ids", kind="schema")
+        toks = list(c.all_token_ids[r])
+        prompt_len = int(req_states.prompt_len.np[req_states.req_id_to_index[r]])
+        new.append(SimpleNamespace(
+            req_id=r, prompt_token_ids=toks[:prompt_len], prompt_len=prompt_len, prefill_token_ids=toks,
+            num_computed_tokens=c.num_computed_tokens[i], block_ids=tuple(c.new_block_ids[i]), sampling_params=None,
+            pooling_params=None, mm_features=[], lora_request=None))
+    cached = SimpleNamespace(req_ids=[c.req_ids[i] for i in keep],
+                             num_computed_tokens=[c.num_computed_tokens[i] for i in keep],
+                             new_block_ids=[None if c.new_block_ids[i] is None else tuple(c.new_block_ids[i])
+                                            for i in keep])
     return SimpleNamespace(
         scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=so.num_scheduled_tokens,
         total_num_scheduled_tokens=so.total_num_scheduled_tokens,
         scheduled_spec_decode_tokens=so.scheduled_spec_decode_tokens, finished_req_ids=set(so.finished_req_ids),
-        preempted_req_ids=set(so.preempted_req_ids), new_block_ids_to_zero=None, kv_cache_block_copies=None,
-        has_structured_output_requests=False, free_encoder_mm_hashes=[])
+        preempted_req_ids=set(so.preempted_req_ids) if protocol == "v2" else set(), new_block_ids_to_zero=None,
+        kv_cache_block_copies=None, has_structured_output_requests=False, free_encoder_mm_hashes=[])
 
 
 class MRV2Ops(MappingOps):
@@ -182,7 +197,7 @@ class MRV2Ops(MappingOps):
     def update(self, step: Step) -> None:
         """The runner's own state update (execute_model's first lines), then the drafts the speculator wrote."""
         r = self.runner
-        self.so = so = scheduler_output(step, self.state.header.model_runner_protocol)
+        self.so = so = scheduler_output(step, self.state.header.model_runner_protocol, r.req_states)
         r.finish_requests(so)
         r.add_requests(so)
         r.update_requests(so)

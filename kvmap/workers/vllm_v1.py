@@ -8,8 +8,9 @@ Rules:
   on a runner built with `object.__new__` holding only the buffers those methods read (as `__init__` makes
   them). The batch order is V1's own, whatever `--runner` says: compare with the reference's
   `--runner v1`. V1 has no request-state rows: the dump's `idx_mapping` labels are kvmap's rows.
-- What the runner is given is the trace's scheduler output; a v2-protocol trace (a preempted request comes back
-  new, its outputs in `prefill_token_ids`) reaches V1 as a finished request added again. One pipeline stage:
+- What the runner is given is the trace's scheduler output; a v2-protocol trace's preempted request (back new, its
+  outputs in `prefill_token_ids`) reaches V1 as V1's scheduler sends one: held while preempted, then resumed
+  (`resumed_req_ids`) after the running requests, its prompt length the original. One pipeline stage:
   vLLM's `get_pp_group` in the runner's module answers "last rank" (no vLLM engine runs in this process).
 - The host bookkeeping after the model (sampled ids into `token_ids_cpu` and `output_token_ids`) is
   `_bookkeeping_sync`'s, restated here: it needs the sampler's tensors to be called.
@@ -145,36 +146,61 @@ class _Off:
         return lambda *a, **k: None
 
 
-def scheduler_output(step: Step, header: TraceHeader, requests: dict):
-    """The trace's scheduler output as the V1 runner reads it. A v2-protocol trace (a preempted request comes back
-    as a new one with its outputs in `prefill_token_ids`) reaches V1 as a finished request added again."""
+def scheduler_output(step: Step, header: TraceHeader, requests: dict, preempted: set[str]):
+    """The trace's scheduler output as the V1 runner reads it. A v2-protocol trace's preempted request (Model Runner
+    V2 frees it; it comes back new, its outputs in `prefill_token_ids`) reaches V1 as V1's scheduler sends it: kept
+    at the preemption (unscheduled, its state held), back as a resumed cached request after the running ones
+    (`resumed_req_ids`, its new row as `new_block_ids`, every token in `all_token_ids`), so V1 keeps its original
+    prompt length. `preempted`: the requests preempted and not yet back (this call updates it)."""
     from vllm.sampling_params import SamplingParams
 
     so = step.scheduler_output
     c = so.scheduled_cached_reqs
-    v2 = header.model_runner_protocol == "v2"
-    finished = set(so.finished_req_ids) | (set(so.preempted_req_ids) if v2 else set())
+    preempted.difference_update(so.finished_req_ids)
+    if header.model_runner_protocol == "v2":
+        preempted.update(so.preempted_req_ids)
+    back = [nr for nr in so.scheduled_new_reqs if nr.req_id in preempted]  # v2: a resume sent as a new request
+    for nr in back:
+        _check_resume(step, nr, requests[nr.req_id])
+    back_ids = {nr.req_id for nr in back}
+    preempted.difference_update(back_ids)
     new = [SimpleNamespace(
         req_id=nr.req_id, prompt_token_ids=list(nr.token_ids), prompt_embeds=None, prompt_is_token_ids=None,
         mm_features=[], sampling_params=SamplingParams(max_tokens=header.max_model_len, temperature=0.0),
         pooling_params=None, block_ids=tuple(list(b) for b in nr.block_ids), num_computed_tokens=nr.num_computed_tokens,
-        lora_request=None) for nr in so.scheduled_new_reqs]
+        lora_request=None) for nr in so.scheduled_new_reqs if nr.req_id not in back_ids]
     nc = list(c.num_computed_tokens)
     corr = step.async_spec.num_computed_tokens_correction if step.async_spec is not None else {}
     for i, r in enumerate(c.req_ids):
         nc[i] -= corr.get(r, 0)  # worker-true values (V1's synchronous path)
     nout = c.num_output_tokens or [len(requests[r].output_token_ids) if r in requests else 0 for r in c.req_ids]
-    cached = SimpleNamespace(req_ids=c.req_ids, resumed_req_ids=set(c.resumed_req_ids), num_computed_tokens=nc,
-                             new_block_ids=[None if b is None else tuple(list(g) for g in b) for b in c.new_block_ids],
-                             num_output_tokens=nout, all_token_ids=c.all_token_ids, new_token_ids=[])
+    cached = SimpleNamespace(
+        req_ids=list(c.req_ids) + [nr.req_id for nr in back],
+        resumed_req_ids=set(c.resumed_req_ids) | back_ids,
+        num_computed_tokens=nc + [nr.num_computed_tokens for nr in back],
+        new_block_ids=[None if b is None else tuple(list(g) for g in b) for b in c.new_block_ids]
+        + [tuple(list(g) for g in nr.block_ids) for nr in back],
+        num_output_tokens=list(nout) + [len(nr.token_ids) - len(nr.prompt_token_ids) for nr in back],
+        all_token_ids=dict(c.all_token_ids) | {nr.req_id: list(nr.token_ids) for nr in back}, new_token_ids=[])
     spec = so.scheduled_spec_decode_tokens
     if spec and step.async_spec is not None:
         spec = {r: step.async_spec.spec_draft_token_ids.get(r, d) for r, d in spec.items()}
     return SimpleNamespace(
         scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=so.num_scheduled_tokens,
         total_num_scheduled_tokens=so.total_num_scheduled_tokens, scheduled_spec_decode_tokens=spec,
-        finished_req_ids=finished, preempted_req_ids=set(so.preempted_req_ids), new_block_ids_to_zero=None,
-        kv_cache_block_copies=None, free_encoder_mm_hashes=[], has_structured_output_requests=False)
+        finished_req_ids=set(so.finished_req_ids), preempted_req_ids=set(so.preempted_req_ids),
+        new_block_ids_to_zero=None, kv_cache_block_copies=None, free_encoder_mm_hashes=[],
+        has_structured_output_requests=False)
+
+
+def _check_resume(step: Step, nr, held) -> None:
+    """A v2 resume's `prefill_token_ids` are the prompt and the outputs the V1 runner holds for the request (what
+    V1 recomputes from its own state)."""
+    kept = list(held.prompt_token_ids) + list(held.output_token_ids)
+    if list(nr.token_ids) != kept:
+        raise KvmapError(f"back from a preemption with {len(nr.token_ids)} prefill tokens that are not its prompt "
+                         f"and the {len(held.output_token_ids)} outputs it was sampled before ({len(kept)} tokens)",
+                         line=step.line, step=step.step, req_id=nr.req_id, field="prefill_token_ids")
 
 
 class V1Ops(MappingOps):
@@ -185,13 +211,14 @@ class V1Ops(MappingOps):
         self.version, self.torch_device = _load(state.header, device)
         self.runner = make_runner(state.header, buffers.max_num_tokens, state.max_num_blocks, self.torch_device)
         self.so = None  # this step's scheduler output, as the runner reads it
+        self.preempted: set[str] = set()  # v2 protocol: requests preempted and not yet back (V1 holds their state)
         self.nst = None  # [num_reqs] int32 scheduled tokens in V1's batch order
         self.prepared = None  # this step's `_prepare_inputs` result: (logits_indices, spec_decode_metadata, ...)
         self.detail = f"vLLM {self.version} V1 model runner on {self.torch_device}"
 
     def update(self, step: Step) -> None:
         r = self.runner
-        self.so = so = scheduler_output(step, self.state.header, r.requests)
+        self.so = so = scheduler_output(step, self.state.header, r.requests, self.preempted)
         r._update_states(so)
 
     def order(self, req_ids: list[str]) -> np.ndarray:
