@@ -262,11 +262,11 @@ def _finish(result, console, json_out, csv_out, trace_out, percentiles: list[flo
     if console is not None:
         render_summary(result, console)
     if json_out:
-        write_json(json_out, {"summary": summary_dict(result), "result": result.to_json()})
+        write_json(json_out, {"summary": summary_dict(result), "result": result.json_fields()})
     if csv_out:
         write_text(csv_out, to_csv(result))
     if trace_out:
-        write_json(trace_out, to_chrome_trace(result))
+        write_json(trace_out, to_chrome_trace(result, stream=True))
     if html_out:
         _write_html(html_out, result)
     if result.kv_mismatches:
@@ -380,7 +380,7 @@ def report(
     if csv_out:
         write_text(csv_out, to_csv(r))
     if trace_out:
-        write_json(trace_out, to_chrome_trace(r))
+        write_json(trace_out, to_chrome_trace(r, stream=True))
     if html_out:
         _write_html(html_out, r)
 
