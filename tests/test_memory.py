@@ -144,6 +144,28 @@ def test_step_starts_are_kept_only_when_an_output_reads_them(monkeypatch):
     assert lean.phase_ns.shape == full.phase_ns.shape and set(summary_dict(lean)) == set(summary_dict(full))
 
 
+@pytest.mark.parametrize("wide_at", [None, 2, 9, 17])
+def test_series_rows_spilled_in_blocks_are_the_rows_appended(monkeypatch, wide_at):
+    """Blocks of 4 rows (every full block spilled): the rows come back in order, int32 unless some value needs
+    int64 (a value past int32 in a spilled block, in the open one, or none)."""
+    monkeypatch.setattr(steplog, "BLOCK", 4)
+    rows = steplog.Rows(3)
+    want = [[k, -k, 7 * k + (2**31 if k == wide_at else 0)] for k in range(19)]
+    for row in want:
+        rows.extend(row)
+    wide_block = -1 if wide_at is None else wide_at // 4  # the block holding the wide value (4: the open one)
+    assert len(rows) == 19 and rows.blocks == ["q" if b == wide_block else "i" for b in range(19 // 4)]
+    out = rows.take()
+    assert out.tolist() == want and out.dtype == (np.int32 if wide_at is None else np.int64)
+    assert rows.take().shape == (0, 3) and len(rows) == 0  # taken once: the rows start over
+
+
+def test_trace_out_alone_keeps_the_step_starts_but_no_series():
+    t = Trace(TRACES / "preemption_v1.jsonl")
+    r = replay(t, ReplayConfig(nvtx=False, warmup=0, series=False, step_starts=True))
+    assert len(r.step_start_ns) == 107 and r.kv_series.size == 0 and r.mix_series.size == 0
+
+
 def test_counts_take_the_narrowest_dtype_that_holds_them():
     log = steplog.StepLog(1)
     log.add(0, 3, 2**15 - 1, [10, 20])

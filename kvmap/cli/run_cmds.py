@@ -153,7 +153,7 @@ def replay(
                           reorder_batch_threshold=reorder_threshold, ranks=None if rank is None else [rank],
                           forward=forward, attention_backend=attention_backend, cudagraph_mode=cudagraph_mode,
                           cudagraph_capture_sizes=cudagraph_capture_sizes,
-                          series=bool(json_out or html_out or trace_out))
+                          series=bool(json_out or html_out), step_starts=bool(json_out or trace_out))
     if forward or attention_backend or cudagraph_mode or cudagraph_capture_sizes:
         from kvmap.run.replay import forward_config
 

@@ -111,6 +111,56 @@ def _fitting(top: int, bottom: int = 0, narrow: bool = False) -> type:
     return np.int32 if -_INT32_MAX <= bottom and top <= _INT32_MAX else np.int64
 
 
+class Rows:
+    """Rows of `width` integers, appended a row at a time (a series of the recorded steps: KV occupancy, batch
+    composition), held as StepLog holds its figures: an open block of `BLOCK` rows, 4 bytes a value (8 once one
+    needs it), each full block spilled to an unlinked temporary file; handed over once, as one array made at its
+    final size (a series grown in memory leaves its old copies' room in the heap)."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.buf = array("i")  # the open block, row after row (array("q") once a value needed it)
+        self.spill: BinaryIO | None = None
+        self.blocks: list[str] = []  # typecode of each spilled block ("i" or "q"), BLOCK rows each
+        self.n = 0
+
+    def extend(self, values) -> None:
+        n = len(self.buf)
+        try:
+            self.buf.extend(values)
+        except OverflowError:
+            del self.buf[n:]  # the row's values before the one that did not fit
+            self.buf = array("q", self.buf)
+            self.buf.extend(values)
+        self.n += 1
+        if len(self.buf) == BLOCK * self.width:
+            if self.spill is None:
+                self.spill = tempfile.TemporaryFile(prefix="kvmap-series-")
+            self.spill.write(self.buf.tobytes())
+            self.blocks.append(self.buf.typecode)
+            self.buf = array("i")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def take(self) -> np.ndarray:
+        """[rows, width] int32 (int64 when a value needed it); the rows start over."""
+        wide = "q" in self.blocks or self.buf.typecode == "q"
+        out = np.empty((self.n, self.width), dtype=np.int64 if wide else np.int32)
+        at = 0
+        if self.spill is not None:
+            self.spill.seek(0)
+            for code in self.blocks:
+                out[at : at + BLOCK] = np.fromfile(self.spill, np.int32 if code == "i" else np.int64,
+                                                   BLOCK * self.width).reshape(BLOCK, self.width)
+                at += BLOCK
+            self.spill.close()
+        out[at:] = np.frombuffer(self.buf, dtype=np.int32 if self.buf.typecode == "i" else np.int64).reshape(
+            -1, self.width)
+        self.__init__(self.width)
+        return out
+
+
 class DistinctIds:
     """How many distinct request ids were added, in 8 bytes an id: each id kept as its 64-bit `hash` (two ids
     count as one only if their hashes collide, about 1 in 10^8 for a million ids), deduplicated whenever the
