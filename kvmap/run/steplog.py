@@ -8,6 +8,8 @@ Rules:
 - The result's arrays are filled block by block from the spill at the end, so the run never holds its figures
   twice. The step starts are kept only when asked (`keep_start`: an output reads them, `--json` or
   `--trace-out`); otherwise `step_start_ns` is empty, and neither held nor spilled.
+- The series only some outputs read (KV occupancy, batch composition: `Rows`) are held the same way: an open
+  block of int32 rows (int64 once a value needs it), full blocks spilled, one array made at its final size.
 - Values are the same integers in any dtype: num_reqs and num_tokens are int16 or int32, steps int32, phase
   times int32, each when every value fits (a phase of 2.1 s or more keeps int64), step starts int64.
 """
