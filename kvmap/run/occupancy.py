@@ -19,8 +19,8 @@ Rules:
   the most blocks in use) runs as the steps go (kvsummary.py); a measured step keeps its live tokens and every
   step one entry of `reserve_final`'s difference array (4 bytes each, `array("i")`, 8 once a value needs it), for
   contiguous_final at the end. Every recorded step's values (the series the pictures and `--json` carry) are
-  kept only when asked (`keep_series`), 4 bytes a value (8 once one needs it: steplog.Rows), and handed over
-  without a copy.
+  kept only when asked (`keep_series`), as the step log keeps its figures (steplog.Rows: int32 blocks, int64 once
+  a value needs it, spilled), and handed over as one array.
 """
 
 from __future__ import annotations
