@@ -23,7 +23,6 @@ Rules (one output policy for every command that writes files):
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -266,8 +265,13 @@ def _unlink(tmp: str) -> None:
 
 
 def write_json(path: str | Path, obj: object) -> None:
+    """`obj` as `json.dump(obj, f, indent=1)` and a newline write it, its numpy arrays and `Stream`s written a
+    piece at a time (jsontext.py, imported here: it brings numpy)."""
+    from kvmap.jsontext import iter_json
+
     with atomic_open(path) as f:
-        json.dump(obj, f, indent=1)
+        for piece in iter_json(obj):
+            f.write(piece)
         f.write("\n")
 
 

@@ -108,7 +108,7 @@ def replay(
                           reorder_batch_threshold=reorder_threshold, ranks=None if rank is None else [rank],
                           forward=forward, attention_backend=attention_backend, cudagraph_mode=cudagraph_mode,
                           cudagraph_capture_sizes=cudagraph_capture_sizes,
-                          series=bool(json_out or html_out or trace_out))
+                          series=bool(json_out or html_out), step_starts=bool(json_out or trace_out))
     if forward or attention_backend or cudagraph_mode or cudagraph_capture_sizes:
         from kvmap.run.replay import forward_config
 
@@ -217,11 +217,11 @@ def _finish(result, console, json_out, csv_out, trace_out, percentiles: list[flo
     if console is not None:
         render_summary(result, console)
     if json_out:
-        write_json(json_out, {"summary": summary_dict(result), "result": result.to_json()})
+        write_json(json_out, {"summary": summary_dict(result), "result": result.json_fields()})
     if csv_out:
         write_text(csv_out, to_csv(result))
     if trace_out:
-        write_json(trace_out, to_chrome_trace(result))
+        write_json(trace_out, to_chrome_trace(result, stream=True))
     if html_out:
         _write_html(html_out, result)
     if result.kv_mismatches:
@@ -335,7 +335,7 @@ def report(
     if csv_out:
         write_text(csv_out, to_csv(r))
     if trace_out:
-        write_json(trace_out, to_chrome_trace(r))
+        write_json(trace_out, to_chrome_trace(r, stream=True))
     if html_out:
         _write_html(html_out, r)
 

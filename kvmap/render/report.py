@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvmap.jsontext import Stream
 from kvmap.render.text import fit_table, safe, say
 from kvmap.run.costfit import cost_dict
 from kvmap.run.kvstats import memory_dict
@@ -288,25 +290,41 @@ def to_csv(r: ReplayResult) -> str:
     return buf.getvalue()
 
 
-def to_chrome_trace(r: ReplayResult) -> dict:
-    """Chrome trace-event JSON (opens in Perfetto / chrome://tracing): a step track and one track per phase."""
+CHROME_STEPS = 256  # steps whose trace events are made (and turned into text) at once
+
+
+def to_chrome_trace(r: ReplayResult, stream: bool = False) -> dict:
+    """Chrome trace-event JSON (opens in Perfetto / chrome://tracing): a step track and one track per phase.
+    `stream`: the events as a `Stream` made `CHROME_STEPS` steps at a time as `files.write_json` writes them (the
+    same bytes; a list of every event holds a dict per step and phase)."""
+    parts = _chrome_events(r)
+    return {"traceEvents": Stream(parts) if stream else [e for part in parts for e in part],
+            "displayTimeUnit": "ns", "otherData": {"trace": r.trace, "backend": r.backend}}
+
+
+def _chrome_events(r: ReplayResult) -> Iterator[list[dict]]:
+    """The trace's events: the tracks' names, then `CHROME_STEPS` steps' events at a time."""
     events: list[dict] = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": f"kvmap {r.backend}"}},
                           {"ph": "M", "pid": 1, "tid": 0, "name": "thread_name", "args": {"name": "step"}}]
     for t, p in enumerate(r.phases, start=1):
         events.append({"ph": "M", "pid": 1, "tid": t, "name": "thread_name", "args": {"name": p}})
         events.append({"ph": "M", "pid": 1, "tid": t, "name": "thread_sort_index", "args": {"sort_index": t}})
-    for step, start, nr, nt, row in zip(r.steps.tolist(), r.step_start_ns.tolist(), r.num_reqs.tolist(),
-                                        r.num_tokens.tolist(), r.phase_ns.tolist()):
-        total = sum(row)
-        events.append({"ph": "X", "pid": 1, "tid": 0, "name": "execute_model", "ts": start / 1e3,
-                       "dur": total / 1e3, "args": {"step": step, "num_reqs": nr, "num_tokens": nt}})
-        t0 = start
-        for t, (p, ns) in enumerate(zip(r.phases, row), start=1):
-            events.append({"ph": "X", "pid": 1, "tid": t, "name": p, "ts": t0 / 1e3, "dur": ns / 1e3,
-                           "args": {"step": step}})
-            t0 += ns
-    return {"traceEvents": events, "displayTimeUnit": "ns",
-            "otherData": {"trace": r.trace, "backend": r.backend}}
+    yield events
+    for i in range(0, len(r.steps), CHROME_STEPS):
+        events = []
+        part = slice(i, i + CHROME_STEPS)
+        for step, start, nr, nt, row in zip(r.steps[part].tolist(), r.step_start_ns[part].tolist(),
+                                            r.num_reqs[part].tolist(), r.num_tokens[part].tolist(),
+                                            r.phase_ns[part].tolist()):
+            total = sum(row)
+            events.append({"ph": "X", "pid": 1, "tid": 0, "name": "execute_model", "ts": start / 1e3,
+                           "dur": total / 1e3, "args": {"step": step, "num_reqs": nr, "num_tokens": nt}})
+            t0 = start
+            for t, (p, ns) in enumerate(zip(r.phases, row), start=1):
+                events.append({"ph": "X", "pid": 1, "tid": t, "name": p, "ts": t0 / 1e3, "dur": ns / 1e3,
+                               "args": {"step": step}})
+                t0 += ns
+        yield events
 
 
 def render_profile(r: ReplayResult, ranges: list, console: Console, report_path) -> None:

@@ -5,14 +5,14 @@ Rules: read from the decoded step after it ran (outside every timed region), wit
 only (a numpy call costs more than these few requests). A request
 scheduled exactly one token besides its drafts is decoding (a one-token last prefill chunk counts as decode: the
 step does not tell them apart); every other non-draft token is prefill. `new` counts scheduled_new_reqs (a v2
-resumption comes back as new), `resumed` the v1 resumed ids. No per-step Python objects: one `array("q")`.
+resumption comes back as new), `resumed` the v1 resumed ids. No per-step Python objects: `steplog.Rows`.
 """
 
 from __future__ import annotations
 
-from array import array
-
 import numpy as np
+
+from kvmap.run.steplog import Rows
 
 COLUMNS = ("prefill_tokens", "decode_tokens", "draft_tokens", "new", "resumed", "preempted", "finished")
 
@@ -21,7 +21,7 @@ class Composition:
     """The tally: `add(step)` per recorded step, `arrays()` once at the end."""
 
     def __init__(self) -> None:
-        self.rows = array("q")
+        self.rows = Rows(len(COLUMNS))  # [recorded steps, len(COLUMNS)]
 
     def add(self, step) -> None:
         so = step.scheduler_output
@@ -38,6 +38,4 @@ class Composition:
 
     def arrays(self) -> np.ndarray:
         """[recorded steps, len(COLUMNS)] int32 (int64 when a value needs it)."""
-        out = np.frombuffer(self.rows, dtype=np.int64).reshape(-1, len(COLUMNS)).copy()
-        self.rows = array("q")
-        return out.astype(np.int32) if not out.size or out.max() < 2**31 else out
+        return self.rows.take()

@@ -44,3 +44,4 @@ class ReplayConfig:
     cudagraph_capture_sizes: str | None = None  # comma-separated token counts
     series: bool = True  # keep the per-step series only outputs read: KV occupancy, batch composition (--json,
     # --html) and step starts (--json, --trace-out); the summary figures are kept either way
+    step_starts: bool | None = None  # keep every step's start (--json, --trace-out); None: as `series`

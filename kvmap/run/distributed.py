@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from kvmap.files import write_json
     from kvmap.kv.cache import KVGeometry
     from kvmap.run.config import ReplayConfig
     from kvmap.run.replay import replay
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> None:
         dist.gather_object(mine, every, dst=0)
         if rank == 0 and args.result_json:
             _merge(result, every, cp)
-            Path(args.result_json).write_text(json.dumps(result.to_json()))
+            write_json(args.result_json, result.json_fields())  # streamed, renamed into place when whole
     except KvmapError as e:  # every rank sees the same reduced values: each names itself
         print(f"kvmap: rank {rank}: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None

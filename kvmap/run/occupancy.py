@@ -19,7 +19,8 @@ Rules:
   the most blocks in use) runs as the steps go (kvsummary.py); a measured step keeps its live tokens and every
   step one entry of `reserve_final`'s difference array (4 bytes each, `array("i")`, 8 once a value needs it), for
   contiguous_final at the end. Every recorded step's values (the series the pictures and `--json` carry) are
-  kept only when asked (`keep_series`), 8 bytes a value, and handed over as int32 when they fit.
+  kept only when asked (`keep_series`), as the step log keeps its figures (steplog.Rows: int32 blocks, int64 once
+  a value needs it, spilled), and handed over as one array.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from array import array
 import numpy as np
 
 from kvmap.run.kvsummary import Running
+from kvmap.run.steplog import Rows
 
 CONTIGUOUS = ("contiguous_max_len", "contiguous_final")  # the summaries of contiguous allocation
 WINDOWED = ("sliding_window", "chunked_local")  # kinds whose blocks before the window vLLM frees
@@ -78,7 +80,7 @@ class Occupancy:
         self.carry = 0  # reserve_final's running sum over the dropped steps
         self.next_flush = 2 * CHUNK  # diff's length at which final steps are next looked for (_maybe_flush)
         self.keep = keep_series  # keep every recorded step's values (the series), not only the summary
-        self.rows = array("q")  # the recorded steps' values, row after row (keep_series)
+        self.rows = Rows(len(self.cols))  # [recorded, len(cols)] the recorded steps' values (keep_series)
         self.recorded = 0
         self.max_len = h.max_model_len
         self.tokens = array("i")  # the measured steps' live KV tokens from step tok_from, for contiguous_final
@@ -239,14 +241,16 @@ class Occupancy:
         reserve = self._flush(steps, keep_reserve=self.keep)  # [steps] when kept (nothing was dropped then)
         self.diff = array("i")
         self.tokens = array("i")
-        out = np.frombuffer(self.rows, dtype=np.int64).reshape(-1, len(self.cols)).copy()
-        self.rows = array("q")
+        out = self.rows.take()
         if len(out):
-            out[:, 2] = reserve[steps - len(out):]
+            final = reserve[steps - len(out):]
+            if out.dtype == np.int32 and (final.max() > 2**31 - 1 or final.min() < -2**31):
+                out = out.astype(np.int64)
+            out[:, 2] = final
         del reserve
         summary = {"efficiency": {k: x.summary() for k, x in self.running.items()},
                    "groups": {g: {"max_in_use": a, "max_shared": b} for g, (a, b) in self.top.items()}}
-        return _compact(out), summary
+        return out, summary
 
 
 def _efficiency_columns(cols: list[str], block_sizes: list[int], ranks: list[int]) -> list[tuple]:
@@ -287,8 +291,3 @@ def _bump(tally, at: int, delta: int) -> None:
     except OverflowError:
         tally.diff = array("q", tally.diff)
         tally.diff[at - tally.base] += delta
-
-
-def _compact(a: np.ndarray) -> np.ndarray:
-    """int32 when every value fits (the same integers in half the memory), else as it is."""
-    return a.astype(np.int32) if not a.size or (a.min() >= -2**31 and a.max() < 2**31) else a

@@ -85,7 +85,7 @@ def replay(
                          warmup=c.warmup, step_window=[c.start, c.stop], kv_verified=c.verify_kv)
     check = KVCheckResult(max_examples=defaults.MAX_KV_EXAMPLES)
     run = _Run(worker, _stages(worker, kv, check, cross_rank, phases), Markers(phases, enabled=c.nvtx), result,
-               c.series)
+               c.series, c.series if c.step_starts is None else c.step_starts)
     run.ranks_tally = _RankTally(header, worker, kv) if header.decode_context_parallel_size > 1 else None
     steps = trace.steps(0, c.stop)
     try:
@@ -145,7 +145,8 @@ class _Run:
     """One replay's loop and what it tallies: the steps seen, the recorded steps' clock reads, the bytes copied
     to the device before the measured steps, per-rank figures."""
 
-    def __init__(self, worker: Worker, stages, markers: Markers, result: ReplayResult, series: bool = True) -> None:
+    def __init__(self, worker: Worker, stages, markers: Markers, result: ReplayResult, series: bool = True,
+                 starts: bool = True) -> None:
         self.worker, self.stages, self.markers, self.result = worker, stages, markers, result
         self.events = None  # device time per phase from CUDA events (device workers on a GPU)
         if worker.device.startswith("cuda"):
@@ -157,7 +158,7 @@ class _Run:
         self.seen = DistinctIds()  # new requests, all replayed steps
         self.seen_measured = DistinctIds()  # requests scheduled in the measured steps (a window after 0)
         self.h2d_before = 0
-        self.rec = StepLog(len(result.phases), keep_start=series)
+        self.rec = StepLog(len(result.phases), keep_start=starts)
         self.ranks_tally: _RankTally | None = None
         # the KV cache's occupancy per step (occupancy.py); workers without host state (user workers) have none
         self.occupancy = (Occupancy(worker, keep_series=series) if hasattr(worker, "state")

@@ -18,7 +18,7 @@ re-render a saved run. Times are integer nanoseconds (`*_ns`); statistics are de
 from __future__ import annotations
 
 import platform
-from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -41,6 +41,7 @@ PHASES = (
     "cross_rank",  # distributed: the cross-rank invariants, checked with collectives
 )
 MAPPING_PHASES = ("batch_order", "prepare_inputs", "block_tables", "slot_mappings")
+RESULT_KIND = "kvmap-replay-result/1"  # a saved run's "kind"
 DEFAULT_PERCENTILES = (50, 90, 99)  # the summary's percentile columns unless --percentiles says otherwise
 
 
@@ -161,10 +162,19 @@ class ReplayResult:
         return bool(self.step_window[0])
 
     def to_json(self) -> dict:
+        """The saved run as plain JSON values (a copy: lists of the per-step arrays)."""
         d = asdict(self)
         for k in _ARRAYS:
             d[k] = getattr(self, k).tolist()
-        d["kind"] = "kvmap-replay-result/1"
+        d["kind"] = RESULT_KIND
+        return d
+
+    def json_fields(self) -> dict:
+        """The saved run as `to_json` gives it, the same keys in the same order, but the per-step arrays as they
+        are (numpy) and every other value shared, not copied: for `files.write_json`, which streams the arrays
+        (the CLI's writers; `to_json` would hold the whole document as Python lists)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["kind"] = RESULT_KIND
         return d
 
     @classmethod

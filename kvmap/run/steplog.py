@@ -8,6 +8,8 @@ Rules:
 - The result's arrays are filled block by block from the spill at the end, so the run never holds its figures
   twice. The step starts are kept only when asked (`keep_start`: an output reads them, `--json` or
   `--trace-out`); otherwise `step_start_ns` is empty, and neither held nor spilled.
+- The series only some outputs read (KV occupancy, batch composition: `Rows`) are held the same way: an open
+  block of int32 rows (int64 once a value needs it), full blocks spilled, one array made at its final size.
 - Values are the same integers in any dtype: num_reqs and num_tokens are int16 or int32, steps int32, phase
   times int32, each when every value fits (a phase of 2.1 s or more keeps int64), step starts int64.
 """
@@ -109,6 +111,56 @@ def _fitting(top: int, bottom: int = 0, narrow: bool = False) -> type:
     if narrow and -_INT16_MAX <= bottom and top <= _INT16_MAX:
         return np.int16
     return np.int32 if -_INT32_MAX <= bottom and top <= _INT32_MAX else np.int64
+
+
+class Rows:
+    """Rows of `width` integers, appended a row at a time (a series of the recorded steps: KV occupancy, batch
+    composition), held as StepLog holds its figures: an open block of `BLOCK` rows, 4 bytes a value (8 once one
+    needs it), each full block spilled to an unlinked temporary file; handed over once, as one array made at its
+    final size (a series grown in memory leaves its old copies' room in the heap)."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.buf = array("i")  # the open block, row after row (array("q") once a value needed it)
+        self.spill: BinaryIO | None = None
+        self.blocks: list[str] = []  # typecode of each spilled block ("i" or "q"), BLOCK rows each
+        self.n = 0
+
+    def extend(self, values) -> None:
+        n = len(self.buf)
+        try:
+            self.buf.extend(values)
+        except OverflowError:
+            del self.buf[n:]  # the row's values before the one that did not fit
+            self.buf = array("q", self.buf)
+            self.buf.extend(values)
+        self.n += 1
+        if len(self.buf) == BLOCK * self.width:
+            if self.spill is None:
+                self.spill = tempfile.TemporaryFile(prefix="kvmap-series-")
+            self.spill.write(self.buf.tobytes())
+            self.blocks.append(self.buf.typecode)
+            self.buf = array("i")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def take(self) -> np.ndarray:
+        """[rows, width] int32 (int64 when a value needed it); the rows start over."""
+        wide = "q" in self.blocks or self.buf.typecode == "q"
+        out = np.empty((self.n, self.width), dtype=np.int64 if wide else np.int32)
+        at = 0
+        if self.spill is not None:
+            self.spill.seek(0)
+            for code in self.blocks:
+                out[at : at + BLOCK] = np.fromfile(self.spill, np.int32 if code == "i" else np.int64,
+                                                   BLOCK * self.width).reshape(BLOCK, self.width)
+                at += BLOCK
+            self.spill.close()
+        out[at:] = np.frombuffer(self.buf, dtype=np.int32 if self.buf.typecode == "i" else np.int64).reshape(
+            -1, self.width)
+        self.__init__(self.width)
+        return out
 
 
 class DistinctIds:
