@@ -31,6 +31,13 @@ def random_batch(rng, max_num_seqs=16, k=0):
     return q.astype(np.int32), computed.astype(np.int32), seq
 
 
+def fuzz_modes(seed: int, n: int = 150):
+    """(rng, k, mode) per fuzzed case: k drafts in 0..2 drawn first, the four FULL-graph modes in turn."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        yield rng, int(rng.integers(0, 3)), ("NONE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL")[i % 4]
+
+
 def test_default_capture_sizes_arithmetic():
     assert cg.default_capture_sizes(256, 8192) == [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 512 + 1, 16))
     # k = 2: decode sizes n * 3 for n in 1, 2, 4, 8 .. 120, 128, within min(128 * 3 * 2, 512) = 512
@@ -111,10 +118,7 @@ def assert_equal(a, b):
 
 @pytest.mark.parametrize("runner", ["mrv2", "v1"])
 def test_metadata_numpy_equals_spec_fuzzed(runner):
-    rng = np.random.default_rng(260)
-    for i in range(150):
-        k = int(rng.integers(0, 3))
-        mode = ("NONE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL")[i % 4]
+    for rng, k, mode in fuzz_modes(260):
         _, cms = _metadata(rng, runner, mode, k)
         cm = cms[0]
         for t, u in ((1, False), (1, True), (1 + k, True), (128, True), (3, False)):

@@ -18,7 +18,7 @@ from kvmap.forward import flashinfer as fib
 from kvmap.forward import sampler as S
 from kvmap.layout import PAD_SLOT_ID
 
-from .test_forward import _metadata, assert_equal, random_batch
+from .test_forward import _metadata, assert_equal, fuzz_modes, random_batch
 from .test_forward_sampler import rows, same
 
 pytest.importorskip("numba")
@@ -27,10 +27,7 @@ K = load("kvmap.forward.kernels")
 
 @pytest.mark.parametrize("runner", ["mrv2", "v1"])
 def test_shape_and_padded_tails_equal_the_specs_fuzzed(runner):
-    rng = np.random.default_rng(2601)
-    for i in range(150):
-        k = int(rng.integers(0, 3))
-        mode = ("NONE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL")[i % 4]
+    for rng, k, mode in fuzz_modes(2601):
         q, computed, seq = random_batch(rng, 16, k)
         R, T = len(q), int(q.sum())
         qsl = np.zeros(R + 1, dtype=np.int32)
@@ -58,10 +55,7 @@ def test_shape_and_padded_tails_equal_the_specs_fuzzed(runner):
 
 @pytest.mark.parametrize("runner", ["mrv2", "v1"])
 def test_common_metadata_and_split_equal_the_specs_fuzzed(runner):
-    rng = np.random.default_rng(2602)
-    for i in range(150):
-        k = int(rng.integers(0, 3))
-        mode = ("NONE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL")[i % 4]
+    for rng, k, mode in fuzz_modes(2602):
         desc, cms = _metadata(rng, runner, mode, k, groups=1)
         cm, R = cms[0], desc.num_reqs
         # the rule's inputs again, per request row (the kernel reads them through idx_mapping)
@@ -90,11 +84,8 @@ def _tails(cm, desc):
 
 @pytest.mark.parametrize("runner", ["mrv2", "v1"])
 def test_flashinfer_numba_equals_the_spec_fuzzed(runner):
-    rng = np.random.default_rng(2603)
     buf = fib.NumbaBuffers(K)
-    for i in range(150):
-        k = int(rng.integers(0, 3))
-        mode = ("NONE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL")[i % 4]
+    for rng, k, mode in fuzz_modes(2603):
         _, cms = _metadata(rng, runner, mode, k)
         cm = cms[0]
         for cp, rank, inter in ((1, 0, 1), (2, 1, 1), (4, 3, 8), (4, 0, 16)):

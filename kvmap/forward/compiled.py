@@ -131,7 +131,6 @@ class SplitBuffers(gp.SplitRules):
         self.fused = cfg.dcp_size == 1 and not self.any_local and not {"FLASH_ATTN", "TRITON_ATTN"} & set(names)
         self.flashinfer = [(g, cfg.groups[g].kernel_block_size, FI.NumbaBuffers(self.k))
                            for g, name in enumerate(names) if name == "FLASHINFER"]  # [(g, page_size, buffers)]
-        self.kv_is_seq_lens = cfg.num_speculative_tokens > 0  # FlashInfer pages seq_lens, not the upper bound
 
 
 def attention_numba(cfg: ForwardConfig, step, buf: SplitBuffers):
@@ -175,7 +174,7 @@ def attention_numba(cfg: ForwardConfig, step, buf: SplitBuffers):
 
     if not buf.fused:
         return make()
-    kv = np.asarray(sl if buf.kv_is_seq_lens else up, dtype=np.int32)  # [n] (flashinfer._kv_lens without DCP)
+    kv = np.asarray(FI.kv_source(sl, up, cfg.num_speculative_tokens), dtype=np.int32)  # [n] (no DCP when fused)
     fi = [(g, ps, FI.arrays_numba(b, kv, tails.block_tables[g], ps, n)) for g, ps, b in buf.flashinfer]
     return Deferred(make, fi)
 

@@ -122,12 +122,18 @@ def build_spec(cm: CommonAttentionMetadata, sp: Split, page_size: int, num_specu
                               np.array(last, i32), prefill, decode)
 
 
+def kv_source(seq_lens: np.ndarray, seq_lens_cpu_upper_bound: np.ndarray, num_speculative_tokens: int) -> np.ndarray:
+    """The lengths FlashInfer pages before DCP's local share: the host upper bound without spec decode, else
+    seq_lens."""
+    return seq_lens_cpu_upper_bound if num_speculative_tokens == 0 else seq_lens
+
+
 def _kv_lens(cm: CommonAttentionMetadata, sp: Split, num_speculative_tokens: int, dcp_size: int, dcp_rank: int,
              interleave: int) -> np.ndarray:
     """[n] int32 the KV lengths paged (a view when dcp_size == 1: never written)."""
     n = cm.num_reqs
-    src = cm.seq_lens_cpu_upper_bound if num_speculative_tokens == 0 else cm.seq_lens
-    kv = np.asarray(src[:n], dtype=np.int32)
+    kv = np.asarray(kv_source(cm.seq_lens, cm.seq_lens_cpu_upper_bound, num_speculative_tokens)[:n],
+                    dtype=np.int32)
     if dcp_size > 1:
         kv = kv.copy()
         if sp.num_prefills > 0:

@@ -56,12 +56,13 @@ class SamplerRows:
 
 def corrections(step, batch_req_ids) -> np.ndarray | None:
     """[R] int32 batch_idx -> the request's num_computed_tokens_correction this step (async spec decode), or None
-    when the step carries none (`step`: the trace's Step; `batch_req_ids`: the ids in batch order)."""
+    when the step carries none (`step`: the trace's Step; `batch_req_ids`: () -> the ids in batch order, called
+    only then)."""
     a = step.async_spec if step is not None else None
     corr = a.num_computed_tokens_correction if a is not None else None
     if not corr:
         return None
-    return np.array([corr.get(r, 0) for r in batch_req_ids], dtype=np.int32)
+    return np.array([corr.get(r, 0) for r in batch_req_ids()], dtype=np.int32)
 
 
 @dataclass(slots=True)

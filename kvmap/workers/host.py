@@ -159,10 +159,9 @@ class HostWorker(Worker):
         i = self.inputs if self.mirror is None else self.mappings()
         spec = b.step is None or b.step.scheduler_output.scheduled_spec_decode_tokens
         drafts = b.num_draft_tokens[b.order] if spec else b.num_draft_tokens  # no drafts: zeros in any order
-        a = b.step.async_spec if b.step is not None else None
-        corr = corrections(b.step, b.batch_req_ids()) if a is not None else None
         rows = SamplerRows(i.idx_mapping, i.query_start_loc, i.seq_lens, i.num_computed_tokens, drafts,
-                           st.prefill_len, st.num_prompt_tokens, i.input_ids, bool(spec), corr)
+                           st.prefill_len, st.num_prompt_tokens, i.input_ids, bool(spec),
+                           corrections(b.step, b.batch_req_ids))
         core = None  # the numba parts' core arrays: this worker's own (a device's, DCP's, the others': mappings())
         if self.numba_forward and self.mirror is None and not self.multirank:
             tables = self.kernel_tables if self.kernel_split else self.tables.block_tables

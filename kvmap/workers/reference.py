@@ -303,7 +303,7 @@ class ReferenceWorker(Worker):
         rows = SamplerRows(m.idx_mapping, m.query_start_loc, m.seq_lens, m.num_computed_tokens,
                            np.array([len(spec.get(r, ())) for r in self._out["req_ids"]], np.int32),
                            self._by_row(lambda q: q.prefill_len), self._by_row(lambda q: q.num_prompt_tokens),
-                           m.input_ids, bool(spec), corrections(self._step, self._out["req_ids"]))
+                           m.input_ids, bool(spec), corrections(self._step, lambda: self._out["req_ids"]))
         return ForwardStep(rows, lambda: m, lambda: self._by_row(lambda q: q.tokens[-1]))
 
     def _by_row(self, value) -> np.ndarray:
