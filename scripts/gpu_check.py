@@ -31,6 +31,26 @@ VLLM_TRACES = ("chunked_prefill", "spec_decode", "async_spec_decode", "prefix_ca
                "hybrid_sliding_window", "kernel_block_split", "dcp2", "dcp2_mamba", "vllm51031")
 
 
+def vllm_dump_rows(device: str, names) -> list[str]:
+    """One line per bundled trace: whether vllm-mrv2 on `device` dumps what the reference dumps, step by step
+    (the tests run it on "cpu", under the Triton interpreter, to check this function)."""
+    from kvmap.run.config import ReplayConfig
+    from kvmap.run.replay import replay
+    from kvmap.trace import Trace
+
+    lines = []
+    for name in names:
+        got, want = [], []
+        for backend, dev, out in (("vllm-mrv2", device, got), ("reference", "cpu", want)):
+            replay(Trace(ROOT / "traces" / f"{name}.jsonl"), ReplayConfig(backend=backend, device=dev, write_kv=False,
+                                                                          nvtx=False, warmup=0), on_mappings=out.append)
+        diff = next((w["step"] for g, w in zip(got, want) if g != w), None)
+        same = diff is None and len(got) == len(want)
+        lines.append(f"vllm-mrv2 on {device}, {name}: {len(got)} steps, "
+                     + ("equal to the reference" if same else f"DIFFERS at step {diff}"))
+    return lines
+
+
 def vllm_section(device: str, trace: str) -> list[str]:
     """Section 4: vllm-mrv2 on the GPU against the reference, and its CUDA-event phase times beside kvmap's GPU
     workers. One line saying why when there is no GPU or no vLLM 0.33."""
@@ -42,23 +62,10 @@ def vllm_section(device: str, trace: str) -> list[str]:
     if vllm_compat.installed("vllm") not in vllm_compat.SUPPORTED["vllm-mrv2"]["vllm"]:
         return ["vLLM section: skipped (vLLM 0.33 is not installed: pip install --no-deps vllm==0.33.0 and "
                 "requirements-record.txt)"]
-    from kvmap.run.config import ReplayConfig
-    from kvmap.run.replay import replay
-    from kvmap.trace import Trace
-
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench_vllm
 
-    lines = []
-    for name in VLLM_TRACES:
-        got, want = [], []
-        for backend, dev, out in (("vllm-mrv2", device, got), ("reference", "cpu", want)):
-            replay(Trace(ROOT / "traces" / f"{name}.jsonl"), ReplayConfig(backend=backend, device=dev, write_kv=False,
-                                                                          nvtx=False, warmup=0), on_mappings=out.append)
-        diff = next((w["step"] for g, w in zip(got, want) if g != w), None)
-        same = diff is None and len(got) == len(want)
-        lines.append(f"vllm-mrv2 on {device}, {name}: {len(got)} steps, "
-                     + ("equal to the reference" if same else f"DIFFERS at step {diff}"))
+    lines = vllm_dump_rows(device, VLLM_TRACES)
     for backend, ph in bench_vllm.gpu_phases(Path(trace), 20).items():
         lines.append(f"CUDA events, {Path(trace).name}, {backend}: "
                      + ", ".join(f"{p} {x:.1f} us" for p, x in ph.items()))
