@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 
 VLLM_TRACES = ("chunked_prefill", "spec_decode", "async_spec_decode", "prefix_caching", "preemption_v2",
-               "hybrid_sliding_window", "kernel_block_split", "dcp2", "dcp2_mamba", "vllm51031")
+               "hybrid_sliding_window", "kernel_block_split", "dcp2", "dcp2_mamba", "vllm51031", "full_graphs_spec")
 
 
 def vllm_dump_rows(device: str, names) -> list[str]:

@@ -77,7 +77,7 @@ def test_missing_vllm_says_how_to_install(tmp_path):
 @needs_vllm
 @pytest.mark.parametrize("name", ["chunked_prefill", "prefix_caching", "preemption_v1", "preemption_v2",
                                   "hybrid_sliding_window", "chunked_local", "spec_decode", "dcp2", "dcp4_interleave8",
-                                  "kernel_block_split", "vllm51031", "dcp2_mamba"])
+                                  "kernel_block_split", "vllm51031", "dcp2_mamba", "full_graphs_spec"])
 def test_recording_reproduces_the_bundled_trace(tmp_path, name):
     out = tmp_path / f"{name}.jsonl"
     res = runner.invoke(app, ["record", str(WORKLOADS / f"{name}.yaml"), "-o", str(out), "--no-progress"])
