@@ -36,10 +36,12 @@ def test_shape_and_padded_tails_equal_the_specs_fuzzed(runner):
         prefill = rng.integers(0, 250, 20).astype(np.int32)
         drafts = np.minimum(rng.integers(0, k + 1, R), q - 1).astype(np.int32)
         shape = np.zeros(3, dtype=np.int64)
-        K.step_shape(qsl, computed, prefill, idx, drafts, runner == "mrv2", shape)
+        key = K.step_shape(qsl, computed, prefill, idx, drafts, runner == "mrv2", 5000, shape)
         pre = [int(prefill[j]) for j in idx]
         eligible = cg.decode_graph_eligible(q.tolist(), drafts.tolist(), np.minimum(computed, pre).tolist(), pre)
-        assert shape.tolist() == [T, int(q.max()), int(eligible) if runner == "mrv2" else 1]
+        e = int(eligible) if runner == "mrv2" else 1
+        assert shape.tolist() == [T, int(q.max()), e]
+        assert key == ((R * 5000 + T) * 5000 + int(q.max())) * 2 + e
         sizes = cg.resolve_capture_sizes(runner, mode, None, 16, 4096, k)
         desc = cg.dispatch(runner, mode, sizes, 16, k, R, T, int(q.max()), eligible)
         slots = rng.integers(0, 10**6, (2, T)).astype(np.int64)
