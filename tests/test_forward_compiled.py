@@ -163,3 +163,16 @@ def test_mrv2_sampler_numba_equals_the_spec_fuzzed():
         r = replace(r, has_drafts=bool(i % 2))
         got = nf.sampler_numba(cfg, SimpleNamespace(rows=r), buf)
         same(got.get(), S.mrv2_spec(r))
+
+
+def test_shape_key_bounds_are_checked_at_the_boundary():
+    """The dispatch answers are remembered by one int key (kernels.step_shape): limits whose key would not fit
+    in 63 bits are a located error, not a silent collision."""
+    from kvmap.errors import KvmapError
+    from kvmap.forward.config import ForwardConfig, GroupForward
+
+    cfg = ForwardConfig("mrv2", "NONE", (), (GroupForward("full_attention", 16, 16, None, None, None),), 256,
+                        2048, 4096, 0, 1)
+    assert nf.PaddingBuffers(cfg, 2048).m == 2048 + 1
+    with pytest.raises(KvmapError, match="too large"):
+        nf.PaddingBuffers(cfg, 2**31)
