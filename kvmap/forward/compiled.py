@@ -13,11 +13,13 @@ Rules:
 - The parts leave their objects to the first read where no later part's host function needs them (`Deferred`,
   deferred.py: the dump's `to_dict`, `explain`): the sampler's; the attention part's and the backends', when
   no FlashAttention/Triton group and no DCP rank needs them in the phase (`SplitBuffers.fused`): the attention
-  part then runs FlashInfer's kernels too and hands their arrays to the backends part as its payload.
-  Otherwise the backends part runs FlashInfer's kernels over the attention part's objects.
+  part then runs FlashInfer's kernels too and hands what they wrote to the backends part as its payload.
+  Otherwise the backends part runs FlashInfer's kernels over the attention part's objects. The kernels take
+  whole buffers and a row count; the views the objects hold are taken when the objects are made.
 - The host workers give their own core arrays (`ForwardStep.core`, core.py): no `BatchMappings` in the phase.
 - A step's BatchDescriptor depends only on the configuration and (R, T, max_query_len, eligible): the
-  dispatcher's answers are remembered (shared between steps: results are never written, inputs.py).
+  dispatcher's answers are remembered by that shape as one int (`step_shape`'s key), with the padded tails'
+  views of the buffers (shared between steps: results are never written, inputs.py).
 - Buffers hold max_num_seqs request rows and max_num_tokens token rows: a step never has more (the padded
   counts come from capture sizes within both); the kernels check their bounds.
 """
