@@ -36,10 +36,12 @@ def test_shape_and_padded_tails_equal_the_specs_fuzzed(runner):
         prefill = rng.integers(0, 250, 20).astype(np.int32)
         drafts = np.minimum(rng.integers(0, k + 1, R), q - 1).astype(np.int32)
         shape = np.zeros(3, dtype=np.int64)
-        K.step_shape(qsl, computed, prefill, idx, drafts, runner == "mrv2", shape)
+        key = K.step_shape(qsl, computed, prefill, idx, drafts, runner == "mrv2", 5000, shape)
         pre = [int(prefill[j]) for j in idx]
         eligible = cg.decode_graph_eligible(q.tolist(), drafts.tolist(), np.minimum(computed, pre).tolist(), pre)
-        assert shape.tolist() == [T, int(q.max()), int(eligible) if runner == "mrv2" else 1]
+        e = int(eligible) if runner == "mrv2" else 1
+        assert shape.tolist() == [T, int(q.max()), e]
+        assert key == ((R * 5000 + T) * 5000 + int(q.max())) * 2 + e
         sizes = cg.resolve_capture_sizes(runner, mode, None, 16, 4096, k)
         desc = cg.dispatch(runner, mode, sizes, 16, k, R, T, int(q.max()), eligible)
         slots = rng.integers(0, 10**6, (2, T)).astype(np.int64)
@@ -161,3 +163,16 @@ def test_mrv2_sampler_numba_equals_the_spec_fuzzed():
         r = replace(r, has_drafts=bool(i % 2))
         got = nf.sampler_numba(cfg, SimpleNamespace(rows=r), buf)
         same(got.get(), S.mrv2_spec(r))
+
+
+def test_shape_key_bounds_are_checked_at_the_boundary():
+    """The dispatch answers are remembered by one int key (kernels.step_shape): limits whose key would not fit
+    in 63 bits are a located error, not a silent collision."""
+    from kvmap.errors import KvmapError
+    from kvmap.forward.config import ForwardConfig, GroupForward
+
+    cfg = ForwardConfig("mrv2", "NONE", (), (GroupForward("full_attention", 16, 16, None, None, None),), 256,
+                        2048, 4096, 0, 1)
+    assert nf.PaddingBuffers(cfg, 2048).m == 2048 + 1
+    with pytest.raises(KvmapError, match="too large"):
+        nf.PaddingBuffers(cfg, 2**31)

@@ -13,11 +13,13 @@ Rules:
 - The parts leave their objects to the first read where no later part's host function needs them (`Deferred`,
   deferred.py: the dump's `to_dict`, `explain`): the sampler's; the attention part's and the backends', when
   no FlashAttention/Triton group and no DCP rank needs them in the phase (`SplitBuffers.fused`): the attention
-  part then runs FlashInfer's kernels too and hands their arrays to the backends part as its payload.
-  Otherwise the backends part runs FlashInfer's kernels over the attention part's objects.
+  part then runs FlashInfer's kernels too and hands what they wrote to the backends part as its payload.
+  Otherwise the backends part runs FlashInfer's kernels over the attention part's objects. The kernels take
+  whole buffers and a row count; the views the objects hold are taken when the objects are made.
 - The host workers give their own core arrays (`ForwardStep.core`, core.py): no `BatchMappings` in the phase.
 - A step's BatchDescriptor depends only on the configuration and (R, T, max_query_len, eligible): the
-  dispatcher's answers are remembered (shared between steps: results are never written, inputs.py).
+  dispatcher's answers are remembered by that shape as one int (`step_shape`'s key), with the padded tails'
+  views of the buffers (shared between steps: results are never written, inputs.py).
 - Buffers hold max_num_seqs request rows and max_num_tokens token rows: a step never has more (the padded
   counts come from capture sizes within both); the kernels check their bounds.
 """
@@ -36,6 +38,7 @@ from kvmap.forward import sampler as S
 from kvmap.forward.config import ForwardConfig
 from kvmap.forward.core import core_of
 from kvmap.forward.deferred import Deferred
+from kvmap.errors import KvmapError
 from kvmap.layout import PAD_SLOT_ID
 
 _KERNELS = "kvmap.forward.kernels"
@@ -69,14 +72,20 @@ def sampler_numba(cfg: ForwardConfig, step, buf: SamplerBuffers):
 # ------------------------------------------------------------------------------------------ cudagraph
 
 class PaddingBuffers(gp.PaddingBuffers):
-    """The dispatcher, the kernels and the padded tails' buffers."""
+    """The dispatcher, the kernels, the padded tails' buffers and the dispatch answers remembered."""
 
     def __init__(self, cfg: ForwardConfig, max_num_tokens: int) -> None:
         super().__init__(cfg)
         self.k = load(_KERNELS)
         R, T = cfg.max_num_seqs, max_num_tokens
+        self.mrv2 = cfg.runner == "mrv2"
+        self.m = T + 1  # the shape key's radix (kernels.step_shape: T and max_query_len are at most T)
+        if (R + 1) * self.m * self.m * 2 >= 1 << 63:
+            raise KvmapError(f"max_num_seqs {R} and max_num_batched_tokens {T} are too large for the forward "
+                             "parts' shape key (use --backend numpy)", field="max_num_batched_tokens")
+        self.max_size = self.sizes[-1] if self.sizes else 0  # max_cudagraph_capture_size (0: eager)
         self.shape = np.zeros(3, dtype=np.int64)  # [T, max_query_len, decode_graph_eligible]
-        self.descs: dict = {}  # (R, T, max_query_len, eligible) -> (BatchDescriptor, num_slots): the config's
+        self.descs: dict = {}  # shape key -> Dispatched: the configuration's (results are never written)
         self.query_start_loc = np.zeros(R + 1, dtype=np.int32)  # [num_reqs_padded + 1]
         self.seq_lens = np.zeros(R, dtype=np.int32)  # [num_reqs_padded]
         self.slot_mapping = np.zeros((len(cfg.groups), T), dtype=np.int64)  # [G, num_slots]
@@ -84,30 +93,42 @@ class PaddingBuffers(gp.PaddingBuffers):
         self.positions = np.zeros(T if cfg.runner == "v1" else 0, dtype=np.int64)  # [num_tokens_padded] (V1)
 
 
+class Dispatched:
+    """A step shape's dispatch answer and, where it pads, the padded tails' views of the buffers (the same
+    views whenever the shape recurs: the kernel rewrites them each step)."""
+
+    __slots__ = ("desc", "R", "T", "n", "views")
+
+    def __init__(self, cfg: ForwardConfig, buf: PaddingBuffers, R: int) -> None:
+        T, max_q, eligible = buf.shape.tolist()  # the step's, as the kernel wrote them
+        desc = self.desc = buf.dispatcher.dispatch(R, T, max_q, eligible == 1)
+        self.R = R
+        self.T, self.n = T, C._num_slots(cfg.runner, desc, True)  # [num_slots] of the padded slot_mapping
+        Rp, Tp = desc.num_reqs_padded, desc.num_tokens_padded
+        self.views = None if Tp == T and Rp == R else (  # (query_start_loc, seq_lens, slot_mapping, is_padding,
+            buf.query_start_loc[: Rp + 1], buf.seq_lens[:Rp], buf.slot_mapping[:, : self.n],  # positions)
+            buf.is_padding[:Tp], None if buf.mrv2 else buf.positions[:Tp])
+
+
 def cudagraph_numba(cfg: ForwardConfig, step, buf: PaddingBuffers) -> gp.Padding:
     r, m = step.rows, core_of(step)
-    qsl, mrv2 = r.query_start_loc, cfg.runner == "mrv2"
-    buf.k.step_shape(qsl, r.num_computed_tokens, r.prefill_len, r.idx_mapping, r.num_draft_tokens, mrv2, buf.shape)
-    key = (len(r.idx_mapping), *buf.shape.tolist())  # (R, T, max_query_len, decode_graph_eligible)
-    got = buf.descs.get(key)
-    if got is None:
+    qsl = r.query_start_loc
+    key = buf.k.step_shape(qsl, r.num_computed_tokens, r.prefill_len, r.idx_mapping, r.num_draft_tokens, buf.mrv2,
+                           buf.m, buf.shape)  # (R, T, max_query_len, decode_graph_eligible) as one int
+    d = buf.descs.get(key)
+    if d is None:
         if len(buf.descs) >= DESCS_KEPT:
             buf.descs.clear()
-        desc = buf.dispatcher.dispatch(key[0], key[1], key[2], key[3] == 1)
-        got = buf.descs[key] = desc, C._num_slots(cfg.runner, desc, True)
-    desc, n = got
-    R, T = key[0], key[1]
-    tables = m.tables
-    Rp, Tp = desc.num_reqs_padded, desc.num_tokens_padded
-    if Tp == T and Rp == R:  # nothing padded: the arrays themselves
-        tails = C.PaddedTails(qsl, r.seq_lens, m.slot_mapping, tables, None, None if mrv2 else m.positions)
+        d = buf.descs[key] = Dispatched(cfg, buf, len(r.idx_mapping))
+    v = d.views
+    if v is None:  # nothing padded: the arrays themselves
+        tails = C.PaddedTails(qsl, r.seq_lens, m.slot_mapping, m.tables, None, None if buf.mrv2 else m.positions)
     else:
-        slots = buf.slot_mapping[:, :n]
-        buf.k.pad_tails(qsl, r.seq_lens, m.slot_mapping, m.positions, R, T, Rp, Tp, n, PAD_SLOT_ID,
-                        buf.query_start_loc, buf.seq_lens, slots, buf.positions, buf.is_padding)
-        tails = C.PaddedTails(buf.query_start_loc[: Rp + 1], buf.seq_lens[:Rp], slots, tables, buf.is_padding[:Tp],
-                              None if mrv2 else buf.positions[:Tp])
-    return gp.Padding(desc, tails, buf.sizes[-1] if buf.sizes else 0)
+        buf.k.pad_tails(qsl, r.seq_lens, m.slot_mapping, m.positions, d.R, d.T, d.desc.num_reqs_padded,
+                        d.desc.num_tokens_padded, d.n, PAD_SLOT_ID, buf.query_start_loc, buf.seq_lens,
+                        v[2], buf.positions, buf.is_padding)
+        tails = C.PaddedTails(v[0], v[1], v[2], m.tables, v[3], v[4])
+    return gp.Padding(d.desc, tails, buf.max_size)
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -118,11 +139,16 @@ class SplitBuffers(gp.SplitRules):
     def __init__(self, cfg: ForwardConfig) -> None:
         super().__init__(cfg)
         self.k = load(_KERNELS)
+        self.v1 = cfg.runner == "v1"
         self.any_local = any(g.kind == "chunked_local" for g in cfg.groups)
         self.is_prefilling = np.zeros(cfg.max_num_seqs, dtype=bool)  # [num_reqs] (V1) or [R] (MRV2)
-        self.out = np.zeros(6, dtype=np.int64)  # the kernel's scalars (kernels.common_split)
         # the configuration's, per step the same (results are never written, inputs.py)
-        self.attending = [(g, self.rules[g]) for g, grp in enumerate(cfg.groups) if gp._attends(grp)]
+        attending = [self.rules[g] if gp._attends(grp) else None for g, grp in enumerate(cfg.groups)]  # [G]
+        self.distinct = list(dict.fromkeys(rule for rule in attending if rule is not None))  # the split rules
+        self.rule_of = [None if rule is None else self.distinct.index(rule) for rule in attending]  # [G]
+        self.out = np.zeros((len(self.distinct), 6), dtype=np.int64)  # per rule: the kernel's scalars
+        self.calls = [(-1 if th is None else th, uniform, self.out[i])  # per rule: common_split's arguments
+                      for i, (th, uniform) in enumerate(self.distinct)]
         self.thresholds = [self.rules[g][0] if gp._attends(grp) else None for g, grp in enumerate(cfg.groups)]
         self.local = [False] * len(cfg.groups)  # [G] (a chunked_local group takes the numpy form)
         names = gp.backend_names(cfg)
@@ -134,49 +160,51 @@ class SplitBuffers(gp.SplitRules):
 
 
 def attention_numba(cfg: ForwardConfig, step, buf: SplitBuffers):
-    """The part; when `buf.fused`, also FlashInfer's arrays: `Deferred(make, [(g, page_size, arrays)])`, the
-    objects made on first read (the backends part makes its own from the payload)."""
+    """The part; when `buf.fused`, also FlashInfer's arrays: `Deferred(make, (kv, n, [(g, page_size, buffers,
+    nnz)]))`, the objects made on first read (the backends part makes its own from the payload). The kernels
+    read rows 0..n of the tails and write the buffers whole-row; the objects' views are taken in `make`."""
     if buf.any_local:  # virtual batches: the numpy form
         return gp.attention_host(cfg, step, buf)
     pad: gp.Padding = step.parts["cudagraph"]
     desc, tails = pad.desc, pad.tails
-    if desc.num_reqs == 0:
+    R = desc.num_reqs
+    if R == 0:
         return gp._empty(cfg)
-    r, v1, R = step.rows, cfg.runner == "v1", desc.num_reqs
+    r = step.rows
     n, t = (desc.num_reqs_padded, desc.num_tokens_padded) if desc.pad_attn else (R, desc.num_tokens)
-    qsl, sl = tails.query_start_loc, tails.seq_lens  # [n + 1], [n] (the tails are the attention's counts)
-    if len(sl) != n:
-        qsl, sl = qsl[: n + 1], sl[:n]
-    pre = buf.is_prefilling[: n if v1 else R]
-    lens = r.num_prompt_tokens if v1 else r.prefill_len
-    up = A.upper_bound(cfg.runner, sl, R, r.num_computed_tokens_correction)  # [n]: max_seq_len's source
-    got: list = [None] * len(cfg.groups)  # [G] (max_query_len, max_seq_len, split) of the group's rule
-    memo: dict = {}  # (threshold, require_uniform) -> (max_query_len, max_seq_len, split)
-    for g, rule in buf.attending:
-        v = memo.get(rule)
-        if v is None:
-            th, uniform = rule
-            buf.k.common_split(qsl, up, r.num_computed_tokens, lens, r.idx_mapping, n, t, v1,
-                               -1 if th is None else th, uniform, pre, buf.out)
-            o = buf.out.tolist()
-            v = memo[rule] = o[0], o[1], None if th is None else A.Split(o[2], o[3], o[4], o[5])
-        got[g] = v
+    qsl, sl = tails.query_start_loc, tails.seq_lens  # [>= n + 1], [>= n] (the tails are the attention's counts)
+    up = A.upper_bound(cfg.runner, sl, R, r.num_computed_tokens_correction)  # [>= n]: max_seq_len's source
+    lens = r.num_prompt_tokens if buf.v1 else r.prefill_len
+    for th, uniform, out in buf.calls:
+        buf.k.common_split(qsl, up, r.num_computed_tokens, lens, r.idx_mapping, n, t, buf.v1, th, uniform,
+                           buf.is_prefilling, out)
 
     def make() -> gp.Attention:
-        common, splits = [None] * len(cfg.groups), [None] * len(cfg.groups)
-        for g, v in enumerate(got):
-            if v is not None:
-                table = tails.block_tables[g]  # [R, W] (a padded row has no blocks: never read, graph_parts.py)
-                common[g] = A.CommonAttentionMetadata(qsl, sl, n, t, v[0], v[1], table if len(table) <= n else
-                                                      table[:n], tails.slot_mapping[g], pre, up)
-                splits[g] = v[2]
-        return gp.Attention(common, buf.thresholds, splits, buf.local)
+        return _attention(cfg, buf, tails, R, n, t, up)
 
     if not buf.fused:
         return make()
-    kv = np.asarray(FI.kv_source(sl, up, cfg.num_speculative_tokens), dtype=np.int32)  # [n] (no DCP when fused)
-    fi = [(g, ps, FI.arrays_numba(b, kv, tails.block_tables[g], ps, n)) for g, ps, b in buf.flashinfer]
-    return Deferred(make, fi)
+    kv = FI.kv_source(sl, up, cfg.num_speculative_tokens)  # [>= n] int32 (no DCP when fused)
+    fi = [(g, ps, b, FI.fill_numba(b, kv, tails.block_tables[g], ps, n)) for g, ps, b in buf.flashinfer]
+    return Deferred(make, (kv, n, fi))
+
+
+def _attention(cfg: ForwardConfig, buf: SplitBuffers, tails, R: int, n: int, t: int, up) -> gp.Attention:
+    """The part's objects over the kernels' results (`buf.out`, `buf.is_prefilling`) and the tails' rows 0..n."""
+    qsl, sl = tails.query_start_loc, tails.seq_lens
+    if len(sl) != n:
+        qsl, sl, up = qsl[: n + 1], sl[:n], up[:n]
+    pre = buf.is_prefilling[: n if buf.v1 else R]
+    got = [(o[0], o[1], None if th is None else A.Split(*o[2:]))  # per rule
+           for (th, _), o in zip(buf.distinct, buf.out.tolist())]
+    common, splits = [None] * len(cfg.groups), [None] * len(cfg.groups)
+    for g, i in enumerate(buf.rule_of):
+        if i is not None:
+            v, table = got[i], tails.block_tables[g]  # [R, W] (a padded row has no blocks: never read)
+            common[g] = A.CommonAttentionMetadata(qsl, sl, n, t, v[0], v[1], table if len(table) <= n else
+                                                  table[:n], tails.slot_mapping[g], pre, up)
+            splits[g] = v[2]
+    return gp.Attention(common, buf.thresholds, splits, buf.local)
 
 
 # ------------------------------------------------------------------------------------------ backends
@@ -200,8 +228,9 @@ def backends_numba(cfg: ForwardConfig, step, buf: BackendBuffers):
     if type(att) is Deferred:  # FlashInfer's arrays are the attention part's payload
         def made() -> gp.Backends:
             a, md = att.get(), [None] * len(cfg.groups)
-            for g, ps, arrays in att.payload:
-                md[g] = FI.metadata_of(a.common[g], a.splits[g], ps, arrays)
+            kv, n, fi = att.payload
+            for g, ps, b, nnz in fi:
+                md[g] = FI.metadata_of(a.common[g], a.splits[g], ps, FI.views_numba(b, kv, n, nnz))
             return gp.Backends(md, buf.names, False)
 
         return Deferred(made)

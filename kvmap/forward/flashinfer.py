@@ -213,16 +213,24 @@ def paged_kv_numba(buf: NumbaBuffers, cm: CommonAttentionMetadata, sp: Split, pa
 def arrays_numba(buf: NumbaBuffers, kv: np.ndarray, block_table: np.ndarray, page_size: int,
                  n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(kv [n], paged_kv_indptr [n + 1], paged_kv_indices [nnz], paged_kv_last_page_len [n]) by the kernel into
-    `buf` (views valid until the next step). kv: [n] int32 the KV lengths paged (`_kv_lens`); block_table:
+    `buf` (views valid until the next step). kv: [>= n] int32 the KV lengths paged (`_kv_lens`); block_table:
     [>= n, W] int32."""
+    return views_numba(buf, kv, n, fill_numba(buf, kv, block_table, page_size, n))
+
+
+def fill_numba(buf: NumbaBuffers, kv: np.ndarray, block_table: np.ndarray, page_size: int, n: int) -> int:
+    """The kernel over rows 0..n into `buf` (grown when the step needs more); returns nnz = paged_kv_indptr[n]."""
     table = np.ascontiguousarray(block_table)  # the kernel's signature (a view: the rows' slice is)
     if len(buf.last) < n or len(buf.indices) < n * table.shape[1]:
         buf.indptr = np.zeros(n + 1, dtype=np.int32)
         buf.indices = np.zeros(n * table.shape[1], dtype=np.int32)
         buf.last = np.zeros(n, dtype=np.int32)
-    indptr, indices, last = buf.indptr, buf.indices, buf.last
-    nnz = buf.k.paged_kv(kv, table, page_size, n, indptr, indices, last)
-    return kv, indptr[: n + 1], indices[:nnz], last[:n]
+    return buf.k.paged_kv(kv, table, page_size, n, buf.indptr, buf.indices, buf.last)
+
+
+def views_numba(buf: NumbaBuffers, kv: np.ndarray, n: int, nnz: int) -> tuple:
+    """`arrays_numba`'s arrays after `fill_numba` returned nnz."""
+    return kv[:n], buf.indptr[: n + 1], buf.indices[:nnz], buf.last[:n]
 
 
 def metadata_of(cm: CommonAttentionMetadata, sp: Split, page_size: int, arrays: tuple, dcp_size: int = 1,

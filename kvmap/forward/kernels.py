@@ -19,10 +19,11 @@ _jit = nb.njit(cache=True, nogil=True, boundscheck=True)
 
 
 @_jit
-def step_shape(query_start_loc, num_computed_tokens, prefill_len, idx_mapping, num_draft_tokens, mrv2, out):
+def step_shape(query_start_loc, num_computed_tokens, prefill_len, idx_mapping, num_draft_tokens, mrv2, m, out):
     """The dispatch inputs of a step of R = len(idx_mapping) rows into out: [T, max_query_len, MRV2's
     decode_graph_eligible (1 or 0; 1 under V1)] (cudagraph.decode_graph_eligible, over
-    num_computed_prefill_tokens = min(num_computed_tokens, prefill_len))."""
+    num_computed_prefill_tokens = min(num_computed_tokens, prefill_len)). Returns them as one key,
+    ((R * m + T) * m + max_query_len) * 2 + eligible (m > T: one key per shape)."""
     R = idx_mapping.shape[0]
     max_q = 0
     eligible = 1
@@ -34,9 +35,11 @@ def step_shape(query_start_loc, num_computed_tokens, prefill_len, idx_mapping, n
             c = min(num_computed_tokens[b], p)
             if c < p and not (q - num_draft_tokens[b] == 1 and c > 0):
                 eligible = 0
-    out[0] = query_start_loc[R]
+    T = query_start_loc[R]
+    out[0] = T
     out[1] = max_q
     out[2] = eligible
+    return ((R * m + T) * m + max_q) * 2 + eligible
 
 
 @_jit
@@ -142,7 +145,7 @@ def mrv2_sampler(query_start_loc, idx_mapping, num_draft_tokens, has_drafts, num
 # The ahead-of-time build (kvmap/aot.py): exported name -> (kernel, signature). The arrays are the host worker's
 # buffers and the forward buffers (forward/compiled.py): int32 rows, int64 slots, positions and scalars.
 AOT_EXPORTS = {
-    "step_shape": ("step_shape", "void(i4[:], i4[:], i4[:], i4[:], i4[:], b1, i8[:])"),
+    "step_shape": ("step_shape", "i8(i4[:], i4[:], i4[:], i4[:], i4[:], b1, i8, i8[:])"),
     "pad_tails": ("pad_tails", "void(i4[:], i4[:], i8[:, :], i8[:], i8, i8, i8, i8, i8, i8, i4[:], i4[:], "
                                "i8[:, :], i8[:], b1[:])"),
     "common_split": ("common_split", "void(i4[:], i4[:], i4[:], i4[:], i4[:], i8, i8, b1, i8, b1, b1[:], i8[:])"),
