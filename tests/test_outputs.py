@@ -152,6 +152,21 @@ def test_bad_output_paths_fail_before_the_work(tmp_path, run_json, monkeypatch, 
     assert "missing" in line or "directory" in line or "destroy the input" in line, line
 
 
+@pytest.mark.parametrize("name", ["-", "stdout-link", "fifo"])
+def test_profile_output_is_a_file_name_never_a_special_file_with_a_suffix(tmp_path, monkeypatch, name):
+    """`-o` is a report name that `.trace.json` / `.nsys-rep` is added to: `-o -` once wrote `./-.trace.json`
+    and `-o /dev/stdout` a regular file `/dev/stdout.trace.json` beside the machine's own /dev/stdout."""
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "stdout-link").symlink_to("/proc/self/fd/1")
+    before = sorted(os.listdir(tmp_path))
+    _no_work(monkeypatch)
+    for builtin in (["--builtin"], []):
+        line = one_error(invoke("profile", WORKED, *builtin, "-o", name))
+        assert "option --output: profile writes a report file: give a file name" in line, line
+    assert sorted(os.listdir(tmp_path)) == before
+
+
 # ---------------------------------------------------------------------------------- damaged saved runs
 
 

@@ -272,8 +272,9 @@ def profile(
     trace_path = resolve_trace(trace)
     rep = output if output.suffix == ".nsys-rep" else output.with_name(output.name + ".nsys-rep")
     written = output.with_name(output.name + ".trace.json") if builtin else rep
-    if check_outputs({"--output": written}, [trace_path]) or output_kind(written) != "file":
-        raise KvmapError("profile writes a report file: give a file name", path=str(written), field="--output")
+    if (output_kind(output) != "file" or check_outputs({"--output": written}, [trace_path])
+            or output_kind(written) != "file"):  # `-o -`, `-o /dev/stdout`: never a name made beside them
+        raise KvmapError("profile writes a report file: give a file name", path=str(output), field="--output")
     P.check_overwrite(written, force_overwrite)
     from kvmap.run.result import empty_window_error, warmup_window
 
