@@ -72,6 +72,22 @@ def test_missing_nsys_says_how_to_get_it(tmp_path, monkeypatch):
     assert "scripts/get_nsys.sh" in res.stderr and "--builtin" in res.stderr
 
 
+@pytest.mark.parametrize("force", [[], ["--force-overwrite"]])
+def test_the_sqlite_nsys_stats_exports_is_an_output_too(tmp_path, monkeypatch, force):
+    """`nsys stats` exports OUTPUT.sqlite beside the report: a trace of that name was overwritten, and an existing
+    one replaced without --force-overwrite; both refused before nsys runs."""
+    monkeypatch.setattr(P, "find_nsys", lambda explicit=None: None)
+    trace = tmp_path / "p.sqlite"
+    trace.write_bytes((TRACES / "worked_example.jsonl").read_bytes())
+    res = runner.invoke(app, ["profile", str(trace), "-o", str(tmp_path / "p"), *force])
+    assert res.exit_code == 2 and f"{trace}, option --output: is the input" in res.stderr, res.stderr
+    other = tmp_path / "q.sqlite"
+    other.write_text("kept")
+    res = runner.invoke(app, ["profile", str(TRACES / "worked_example.jsonl"), "-o", str(tmp_path / "q")])
+    assert res.exit_code == 2 and f"{other}, option --output: the report exists" in res.stderr, res.stderr
+    assert trace.read_bytes() == (TRACES / "worked_example.jsonl").read_bytes() and other.read_text() == "kept"
+
+
 def test_builtin_writes_a_perfetto_trace(tmp_path):
     res = runner.invoke(app, ["profile", str(TRACES / "worked_example.jsonl"), "--builtin", "-o", str(tmp_path / "p")])
     assert res.exit_code == 0, res.output

@@ -276,6 +276,9 @@ def profile(
             or output_kind(written) != "file"):  # `-o -`, `-o /dev/stdout`: never a name made beside them
         raise KvmapError("profile writes a report file: give a file name", path=str(output), field="--output")
     P.check_overwrite(written, force_overwrite)
+    if not builtin:  # `nsys stats` exports the report beside it as OUTPUT.sqlite: an output too
+        check_outputs({"--output": rep.with_suffix(".sqlite")}, [trace_path])
+        P.check_overwrite(rep.with_suffix(".sqlite"), force_overwrite)
     from kvmap.run.result import empty_window_error, warmup_window
 
     warmup_window(start, stop, warmup)  # a warm-up that does not fit is an error before nsys starts

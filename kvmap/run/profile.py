@@ -8,8 +8,9 @@ Rules:
   with `--capture-range=nvtx` keyed on the `kvmap_capture` range, which the child wraps around the requested
   steps after the warm-up: the report holds only those steps.
 - The child writes its own result (JSON); `nsys stats` gives the NVTX summary; both are returned as data.
-- An existing report is refused (exit 2, one line) unless `--force-overwrite` (nsys's own word for it), checked
-  before anything runs; only then is nsys told to overwrite (`-f true`).
+- An existing report (or its OUTPUT.sqlite, which `nsys stats` exports beside it) is refused (exit 2, one line)
+  unless `--force-overwrite` (nsys's own word for it), checked before anything runs; only then is nsys told to
+  overwrite (`-f true`).
 - Every nsys call runs under a timeout (`--timeout`, default NSYS_TIMEOUT_S; an nsys 2022.4 was seen to hang
   on a small script): when it passes, the process group is killed and the error says what timed out and how
   to raise the limit or use `--builtin`.
