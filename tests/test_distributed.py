@@ -5,6 +5,7 @@ cross-rank invariant is named at its step, request and rank."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -205,6 +206,41 @@ def test_a_rank_failure_is_one_located_line(tmp_path):
     assert p.returncode == 2 and len(out) == 1, p.stderr
     assert out[0].startswith(f"kvmap: error: rank 0: {bad}:5, step 3: "), out[0]
     assert "torchrun" not in p.stderr and "Traceback" not in p.stderr
+
+
+def _pids(marker: str, launcher: bool) -> list[int]:
+    """Our live torchrun (`launcher`) or rank processes."""
+    def cmd(pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    return [p for p in _ours(marker) if (b"torch.distributed.run" in cmd(p)) == launcher]
+
+
+@pytest.mark.parametrize("victim", ["rank", "torchrun"])
+def test_a_killed_rank_or_torchrun_is_one_line_naming_it(tmp_path, victim):
+    """A rank the OOM killer takes (SIGKILL): one line naming the rank, its pid and the signal, not torchrun's
+    failure table; the other rank is stopped and no output is left."""
+    proc, trace, out = _start_slow_run(tmp_path)
+    try:
+        ranks = _pids(str(trace), launcher=False)
+        pid = max(ranks) if victim == "rank" else _pids(str(trace), launcher=True)[0]
+        os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        assert _gone(str(trace), within=10), "ranks outlived the failure"
+    finally:
+        for p in _ours(str(trace)):
+            os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, err
+    if victim == "rank":
+        assert re.fullmatch(rf"kvmap: error: option --nproc: rank [01] \(pid {pid}\) failed, killed by signal 9 "
+                            r"\(SIGKILL\); the other ranks were stopped", lines[0]), lines[0]
+    else:
+        assert lines[0] == "kvmap: error: option --nproc: torchrun, which runs the ranks, was killed by signal 9 " \
+                           "(SIGKILL)", lines[0]
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".kvmap-")] == []
 
 
 def test_nproc_beyond_the_memory_left_is_refused_before_starting(monkeypatch):
