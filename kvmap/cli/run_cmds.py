@@ -379,7 +379,7 @@ def _load_result(path: Path):
         raise KvmapError("no such file", path=str(path)) from None
     except OSError as e:  # a directory, no permission
         raise KvmapError(f"cannot read: {e.strerror or e}", path=str(path)) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # not JSON, not UTF-8, an integer of more than 4300 digits
         raise KvmapError(f"not JSON ({e})", path=str(path)) from None
     except RecursionError:
         raise KvmapError("not a kvmap run: JSON nested too deeply", path=str(path)) from None
