@@ -137,3 +137,20 @@ def test_invalid_utf8_in_a_skipped_member_is_refused_by_every_decoder(tmp_path):
     with pytest.raises(TraceError) as e:
         trace.decode(lines[2], 3, 1)
     assert e.value.kind == "json" and e.value.line == 3 and "not UTF-8" in e.value.message
+
+
+@pytest.mark.parametrize("bad,what", [(b"\xff", "byte 0xff at column 22 cannot start a character"),
+                                      (b"\xc3(", "byte 0xc3 at column 22 starts a character: invalid continuation "
+                                                 "byte"),
+                                      (b"\xe2\x82", "byte 0xe2 at column 22 starts a character: invalid continuation "
+                                                    "byte")])
+def test_invalid_utf8_names_the_byte_and_what_is_wrong(tmp_path, bad, what):
+    """0xc3 can start a character (its next byte is what is wrong): the message said it cannot."""
+    lines = (TRACES / "worked_example.jsonl").read_bytes().splitlines()
+    lines[2] = lines[2].replace(b'{"step": 1', b'{"step": 1, "junk": "' + bad + b'"', 1)
+    assert lines[2].index(bad) + 1 == len(b'{"step": 1, "junk": "') + 1 == 22
+    bad_trace = tmp_path / "bad_utf8.jsonl"
+    bad_trace.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(TraceError) as e:
+        list(Trace(bad_trace).steps())
+    assert e.value.line == 3 and e.value.message == f"not UTF-8 text ({what})", e.value.message

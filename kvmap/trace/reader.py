@@ -225,8 +225,9 @@ def json_error(raw: bytes, e: json.JSONDecodeError, path: str | None, line: int,
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as u:
-        return TraceError(f"not UTF-8 text (byte 0x{raw[u.start]:02x} cannot start a character at column "
-                          f"{_column(raw, u.start)})", kind="json", path=path, line=line, step=step)
+        what = "cannot start a character" if u.reason == "invalid start byte" else f"starts a character: {u.reason}"
+        return TraceError(f"not UTF-8 text (byte 0x{raw[u.start]:02x} at column {_column(raw, u.start)} {what})",
+                          kind="json", path=path, line=line, step=step)
     end = len(text.rstrip("\r\n"))
     pos = min(e.pos, end)  # a decoder's position counts characters; a cut line ends after its last one
     what = "truncated line" if pos >= len(text.rstrip()) else "not valid JSON"
