@@ -184,8 +184,8 @@ def _damaged(d: dict, case: str):
     return d
 
 
-@pytest.mark.parametrize("case", ["directory", "deep array", "5000-digit warmup", "no phases", "null step_window", "string warmup",
-                                  "group without kind", "no phase names"])
+@pytest.mark.parametrize("case", ["directory", "deep array", "5000-digit warmup", "no phases", "null step_window",
+                                  "string warmup", "group without kind", "no phase names"])
 def test_report_on_a_damaged_run_is_one_located_line(tmp_path, run_json, case):
     bad = tmp_path / "bad.json"
     if case == "directory":

@@ -132,7 +132,7 @@ class Trace:
                     if raw is None or len(raw) == limit:
                         raise TraceError(f"the line runs past {_size(limit)} without ending (the memory left "
                                          "allows no longer line)", kind="json", path=self.name, line=line)
-                    if gz is not None and gz.stopped or not self._parses(raw):  # complete only if it is JSON
+                    if not self._parses(raw):  # complete only if it is JSON (no strict prefix of an object is)
                         self._stop(line, "the line is cut short" + (f" ({gz.stopped})" if gz and gz.stopped
                                                                      else ""), report)
                         return
@@ -158,8 +158,8 @@ class Trace:
         if line <= 1:
             raise TraceError(f"no complete header line: {why}", kind="json", path=self.name, line=1)
         steps = line - 2
-        self.cut = (f"the trace ends early: {steps} complete step(s) read (steps 0..{steps - 1}); it stopped at "
-                    f"line {line}: {why}")
+        read = f"{steps} complete step(s) read (steps 0..{steps - 1})" if steps else "no complete step read"
+        self.cut = f"the trace ends early: {read}; it stopped at line {line}: {why}"
         if report and not self.warned:
             self.warned = True
             self.warn(f"{self.name}: {self.cut}")
