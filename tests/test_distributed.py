@@ -243,6 +243,26 @@ def test_a_killed_rank_or_torchrun_is_one_line_naming_it(tmp_path, victim):
     assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".kvmap-")] == []
 
 
+@pytest.mark.parametrize("gpus,want", [(None, "option --device: cuda is not available here"),
+                                       (1, "option --nproc: 2 ranks on cuda need a GPU each; 1 visible")])
+def test_nproc_on_cuda_without_the_gpus_is_refused_before_starting(monkeypatch, gpus, want):
+    """Each rank failed on its own after seconds (NCCL not built in, no cuda:1), reported by torchrun."""
+    from typer.testing import CliRunner
+
+    from kvmap.cli.app import app
+    from kvmap.run import distributed
+
+    monkeypatch.setattr(distributed, "_run_torchrun", lambda *a: pytest.fail("torchrun started"))
+    if gpus is not None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    elif torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    r = CliRunner().invoke(app, ["replay", str(TRACES / "dcp2.jsonl"), "-q", "--no-progress", "--nproc", "2",
+                                 "--device", "cuda"])
+    assert r.exit_code == 2 and want in r.output, r.output
+
+
 def test_nproc_beyond_the_memory_left_is_refused_before_starting(monkeypatch):
     """Each rank is a process with its worker and KV shard: 64 ranks in 4 GiB are refused at once, naming
     --nproc, the estimate and what is available; 2 ranks fit."""
