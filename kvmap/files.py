@@ -137,8 +137,15 @@ def sweep_stale(folder: str | Path) -> list[str]:
     return removed
 
 
-def _check_folder(option: str, path: Path) -> None:
-    """A regular output: not a directory, in a folder where kvmap can create its temporary file."""
+def _check_folder(option: str, path: str | Path) -> None:
+    """A regular output: not a directory, a name the system takes (not too long, not a loop of links), in a
+    folder where kvmap can create its temporary file."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:  # a new name (or a link to one): the folder is checked next
+        pass
+    except OSError as e:  # too long a name, a loop of links, a path through a file
+        raise KvmapError(f"cannot write: {e.strerror or e}", path=str(path), field=option) from None
     target = Path(os.path.realpath(path))
     if target.is_dir():
         raise KvmapError("is a directory; give a file name", path=str(path), field=option)
@@ -181,7 +188,7 @@ def check_outputs(outputs: dict[str, str | Path | None], inputs: Iterable[str | 
                                  field=option)
         seen_out.append((option, st, real))
         if kind == "file":
-            _check_folder(option, Path(p))
+            _check_folder(option, p)
         elif st is None or not os.access(p, os.W_OK):
             raise KvmapError("cannot write: " + ("permission denied" if st else "no such file"), path=str(p),
                              field=option)

@@ -152,6 +152,21 @@ def test_bad_output_paths_fail_before_the_work(tmp_path, run_json, monkeypatch, 
     assert "missing" in line or "directory" in line or "destroy the input" in line, line
 
 
+@pytest.mark.parametrize("case,why", [("long", "File name too long"), ("loop", "Too many levels of symbolic links"),
+                                      ("through a file", "Not a directory")])
+def test_names_the_system_refuses_fail_before_the_work(tmp_path, run_json, monkeypatch, case, why):
+    """A name too long was a traceback (pathlib's stat); a loop of links was replaced by a regular file."""
+    _no_work(monkeypatch)
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    out = {"long": tmp_path / ("x" * 300), "loop": tmp_path / "a", "through a file": run_json / "x.json"}[case]
+    for args in (("replay", WORKED, "-q", "--json", out), ("validate", WORKED, "--json", out),
+                 ("report", run_json, "--csv", out), ("compare", run_json, run_json, "--json", out)):
+        line = one_error(invoke(*args))
+        assert f"{out}, option --" in line and f"cannot write: {why}" in line, line
+    assert (tmp_path / "a").is_symlink() and os.readlink(tmp_path / "a") == str(tmp_path / "b")
+
+
 @pytest.mark.parametrize("name", ["-", "stdout-link", "fifo"])
 def test_profile_output_is_a_file_name_never_a_special_file_with_a_suffix(tmp_path, monkeypatch, name):
     """`-o` is a report name that `.trace.json` / `.nsys-rep` is added to: `-o -` once wrote `./-.trace.json`
