@@ -87,6 +87,18 @@ def test_an_output_that_is_standard_output_is_written_there_and_the_link_stays(t
     assert "steps" in p.stderr  # the summary went to stderr, as with `-`
 
 
+def test_the_file_standard_error_writes_is_refused(tmp_path):
+    """`--json F 2>>F`: renamed over, F took kvmap's messages with it (they went to the unlinked old file)."""
+    f = tmp_path / "F"
+    f.write_text("earlier\n")
+    with open(f, "a") as err:
+        p = subprocess.run([sys.executable, "-m", "kvmap", "replay", str(WORKED), "--no-progress", "-q", "--json",
+                            str(f)], stdout=subprocess.DEVNULL, stderr=err, env=ENV, timeout=120)
+    assert p.returncode == 2
+    assert f.read_text() == f"earlier\nkvmap: error: {f}, option --json: is the file standard error writes to (2>); " \
+                            "give the output its own file\n"
+
+
 def test_proc_self_fd_is_written_in_place(tmp_path):
     f = tmp_path / "F"
     p = _replay_to(f, "--json", "/proc/self/fd/1")
