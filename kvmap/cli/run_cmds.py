@@ -310,12 +310,12 @@ def profile(
     if exe is None:
         raise KvmapError(f"nsys not found. Get it with {P.GET_NSYS}, or pass --nsys PATH; or run "
                          "`kvmap profile --builtin` for a Perfetto trace without nsys", field="nsys")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, P.staged(rep) as staged:  # renamed to rep when all went well
         res_path = Path(tmp) / "result.json"
         with Spinner(True, f"profiling under {exe}"):
-            P.run_nsys(exe, output, args + ["--json", str(res_path)], timeout=timeout)
+            P.run_nsys(exe, staged, args + ["--json", str(res_path)], timeout=timeout)
         data = json.loads(res_path.read_text())
-    ranges = P.nvtx_ranges(exe, rep, timeout=timeout)
+        ranges = P.nvtx_ranges(exe, staged.with_suffix(".nsys-rep"), timeout=timeout)
     if not ranges:
         from kvmap.run.markers import WORKS_WITH, nvtx_version
 
