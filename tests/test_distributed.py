@@ -278,3 +278,30 @@ def test_nproc_beyond_the_memory_left_is_refused_before_starting(monkeypatch):
     assert msg.startswith("option --nproc: 64 ranks need about ") and "GiB per rank" in msg, msg
     assert "4.0 GiB is the memory available (MemAvailable)" in msg, msg
     distributed.check_ranks_fit(TRACES / "dcp2.jsonl", 2, None)  # no error
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_a_containers_cgroup_limit_bounds_the_memory_left(tmp_path, monkeypatch, version):
+    """MemAvailable is the host's inside a container, so the --nproc and header checks did not see a cgroup
+    memory limit. The limit less what is charged (page cache that can be dropped not counted) bounds it."""
+    from kvmap.errors import KvmapError
+    from kvmap.run import distributed
+    from kvmap.trace import header
+
+    folder = tmp_path if version == 2 else tmp_path / "memory"
+    folder.mkdir(exist_ok=True)
+    names = ("memory.max", "memory.current", "inactive_file") if version == 2 else \
+        ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    (folder / names[0]).write_text(f"{4 * 2**30}\n")
+    (folder / names[1]).write_text(f"{3 * 2**30}\n")  # 3 GiB charged, 1 GiB of it page cache that can go
+    (folder / "memory.stat").write_text(f"anon 1\n{names[2]} {2**30}\n")
+    monkeypatch.setattr(header, "CGROUP", str(tmp_path))
+    monkeypatch.setattr(header, "_proc_kib", lambda path, key: 64 * 2**30 if key == "MemAvailable" else None)
+    assert header.available_memory() == (4 * 2**30 - 3 * 2**30 + 2**30,
+                                         "memory left under the container's cgroup limit of 4.0 GiB")
+    monkeypatch.setattr(distributed, "_run_torchrun", lambda *a: pytest.fail("torchrun started"))
+    with pytest.raises(KvmapError) as e:
+        distributed.launch(TRACES / "dcp2.jsonl", 64, backend="numpy")
+    assert "2.0 GiB is the memory left under the container's cgroup limit of 4.0 GiB" in str(e.value), e.value
+    (folder / names[0]).write_text("max\n" if version == 2 else f"{2**63 - 4096}\n")  # no limit
+    assert header.available_memory()[0] == 64 * 2**30
