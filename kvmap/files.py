@@ -1,11 +1,12 @@
 """Output files: written whole or not at all, never over an input or a special file, errors as one located line.
 
 Rules (one output policy for every command that writes files):
-- `check_outputs` runs before any work: an output that is the same file as an input or as another output is
-  refused (by device and inode, so links and other spellings are caught; character devices such as
-  `/dev/null` may be shared); at most one output is standard output (`-`, or a path that is the file standard
-  output already writes, such as `/dev/stdout`); a missing folder, a directory or a folder kvmap cannot
-  create a file in is refused in milliseconds, naming the path.
+- `check_outputs` runs before any work: an output that is the same file as an input, as another output or as
+  the regular file standard error writes to is refused (by device and inode, so links and other spellings are
+  caught; character devices such as `/dev/null` may be shared); at most one output is standard output (`-`, or
+  a path that is the file standard output already writes, such as `/dev/stdout`); a missing folder, a
+  directory, a name too long, a loop of links or a folder kvmap cannot create a file in is refused in
+  milliseconds, naming the path.
 - A regular file is written to a short temporary name beside its target (`.kvmap-PID-HOST-XXXXXXXX.tmp`: the
   writing process, 4 hex digits of its host's name), with the permissions the umask gives a new file, and
   renamed into place only when complete: an error part-way (a bad step at line 5000, a full disk, SIGTERM)
@@ -137,8 +138,15 @@ def sweep_stale(folder: str | Path) -> list[str]:
     return removed
 
 
-def _check_folder(option: str, path: Path) -> None:
-    """A regular output: not a directory, in a folder where kvmap can create its temporary file."""
+def _check_folder(option: str, path: str | Path) -> None:
+    """A regular output: not a directory, a name the system takes (not too long, not a loop of links), in a
+    folder where kvmap can create its temporary file."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:  # a new name (or a link to one): the folder is checked next
+        pass
+    except OSError as e:  # too long a name, a loop of links, a path through a file
+        raise KvmapError(f"cannot write: {e.strerror or e}", path=str(path), field=option) from None
     target = Path(os.path.realpath(path))
     if target.is_dir():
         raise KvmapError("is a directory; give a file name", path=str(path), field=option)
@@ -180,8 +188,11 @@ def check_outputs(outputs: dict[str, str | Path | None], inputs: Iterable[str | 
                 raise KvmapError(f"is also the {other} output; give each output its own file", path=str(p),
                                  field=option)
         seen_out.append((option, st, real))
+        if kind == "file" and _same(st, _fd_stat(2)):  # renamed over, it would take kvmap's messages with it
+            raise KvmapError("is the file standard error writes to (2>); give the output its own file",
+                             path=str(p), field=option)
         if kind == "file":
-            _check_folder(option, Path(p))
+            _check_folder(option, p)
         elif st is None or not os.access(p, os.W_OK):
             raise KvmapError("cannot write: " + ("permission denied" if st else "no such file"), path=str(p),
                              field=option)

@@ -5,6 +5,7 @@ cross-rank invariant is named at its step, request and rank."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -207,6 +208,61 @@ def test_a_rank_failure_is_one_located_line(tmp_path):
     assert "torchrun" not in p.stderr and "Traceback" not in p.stderr
 
 
+def _pids(marker: str, launcher: bool) -> list[int]:
+    """Our live torchrun (`launcher`) or rank processes."""
+    def cmd(pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    return [p for p in _ours(marker) if (b"torch.distributed.run" in cmd(p)) == launcher]
+
+
+@pytest.mark.parametrize("victim", ["rank", "torchrun"])
+def test_a_killed_rank_or_torchrun_is_one_line_naming_it(tmp_path, victim):
+    """A rank the OOM killer takes (SIGKILL): one line naming the rank, its pid and the signal, not torchrun's
+    failure table; the other rank is stopped and no output is left."""
+    proc, trace, out = _start_slow_run(tmp_path)
+    try:
+        ranks = _pids(str(trace), launcher=False)
+        pid = max(ranks) if victim == "rank" else _pids(str(trace), launcher=True)[0]
+        os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        assert _gone(str(trace), within=10), "ranks outlived the failure"
+    finally:
+        for p in _ours(str(trace)):
+            os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, err
+    if victim == "rank":
+        assert re.fullmatch(rf"kvmap: error: option --nproc: rank [01] \(pid {pid}\) failed, killed by signal 9 "
+                            r"\(SIGKILL\); the other ranks were stopped", lines[0]), lines[0]
+    else:
+        assert lines[0] == "kvmap: error: option --nproc: torchrun, which runs the ranks, was killed by signal 9 " \
+                           "(SIGKILL)", lines[0]
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".kvmap-")] == []
+
+
+@pytest.mark.parametrize("gpus,want", [(None, "option --device: cuda is not available here"),
+                                       (1, "option --nproc: 2 ranks on cuda need a GPU each; 1 visible")])
+def test_nproc_on_cuda_without_the_gpus_is_refused_before_starting(monkeypatch, gpus, want):
+    """Each rank failed on its own after seconds (NCCL not built in, no cuda:1), reported by torchrun."""
+    from typer.testing import CliRunner
+
+    from kvmap.cli.app import app
+    from kvmap.run import distributed
+
+    monkeypatch.setattr(distributed, "_run_torchrun", lambda *a: pytest.fail("torchrun started"))
+    if gpus is not None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    elif torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    r = CliRunner().invoke(app, ["replay", str(TRACES / "dcp2.jsonl"), "-q", "--no-progress", "--nproc", "2",
+                                 "--device", "cuda"])
+    assert r.exit_code == 2 and want in r.output, r.output
+
+
 def test_nproc_beyond_the_memory_left_is_refused_before_starting(monkeypatch):
     """Each rank is a process with its worker and KV shard: 64 ranks in 4 GiB are refused at once, naming
     --nproc, the estimate and what is available; 2 ranks fit."""
@@ -222,3 +278,30 @@ def test_nproc_beyond_the_memory_left_is_refused_before_starting(monkeypatch):
     assert msg.startswith("option --nproc: 64 ranks need about ") and "GiB per rank" in msg, msg
     assert "4.0 GiB is the memory available (MemAvailable)" in msg, msg
     distributed.check_ranks_fit(TRACES / "dcp2.jsonl", 2, None)  # no error
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_a_containers_cgroup_limit_bounds_the_memory_left(tmp_path, monkeypatch, version):
+    """MemAvailable is the host's inside a container, so the --nproc and header checks did not see a cgroup
+    memory limit. The limit less what is charged (page cache that can be dropped not counted) bounds it."""
+    from kvmap.errors import KvmapError
+    from kvmap.run import distributed
+    from kvmap.trace import header
+
+    folder = tmp_path if version == 2 else tmp_path / "memory"
+    folder.mkdir(exist_ok=True)
+    names = ("memory.max", "memory.current", "inactive_file") if version == 2 else \
+        ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    (folder / names[0]).write_text(f"{4 * 2**30}\n")
+    (folder / names[1]).write_text(f"{3 * 2**30}\n")  # 3 GiB charged, 1 GiB of it page cache that can go
+    (folder / "memory.stat").write_text(f"anon 1\n{names[2]} {2**30}\n")
+    monkeypatch.setattr(header, "CGROUP", str(tmp_path))
+    monkeypatch.setattr(header, "_proc_kib", lambda path, key: 64 * 2**30 if key == "MemAvailable" else None)
+    assert header.available_memory() == (4 * 2**30 - 3 * 2**30 + 2**30,
+                                         "memory left under the container's cgroup limit of 4.0 GiB")
+    monkeypatch.setattr(distributed, "_run_torchrun", lambda *a: pytest.fail("torchrun started"))
+    with pytest.raises(KvmapError) as e:
+        distributed.launch(TRACES / "dcp2.jsonl", 64, backend="numpy")
+    assert "2.0 GiB is the memory left under the container's cgroup limit of 4.0 GiB" in str(e.value), e.value
+    (folder / names[0]).write_text("max\n" if version == 2 else f"{2**63 - 4096}\n")  # no limit
+    assert header.available_memory()[0] == 64 * 2**30

@@ -496,6 +496,23 @@ def test_any_cut_reads_every_complete_step(tmp_path, frac, gz):
     assert len(warnings) == cut_short, warnings
 
 
+@pytest.mark.parametrize("lines", [1, 3])
+def test_a_gzip_cut_right_before_a_newline_keeps_the_whole_line(tmp_path, lines):
+    """A gzip stream cut where a line's bytes are all out but its newline is not (hypothesis found it in
+    test_any_cut_reads_every_complete_step): the line is complete, as in a plain file; one warning."""
+    text = (TRACES / "spec_decode.jsonl").read_bytes()
+    upto = sum(len(x) + 1 for x in text.split(b"\n")[:lines]) - 1  # the last byte before line `lines`'s newline
+    z = zlib.compressobj(wbits=31)
+    cut = z.compress(text[:upto]) + z.flush(zlib.Z_SYNC_FLUSH)  # a stream that stops there, without its end
+    p = tmp_path / "cut.jsonl.gz"
+    p.write_bytes(cut)
+    warnings: list[str] = []
+    trace = Trace(p, warn=warnings.append)
+    assert sum(1 for _ in trace.steps()) == lines - 1 and validate(trace).valid
+    read = "no complete step read" if lines == 1 else "2 complete step(s) read (steps 0..1)"
+    assert len(warnings) == 1 and f"the trace ends early: {read}; it stopped at line {lines + 1}" in warnings[0]
+
+
 def test_endless_and_padded_streams(tmp_path):
     """An endless stream fails at once; zero padding after a gzip member is ignored, garbage after it is
     where the trace stops (with the one warning)."""

@@ -87,6 +87,18 @@ def test_an_output_that_is_standard_output_is_written_there_and_the_link_stays(t
     assert "steps" in p.stderr  # the summary went to stderr, as with `-`
 
 
+def test_the_file_standard_error_writes_is_refused(tmp_path):
+    """`--json F 2>>F`: renamed over, F took kvmap's messages with it (they went to the unlinked old file)."""
+    f = tmp_path / "F"
+    f.write_text("earlier\n")
+    with open(f, "a") as err:
+        p = subprocess.run([sys.executable, "-m", "kvmap", "replay", str(WORKED), "--no-progress", "-q", "--json",
+                            str(f)], stdout=subprocess.DEVNULL, stderr=err, env=ENV, timeout=120)
+    assert p.returncode == 2
+    assert f.read_text() == f"earlier\nkvmap: error: {f}, option --json: is the file standard error writes to (2>); " \
+                            "give the output its own file\n"
+
+
 def test_proc_self_fd_is_written_in_place(tmp_path):
     f = tmp_path / "F"
     p = _replay_to(f, "--json", "/proc/self/fd/1")
@@ -152,6 +164,36 @@ def test_bad_output_paths_fail_before_the_work(tmp_path, run_json, monkeypatch, 
     assert "missing" in line or "directory" in line or "destroy the input" in line, line
 
 
+@pytest.mark.parametrize("case,why", [("long", "File name too long"), ("loop", "Too many levels of symbolic links"),
+                                      ("through a file", "Not a directory")])
+def test_names_the_system_refuses_fail_before_the_work(tmp_path, run_json, monkeypatch, case, why):
+    """A name too long was a traceback (pathlib's stat); a loop of links was replaced by a regular file."""
+    _no_work(monkeypatch)
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    out = {"long": tmp_path / ("x" * 300), "loop": tmp_path / "a", "through a file": run_json / "x.json"}[case]
+    for args in (("replay", WORKED, "-q", "--json", out), ("validate", WORKED, "--json", out),
+                 ("report", run_json, "--csv", out), ("compare", run_json, run_json, "--json", out)):
+        line = one_error(invoke(*args))
+        assert f"{out}, option --" in line and f"cannot write: {why}" in line, line
+    assert (tmp_path / "a").is_symlink() and os.readlink(tmp_path / "a") == str(tmp_path / "b")
+
+
+@pytest.mark.parametrize("name", ["-", "stdout-link", "fifo"])
+def test_profile_output_is_a_file_name_never_a_special_file_with_a_suffix(tmp_path, monkeypatch, name):
+    """`-o` is a report name that `.trace.json` / `.nsys-rep` is added to: `-o -` once wrote `./-.trace.json`
+    and `-o /dev/stdout` a regular file `/dev/stdout.trace.json` beside the machine's own /dev/stdout."""
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "stdout-link").symlink_to("/proc/self/fd/1")
+    before = sorted(os.listdir(tmp_path))
+    _no_work(monkeypatch)
+    for builtin in (["--builtin"], []):
+        line = one_error(invoke("profile", WORKED, *builtin, "-o", name))
+        assert "option --output: profile writes a report file: give a file name" in line, line
+    assert sorted(os.listdir(tmp_path)) == before
+
+
 # ---------------------------------------------------------------------------------- damaged saved runs
 
 
@@ -169,19 +211,21 @@ def _damaged(d: dict, case: str):
     return d
 
 
-@pytest.mark.parametrize("case", ["directory", "deep array", "no phases", "null step_window", "string warmup",
-                                  "group without kind", "no phase names"])
+@pytest.mark.parametrize("case", ["directory", "deep array", "5000-digit warmup", "no phases", "null step_window",
+                                  "string warmup", "group without kind", "no phase names"])
 def test_report_on_a_damaged_run_is_one_located_line(tmp_path, run_json, case):
     bad = tmp_path / "bad.json"
     if case == "directory":
         bad = tmp_path
     elif case == "deep array":
         bad.write_text("[" * 100_000 + "]" * 100_000)
+    elif case == "5000-digit warmup":  # past Python's int-from-string limit: a ValueError, not a JSONDecodeError
+        bad.write_text(run_json.read_text().replace('"warmup": 0', '"warmup": ' + "9" * 5000, 1))
     else:
         bad.write_text(json.dumps(_damaged(json.loads(run_json.read_text())["result"], case)))
     line = one_error(invoke("report", bad))
     assert str(bad) in line
-    if case not in ("directory", "deep array"):
+    if case not in ("directory", "deep array", "5000-digit warmup"):
         assert "field " in line
     assert one_error(invoke("compare", run_json, bad)) == line
 

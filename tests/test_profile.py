@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,76 @@ def test_missing_nsys_says_how_to_get_it(tmp_path, monkeypatch):
     res = runner.invoke(app, ["profile", str(TRACES / "worked_example.jsonl"), "-o", str(tmp_path / "p")])
     assert res.exit_code == 2
     assert "scripts/get_nsys.sh" in res.stderr and "--builtin" in res.stderr
+
+
+@pytest.mark.parametrize("force", [[], ["--force-overwrite"]])
+def test_the_sqlite_nsys_stats_exports_is_an_output_too(tmp_path, monkeypatch, force):
+    """`nsys stats` exports OUTPUT.sqlite beside the report: a trace of that name was overwritten, and an existing
+    one replaced without --force-overwrite; both refused before nsys runs."""
+    monkeypatch.setattr(P, "find_nsys", lambda explicit=None: None)
+    trace = tmp_path / "p.sqlite"
+    trace.write_bytes((TRACES / "worked_example.jsonl").read_bytes())
+    res = runner.invoke(app, ["profile", str(trace), "-o", str(tmp_path / "p"), *force])
+    assert res.exit_code == 2 and f"{trace}, option --output: is the input" in res.stderr, res.stderr
+    other = tmp_path / "q.sqlite"
+    other.write_text("kept")
+    res = runner.invoke(app, ["profile", str(TRACES / "worked_example.jsonl"), "-o", str(tmp_path / "q")])
+    assert res.exit_code == 2 and f"{other}, option --output: the report exists" in res.stderr, res.stderr
+    assert trace.read_bytes() == (TRACES / "worked_example.jsonl").read_bytes() and other.read_text() == "kept"
+
+
+def test_the_report_is_staged_and_renamed_only_when_whole(tmp_path):
+    """nsys writes a report when it is stopped (Ctrl-C, SIGTERM): it landed under the final name, cut short."""
+    rep = tmp_path / "p.nsys-rep"
+    with pytest.raises(KeyboardInterrupt):
+        with P.staged(rep) as base:
+            base.with_suffix(".nsys-rep").write_text("cut short")
+            raise KeyboardInterrupt
+    assert os.listdir(tmp_path) == []
+    with P.staged(rep) as base:
+        assert base.parent.parent == tmp_path  # beside: renamed, never copied
+        base.with_suffix(".nsys-rep").write_text("whole")
+        base.with_suffix(".sqlite").write_text("export")
+    assert sorted(os.listdir(tmp_path)) == ["p.nsys-rep", "p.sqlite"] and rep.read_text() == "whole"
+
+
+FAKE_NSYS = """#!{python}
+import subprocess, sys, time
+from pathlib import Path
+a = sys.argv[1:]
+if a[0] == "profile":  # run the replay, then write the report, as nsys does
+    out = Path(a[a.index("-o") + 1])
+    rc = subprocess.call(a[a.index("-f") + 2:])
+    out.with_name(out.name + ".nsys-rep").write_text("report")
+    sys.exit(rc)
+if a[0] == "stats":  # export the .sqlite beside the report, then stop in the middle
+    Path(a[-1]).with_suffix(".sqlite").write_text("half an export")
+    print("ready", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_sigterm_during_nsys_stats_leaves_no_report(tmp_path):
+    """Stopped during `nsys stats`, the report and a half-written .sqlite stayed under their final names."""
+    fake = tmp_path / "bin" / "nsys"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_NSYS.format(python=sys.executable))
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NVTX_DISABLE": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "kvmap", "profile", str(TRACES / "worked_example.jsonl"), "--nsys",
+                          str(fake), "-o", str(out / "p")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(out.glob(".kvmap-profile-*/report.sqlite")) + \
+            list(out.glob("p.sqlite")):
+        time.sleep(0.1)  # until the fake `nsys stats` has written its half export
+    time.sleep(0.5)
+    p.terminate()
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 143 and "Traceback" not in err, err
+    assert os.listdir(out) == []
 
 
 def test_builtin_writes_a_perfetto_trace(tmp_path):

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from kvmap.errors import TraceError
 from kvmap.trace import Trace, Where, parse_step
 from kvmap.trace.typed import typed_decoder
+from kvmap.validate import validate
 
 from .conftest import TRACES, bundled_traces
 from .test_fuzz import FIELDS, JSONISH, set_field
@@ -137,3 +138,54 @@ def test_invalid_utf8_in_a_skipped_member_is_refused_by_every_decoder(tmp_path):
     with pytest.raises(TraceError) as e:
         trace.decode(lines[2], 3, 1)
     assert e.value.kind == "json" and e.value.line == 3 and "not UTF-8" in e.value.message
+
+
+@pytest.mark.parametrize("bad,what", [(b"\xff", "byte 0xff at column 22 cannot start a character"),
+                                      (b"\xc3(", "byte 0xc3 at column 22 starts a character: invalid continuation "
+                                                 "byte"),
+                                      (b"\xe2\x82", "byte 0xe2 at column 22 starts a character: invalid continuation "
+                                                    "byte")])
+def test_invalid_utf8_names_the_byte_and_what_is_wrong(tmp_path, bad, what):
+    """0xc3 can start a character (its next byte is what is wrong): the message said it cannot."""
+    lines = (TRACES / "worked_example.jsonl").read_bytes().splitlines()
+    lines[2] = lines[2].replace(b'{"step": 1', b'{"step": 1, "junk": "' + bad + b'"', 1)
+    assert lines[2].index(bad) + 1 == len(b'{"step": 1, "junk": "') + 1 == 22
+    bad_trace = tmp_path / "bad_utf8.jsonl"
+    bad_trace.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(TraceError) as e:
+        list(Trace(bad_trace).steps())
+    assert e.value.line == 3 and e.value.message == f"not UTF-8 text ({what})", e.value.message
+
+
+def test_nesting_past_the_depth_limit_in_a_skipped_member_is_one_located_error(tmp_path):
+    """msgspec raised RecursionError (a traceback from replay and explain) on a member it skips; validate named
+    the line. Now the typed decoder steps aside and every consumer gets the checked parser's located error."""
+    lines = (TRACES / "worked_example.jsonl").read_bytes().splitlines()
+    lines[2] = lines[2].replace(b'{"step": 1', b'{"step": 1, "junk": ' + b"[" * 100_000 + b"]" * 100_000, 1)
+    bad = tmp_path / "deep.jsonl"
+    bad.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(TraceError) as e:
+        list(Trace(bad).steps())
+    assert (e.value.kind, e.value.line, e.value.step) == ("json", 3, 1), e.value
+    assert [(p.kind, p.line) for p in validate(Trace(bad)).problems] == [("json", 3)]
+
+
+@pytest.mark.parametrize("junk", [b"[" * 100_000 + b"]" * 100_000, b"9" * 5000])
+def test_the_standard_library_fallback_fails_as_orjson_does(tmp_path, monkeypatch, junk):
+    """Without orjson, json.loads raised RecursionError (deep nesting) or ValueError (past 4300 digits): a
+    traceback from replay and validate. `stdlib_loads` turns both into the located error orjson gives."""
+    import kvmap.trace.reader
+    import kvmap.validate.driver
+    from kvmap.trace.checks import stdlib_loads
+
+    monkeypatch.setattr(kvmap.trace.reader, "loads", stdlib_loads)
+    monkeypatch.setattr(kvmap.validate.driver, "loads", stdlib_loads)
+    lines = (TRACES / "worked_example.jsonl").read_bytes().splitlines()
+    lines[2] = lines[2].replace(b'"scheduler_output": {', b'"scheduler_output": {"junk": ' + junk + b", ", 1)
+    bad = tmp_path / "junk.jsonl"
+    bad.write_bytes(b"\n".join(lines) + b"\n")
+    monkeypatch.setattr(Trace, "_typed_decoder", lambda self: None)  # as without msgspec: the checked path
+    with pytest.raises(TraceError) as e:
+        list(Trace(bad).steps())
+    assert (e.value.kind, e.value.line, e.value.step) == ("json", 3, 1), e.value
+    assert [(p.kind, p.line) for p in validate(Trace(bad)).problems] == [("json", 3)]

@@ -163,6 +163,14 @@ def _launch(trace: Path, cp: int, nproc: int, rank: int | None, config, dump_map
     if nproc % cp:  # said before any process starts (each rank would say it again after seconds)
         raise KvmapError(f"{nproc} processes cannot form DCP groups of {cp}: use a multiple of {cp}",
                          field="--nproc")
+    if config.device != "cpu":  # each rank would fail on its own after seconds: NCCL missing, no such GPU
+        from kvmap._torch import torch
+        from kvmap.workers.device import resolve_device
+
+        resolve_device(config.device)
+        gpus = torch().cuda.device_count()
+        if nproc > gpus:
+            raise KvmapError(f"{nproc} ranks on {config.device} need a GPU each; {gpus} visible", field="--nproc")
     with Spinner(progress, f"starting {nproc} ranks under torchrun, then replaying"):
         return launch(trace, nproc, backend=config.backend, device=config.device, verify_kv=config.verify_kv,
                       write_kv=config.write_kv, kv_geometry=config.kv_geometry, dump_mappings=dump_mappings,
@@ -272,9 +280,13 @@ def profile(
     trace_path = resolve_trace(trace)
     rep = output if output.suffix == ".nsys-rep" else output.with_name(output.name + ".nsys-rep")
     written = output.with_name(output.name + ".trace.json") if builtin else rep
-    if check_outputs({"--output": written}, [trace_path]) or output_kind(written) != "file":
-        raise KvmapError("profile writes a report file: give a file name", path=str(written), field="--output")
+    if (output_kind(output) != "file" or check_outputs({"--output": written}, [trace_path])
+            or output_kind(written) != "file"):  # `-o -`, `-o /dev/stdout`: never a name made beside them
+        raise KvmapError("profile writes a report file: give a file name", path=str(output), field="--output")
     P.check_overwrite(written, force_overwrite)
+    if not builtin:  # `nsys stats` exports the report beside it as OUTPUT.sqlite: an output too
+        check_outputs({"--output": rep.with_suffix(".sqlite")}, [trace_path])
+        P.check_overwrite(rep.with_suffix(".sqlite"), force_overwrite)
     from kvmap.run.result import empty_window_error, warmup_window
 
     warmup_window(start, stop, warmup)  # a warm-up that does not fit is an error before nsys starts
@@ -298,12 +310,12 @@ def profile(
     if exe is None:
         raise KvmapError(f"nsys not found. Get it with {P.GET_NSYS}, or pass --nsys PATH; or run "
                          "`kvmap profile --builtin` for a Perfetto trace without nsys", field="nsys")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, P.staged(rep) as staged:  # renamed to rep when all went well
         res_path = Path(tmp) / "result.json"
         with Spinner(True, f"profiling under {exe}"):
-            P.run_nsys(exe, output, args + ["--json", str(res_path)], timeout=timeout)
+            P.run_nsys(exe, staged, args + ["--json", str(res_path)], timeout=timeout)
         data = json.loads(res_path.read_text())
-    ranges = P.nvtx_ranges(exe, rep, timeout=timeout)
+        ranges = P.nvtx_ranges(exe, staged.with_suffix(".nsys-rep"), timeout=timeout)
     if not ranges:
         from kvmap.run.markers import WORKS_WITH, nvtx_version
 
@@ -375,7 +387,7 @@ def _load_result(path: Path):
         raise KvmapError("no such file", path=str(path)) from None
     except OSError as e:  # a directory, no permission
         raise KvmapError(f"cannot read: {e.strerror or e}", path=str(path)) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # not JSON, not UTF-8, an integer of more than 4300 digits
         raise KvmapError(f"not JSON ({e})", path=str(path)) from None
     except RecursionError:
         raise KvmapError("not a kvmap run: JSON nested too deeply", path=str(path)) from None

@@ -303,14 +303,36 @@ def check_ranks_fit(trace: Path, nproc: int, kv_geometry) -> None:
                          "processes", field="--nproc")
 
 
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)", re.S)
+
+
+def _how(code: int) -> str:
+    """An exit status as words: "killed by signal 9 (SIGKILL)", "exit code 1"."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by signal {-code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
 def rank_failure(code: int, output: str) -> KvmapError:
-    """torchrun's failure as one line: the located message of the first rank that named itself (`kvmap: rank R:
-    WHERE: WHAT`, every rank that raised a `KvmapError`), once, never torchrun's failure table; without one, the
-    output's last lines."""
+    """torchrun's failure as one line, never its failure table: the located message of the first rank that named
+    itself (`kvmap: rank R: WHERE: WHAT`, every rank that raised a `KvmapError`), once; else the rank torchrun
+    names as the root cause and how it ended (a signal: the OOM killer, a crash), with the last error line a
+    Python traceback left; else torchrun's own end (killed: its status)."""
     lines = output.strip().splitlines()
     ours = sorted({(int(m[2]), m[1]) for x in lines if (m := re.search(r"kvmap: (rank (\d+): .*)", x))})
     if ours:
         return KvmapError(ours[0][1])
+    if m := _ROOT_CAUSE.search(output):
+        errors = [x.strip() for x in lines if re.match(r"[A-Za-z_.]*(Error|Exception|Interrupt)\b", x.strip())
+                  and "ChildFailedError" not in x]  # torchrun's own
+        last = f": {errors[0]}" if errors and int(m[2]) >= 0 else ""
+        return KvmapError(f"rank {m[1]} (pid {m[3]}) failed, {_how(int(m[2]))}{last}; the other ranks were "
+                          "stopped", field="--nproc")
+    if code < 0:
+        return KvmapError(f"torchrun, which runs the ranks, was {_how(code)}", field="--nproc")
     tail = "; ".join(lines[-12:])  # one line: the error stays one line
     return KvmapError(f"the distributed replay failed (exit {code}): {tail}", field="--nproc")
 

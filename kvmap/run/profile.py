@@ -8,8 +8,12 @@ Rules:
   with `--capture-range=nvtx` keyed on the `kvmap_capture` range, which the child wraps around the requested
   steps after the warm-up: the report holds only those steps.
 - The child writes its own result (JSON); `nsys stats` gives the NVTX summary; both are returned as data.
-- An existing report is refused (exit 2, one line) unless `--force-overwrite` (nsys's own word for it), checked
-  before anything runs; only then is nsys told to overwrite (`-f true`).
+- An existing report (or its OUTPUT.sqlite, which `nsys stats` exports beside it) is refused (exit 2, one line)
+  unless `--force-overwrite` (nsys's own word for it), checked before anything runs; only then is nsys told to
+  overwrite (`-f true`).
+- nsys writes the report, and `nsys stats` its OUTPUT.sqlite, in a private folder beside OUTPUT (`staged`); both
+  are renamed into place only when the profile and the stats finished: Ctrl-C, SIGTERM or a failure leaves no
+  report cut short under the final name (nsys itself writes one when it is stopped).
 - Every nsys call runs under a timeout (`--timeout`, default NSYS_TIMEOUT_S; an nsys 2022.4 was seen to hang
   on a small script): when it passes, the process group is killed and the error says what timed out and how
   to raise the limit or use `--builtin`.
@@ -23,6 +27,9 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +49,20 @@ def find_nsys(explicit: str | None = None) -> str | None:
         return found
     local = Path(__file__).resolve().parents[2] / ".tools" / "nsys" / "bin" / "nsys"  # the checkout's root
     return str(local) if local.exists() else None
+
+
+@contextmanager
+def staged(rep: Path) -> Iterator[Path]:
+    """The `-o` name for nsys in a private folder beside report `rep` (the same file system: renamed, never
+    copied); the report and its .sqlite are renamed to `rep` and `rep`'s .sqlite when the block ends cleanly,
+    and the folder is removed either way."""
+    target = Path(os.path.realpath(rep))
+    with tempfile.TemporaryDirectory(prefix=".kvmap-profile-", dir=target.parent) as folder:
+        base = Path(folder) / "report"
+        yield base
+        os.replace(base.with_suffix(".nsys-rep"), target)
+        if base.with_suffix(".sqlite").exists():
+            os.replace(base.with_suffix(".sqlite"), rep.with_suffix(".sqlite"))
 
 
 def check_overwrite(report: Path, force: bool) -> None:

@@ -12,10 +12,23 @@ from itertools import chain
 
 from kvmap.errors import TraceError
 
+
+
+def stdlib_loads(text: str | bytes) -> object:
+    """`json.loads` failing only as orjson does, with a `JSONDecodeError` (deep nesting raised RecursionError,
+    an integer past 4300 digits ValueError: tracebacks where orjson names the line)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except (RecursionError, ValueError) as e:  # UnicodeDecodeError too: json_error names the byte
+        raise json.JSONDecodeError(str(e), "", 0) from None
+
+
 try:  # orjson decodes a step line about twice as fast; the standard library is the fallback
     from orjson import loads
 except ImportError:  # pragma: no cover
-    loads = json.loads
+    loads = stdlib_loads
 
 _INT = {int}
 

@@ -156,8 +156,35 @@ def _proc_kib(path: str, key: str) -> int | None:
     return None
 
 
+CGROUP = "/sys/fs/cgroup"  # where a container sees its own cgroup (v2 at the root, v1 under memory/)
+
+
+def cgroup_memory_left(root: str | None = None) -> tuple[int, int] | None:
+    """(bytes left, limit) under this container's cgroup memory limit: the limit less what is charged, page cache
+    that can be dropped (inactive_file) not counted; None without a limit (v2 memory.max, v1
+    memory.limit_in_bytes)."""
+    root = root or CGROUP
+    for folder, limit_file, used_file, inactive in (
+            (root, "memory.max", "memory.current", "inactive_file"),
+            (os.path.join(root, "memory"), "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")):
+        try:
+            with open(os.path.join(folder, limit_file)) as f:
+                limit = f.read().strip()
+            with open(os.path.join(folder, used_file)) as f:
+                used = int(f.read())
+            with open(os.path.join(folder, "memory.stat")) as f:
+                stat = dict(line.split()[:2] for line in f if line.strip())
+        except (OSError, ValueError):
+            continue
+        if not limit.isdigit() or int(limit) >= 2**60:  # "max", or v1's page-rounded 2**63 - 1: no limit
+            return None
+        return max(int(limit) - used + int(stat.get(inactive, 0)), 0), int(limit)
+    return None
+
+
 def available_memory() -> tuple[int, str]:
-    """Bytes this process can still allocate, and what bounds it (MemAvailable or the address-space limit)."""
+    """Bytes this process can still allocate, and what bounds it (MemAvailable, a container's cgroup memory
+    limit, or the address-space limit)."""
     best, what = _proc_kib("/proc/meminfo", "MemAvailable"), "memory available (MemAvailable)"
     if best is None:
         try:
@@ -165,6 +192,9 @@ def available_memory() -> tuple[int, str]:
             what = "free memory"
         except (ValueError, OSError, AttributeError):
             best, what = 2**62, "memory"
+    cgroup = cgroup_memory_left()
+    if cgroup is not None and cgroup[0] < best:
+        best, what = cgroup[0], f"memory left under the container's cgroup limit of {_gib(cgroup[1])}"
     try:
         import resource
 

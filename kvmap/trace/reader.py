@@ -132,7 +132,7 @@ class Trace:
                     if raw is None or len(raw) == limit:
                         raise TraceError(f"the line runs past {_size(limit)} without ending (the memory left "
                                          "allows no longer line)", kind="json", path=self.name, line=line)
-                    if gz is not None and gz.stopped or not self._parses(raw):  # complete only if it is JSON
+                    if not self._parses(raw):  # complete only if it is JSON (no strict prefix of an object is)
                         self._stop(line, "the line is cut short" + (f" ({gz.stopped})" if gz and gz.stopped
                                                                      else ""), report)
                         return
@@ -158,8 +158,8 @@ class Trace:
         if line <= 1:
             raise TraceError(f"no complete header line: {why}", kind="json", path=self.name, line=1)
         steps = line - 2
-        self.cut = (f"the trace ends early: {steps} complete step(s) read (steps 0..{steps - 1}); it stopped at "
-                    f"line {line}: {why}")
+        read = f"{steps} complete step(s) read (steps 0..{steps - 1})" if steps else "no complete step read"
+        self.cut = f"the trace ends early: {read}; it stopped at line {line}: {why}"
         if report and not self.warned:
             self.warned = True
             self.warn(f"{self.name}: {self.cut}")
@@ -225,8 +225,9 @@ def json_error(raw: bytes, e: json.JSONDecodeError, path: str | None, line: int,
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as u:
-        return TraceError(f"not UTF-8 text (byte 0x{raw[u.start]:02x} cannot start a character at column "
-                          f"{_column(raw, u.start)})", kind="json", path=path, line=line, step=step)
+        what = "cannot start a character" if u.reason == "invalid start byte" else f"starts a character: {u.reason}"
+        return TraceError(f"not UTF-8 text (byte 0x{raw[u.start]:02x} at column {_column(raw, u.start)} {what})",
+                          kind="json", path=path, line=line, step=step)
     end = len(text.rstrip("\r\n"))
     pos = min(e.pos, end)  # a decoder's position counts characters; a cut line ends after its last one
     what = "truncated line" if pos >= len(text.rstrip()) else "not valid JSON"

@@ -103,7 +103,7 @@ def typed_decoder(header: TraceHeader) -> Callable[[str | bytes, int, int], Step
                 return None
         try:
             d = decode_raw(raw)
-        except DecodeError:
+        except (DecodeError, RecursionError):  # nested past msgspec's depth in a skipped member: the checked path
             return None
         if d.step != step or d.kind == "header":
             return None
