@@ -41,6 +41,15 @@ def test_an_older_trace_is_eager_with_the_backend_unknown():
     assert any("cudagraph_mode" in s for s in cfg.skipped) and any("attention_backend" in s for s in cfg.skipped)
 
 
+def test_a_backend_kvmap_does_not_model_is_said_not_computed(tmp_path):
+    """A name vLLM may have but kvmap has no rules for (FLASHINFER's metadata or FLASH_ATTN's splits) is taken,
+    and a note says its split and metadata are not computed; a modeled name gives no note."""
+    h = Trace(with_header(tmp_path, cudagraph_mode="NONE", group_attention_backend="FLASHINFER")).header
+    assert resolve(h).skipped == () and resolve(h, attention_backend="FLASH_ATTN").skipped == ()
+    (note,) = resolve(h, attention_backend="ROCM_AITER_FA").skipped
+    assert note.startswith("group(s) 0: ROCM_AITER_FA: a backend kvmap does not model") and "FLASHINFER" in note
+
+
 def test_header_keys_are_read(tmp_path):
     h = Trace(with_header(tmp_path, runner="v1", cudagraph_mode="FULL_AND_PIECEWISE",
                           cudagraph_capture_sizes=[8, 1, 4, 2, 4], group_attention_backend="FLASHINFER")).header

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmap.errors import KvmapError
+from kvmap.forward.attention import BACKENDS
 from kvmap.forward.cudagraph import default_capture_sizes
 from kvmap.trace import TraceHeader
 from kvmap.trace.header import CUDAGRAPH_MODES, RUNNERS
@@ -127,6 +128,11 @@ def resolve(header: TraceHeader, runner: str | None = None, attention_backend: s
     if unknown:
         skipped.append(f"group(s) {', '.join(map(str, unknown))} have no attention_backend: their backend "
                        "metadata is not computed (--attention-backend names it)")
+    other = [i for i, g in enumerate(groups) if g.attention_backend not in (None, *BACKENDS)]
+    if other:
+        names = ", ".join(f"{i}: {groups[i].attention_backend}" for i in other)
+        skipped.append(f"group(s) {names}: a backend kvmap does not model (it models {', '.join(BACKENDS)}): "
+                       "the split and backend metadata are not computed")
     return ForwardConfig(runner, mode, tuple(sizes), groups, header.max_num_seqs, header.max_num_batched_tokens,
                          header.max_model_len, header.num_speculative_tokens, header.decode_context_parallel_size,
                          tuple(skipped), header.cp_kv_cache_interleave_size)
