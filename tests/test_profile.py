@@ -73,6 +73,22 @@ def test_missing_nsys_says_how_to_get_it(tmp_path, monkeypatch):
     assert "scripts/get_nsys.sh" in res.stderr and "--builtin" in res.stderr
 
 
+@pytest.mark.parametrize("via_env", [False, True])
+def test_an_nsys_that_is_not_an_executable_file_is_one_line(tmp_path, monkeypatch, via_env):
+    """--nsys or $KVMAP_NSYS naming a folder (the unpacked .tools/nsys, not its bin/nsys) or a plain file is one
+    line and exit 2; it was a PermissionError traceback from starting it. Nothing is written."""
+    (tmp_path / "nsys").mkdir()
+    for bad in (tmp_path / "nsys", TRACES / "worked_example.jsonl"):
+        monkeypatch.setenv("KVMAP_NSYS", str(bad)) if via_env else monkeypatch.delenv("KVMAP_NSYS", raising=False)
+        args = ["profile", "worked_example", "-o", str(tmp_path / "p")] + ([] if via_env else ["--nsys", str(bad)])
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2 and res.exception is None or isinstance(res.exception, SystemExit), res.output
+        (line,) = res.stderr.splitlines()
+        assert f"{bad} is not an executable file" in line
+        assert line.startswith("kvmap: error: $KVMAP_NSYS: " if via_env else "kvmap: error: option --nsys: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nsys"]
+
+
 @pytest.mark.parametrize("force", [[], ["--force-overwrite"]])
 def test_the_sqlite_nsys_stats_exports_is_an_output_too(tmp_path, monkeypatch, force):
     """`nsys stats` exports OUTPUT.sqlite beside the report: a trace of that name was overwritten, and an existing

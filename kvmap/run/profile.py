@@ -42,6 +42,9 @@ GET_NSYS = "scripts/get_nsys.sh (unpacks Debian's non-free Nsight Systems into .
 
 def find_nsys(explicit: str | None = None) -> str | None:
     for cand in (explicit, os.environ.get("KVMAP_NSYS")):
+        if cand and Path(cand).exists() and not (Path(cand).is_file() and os.access(cand, os.X_OK)):
+            raise KvmapError(f"{'' if explicit else '$KVMAP_NSYS: '}{cand} is not an executable file (Nsight "
+                             "Systems' program is bin/nsys inside its folder)", field="--nsys" if explicit else None)
         if cand:
             return cand if Path(cand).exists() or shutil.which(cand) else None
     found = shutil.which("nsys")
