@@ -28,10 +28,10 @@ import numpy as np
 
 from kvmap.aot import load
 from kvmap.forward import attention as A
-from kvmap.forward import cudagraph as C
 from kvmap.forward import flash_attn as FA
 from kvmap.forward import flashinfer as FI
 from kvmap.forward import graph_parts as gp
+from kvmap.forward import padded_tails as P
 from kvmap.forward import sampler as S
 from kvmap.forward.config import ForwardConfig
 from kvmap.forward.core import core_of
@@ -94,18 +94,18 @@ def cudagraph_numba(cfg: ForwardConfig, step, buf: PaddingBuffers) -> gp.Padding
         if len(buf.descs) >= DESCS_KEPT:
             buf.descs.clear()
         desc = buf.dispatcher.dispatch(key[0], key[1], key[2], key[3] == 1)
-        got = buf.descs[key] = desc, C._num_slots(cfg.runner, desc, True)
+        got = buf.descs[key] = desc, P.num_slots(cfg.runner, desc, True)
     desc, n = got
     R, T = key[0], key[1]
     tables = m.tables
     Rp, Tp = desc.num_reqs_padded, desc.num_tokens_padded
     if Tp == T and Rp == R:  # nothing padded: the arrays themselves
-        tails = C.PaddedTails(qsl, r.seq_lens, m.slot_mapping, tables, None, None if mrv2 else m.positions)
+        tails = P.PaddedTails(qsl, r.seq_lens, m.slot_mapping, tables, None, None if mrv2 else m.positions)
     else:
         slots = buf.slot_mapping[:, :n]
         buf.k.pad_tails(qsl, r.seq_lens, m.slot_mapping, m.positions, R, T, Rp, Tp, n, PAD_SLOT_ID,
                         buf.query_start_loc, buf.seq_lens, slots, buf.positions, buf.is_padding)
-        tails = C.PaddedTails(buf.query_start_loc[: Rp + 1], buf.seq_lens[:Rp], slots, tables, buf.is_padding[:Tp],
+        tails = P.PaddedTails(buf.query_start_loc[: Rp + 1], buf.seq_lens[:Rp], slots, tables, buf.is_padding[:Tp],
                               None if mrv2 else buf.positions[:Tp])
     return gp.Padding(desc, tails, buf.sizes[-1] if buf.sizes else 0)
 
