@@ -12,6 +12,7 @@ from kvmap.forward import cudagraph as cg
 from kvmap.forward import flash_attn as fab
 from kvmap.forward import flashinfer as fib
 from kvmap.forward import local_attention as la
+from kvmap.forward import padded_tails as pt
 
 MODES = list(cg.MODES)
 
@@ -92,8 +93,8 @@ def _metadata(rng, runner, mode="FULL_AND_PIECEWISE", k=0, groups=2, max_num_seq
     positions = np.arange(T, dtype=np.int64)
     sizes = cg.resolve_capture_sizes(runner, mode, None, max_num_seqs, 4096, k)
     desc = cg.dispatch(runner, mode, sizes, max_num_seqs, k, R, T, int(q.max()))
-    tails = cg.pad_tails(runner, desc, qsl, seq, slots, tables, positions)
-    spec = cg.pad_tails_spec(runner, desc, qsl, seq, slots, tables, positions)
+    tails = pt.pad_tails(runner, desc, qsl, seq, slots, tables, positions)
+    spec = pt.pad_tails_spec(runner, desc, qsl, seq, slots, tables, positions)
     for f in ("query_start_loc", "seq_lens", "slot_mapping", "is_padding", "positions"):
         a, b = getattr(tails, f), getattr(spec, f)
         assert (a is None and b is None) or (a.dtype == b.dtype and a.shape == b.shape and (a == b).all()), f

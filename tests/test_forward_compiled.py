@@ -15,6 +15,7 @@ from kvmap.forward import attention as fa
 from kvmap.forward import compiled as nf
 from kvmap.forward import cudagraph as cg
 from kvmap.forward import flashinfer as fib
+from kvmap.forward import padded_tails as pt
 from kvmap.forward import sampler as S
 from kvmap.layout import PAD_SLOT_ID
 
@@ -46,12 +47,12 @@ def test_shape_and_padded_tails_equal_the_specs_fuzzed(runner):
         desc = cg.dispatch(runner, mode, sizes, 16, k, R, T, int(q.max()), eligible)
         slots = rng.integers(0, 10**6, (2, T)).astype(np.int64)
         positions = np.arange(T, dtype=np.int64) + 7
-        spec = cg.pad_tails_spec(runner, desc, qsl, seq, slots, [], positions)
+        spec = pt.pad_tails_spec(runner, desc, qsl, seq, slots, [], positions)
         Rp, Tp, n = desc.num_reqs_padded, desc.num_tokens_padded, spec.slot_mapping.shape[1]
         out = (np.zeros(Rp + 1, np.int32), np.zeros(Rp, np.int32), np.zeros((2, n), np.int64),
                np.zeros(Tp if runner == "v1" else 0, np.int64), np.zeros(Tp, bool))
         K.pad_tails(qsl, seq, slots, positions, R, T, Rp, Tp, n, PAD_SLOT_ID, *out)
-        got = cg.PaddedTails(*out[:3], [], out[4], out[3] if runner == "v1" else None)
+        got = pt.PaddedTails(*out[:3], [], out[4], out[3] if runner == "v1" else None)
         assert_equal(got, spec)
 
 
@@ -81,7 +82,7 @@ def test_common_metadata_and_split_equal_the_specs_fuzzed(runner):
 
 def _tails(cm, desc):
     """The padded tails a metadata was built from (the fields the rule reads)."""
-    return cg.PaddedTails(cm.query_start_loc, cm.seq_lens, cm.slot_mapping[None], [cm.block_table_tensor], None, None)
+    return pt.PaddedTails(cm.query_start_loc, cm.seq_lens, cm.slot_mapping[None], [cm.block_table_tensor], None, None)
 
 
 @pytest.mark.parametrize("runner", ["mrv2", "v1"])

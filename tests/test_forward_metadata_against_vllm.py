@@ -34,6 +34,7 @@ import pytest
 from kvmap.forward import attention as fa
 from kvmap.forward import cudagraph as cg
 from kvmap.forward import dp_padding as dpp
+from kvmap.forward import padded_tails as pt
 from kvmap.trace import Trace
 from kvmap.workers import vllm_forward as vf
 from kvmap.workers.vllm_forward import RecordGroup, mrv2_prepare_attn, rebind, vllm_cm
@@ -210,9 +211,9 @@ def steps_with_metadata(name: str, runner: str, mode: str, stride: int = 1):
                                         np.minimum(b.num_computed_tokens, b.prefill_len).tolist(),
                                         b.prefill_len.tolist())
         desc = disp.dispatch(R, T, max_q, elig)
-        tails = cg.pad_tails(runner, desc, b.query_start_loc, b.seq_lens, b.slot_mapping, b.block_tables,
+        tails = pt.pad_tails(runner, desc, b.query_start_loc, b.seq_lens, b.slot_mapping, b.block_tables,
                              b.positions)
-        spec = cg.pad_tails_spec(runner, desc, b.query_start_loc, b.seq_lens, b.slot_mapping, b.block_tables,
+        spec = pt.pad_tails_spec(runner, desc, b.query_start_loc, b.seq_lens, b.slot_mapping, b.block_tables,
                                  b.positions)
         assert_same(tails, spec, f"{name} {runner} {mode} step {b.step} tails")
         lens = b.prefill_len if runner == "mrv2" else b.prompt_len

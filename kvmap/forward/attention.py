@@ -1,6 +1,6 @@
 """CommonAttentionMetadata of one KV-cache group and the decode/prefill split, as vLLM 0.33 builds them.
 
-Job: from a step's padded inputs (`cudagraph.pad_tails`) build the per-group `CommonAttentionMetadata` fields
+Job: from a step's padded inputs (`padded_tails.pad_tails`) build the per-group `CommonAttentionMetadata` fields
 under vLLM's names, and split its rows into decodes, (extends) and prefills with the backend's
 `reorder_batch_threshold` and `require_uniform`.
 
@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvmap.forward.cudagraph import BatchDescriptor, PaddedTails
+from kvmap.forward.cudagraph import BatchDescriptor
+from kvmap.forward.padded_tails import PaddedTails
 
 __all__ = ["BACKENDS", "BackendRules", "CommonAttentionMetadata", "Split", "common_metadata", "upper_bound",
            "common_metadata_spec", "reorder_batch_threshold", "require_uniform", "split",
@@ -86,7 +87,7 @@ def common_metadata_spec(runner: str, desc: BatchDescriptor, tails: PaddedTails,
 def common_metadata(runner: str, desc: BatchDescriptor, tails: PaddedTails, group: int,
                     num_computed_tokens: np.ndarray, prompt_or_prefill_len: np.ndarray,
                     correction: np.ndarray | None = None) -> CommonAttentionMetadata:
-    """The entry point per step and group (numpy form). `tails`: the step's `cudagraph.pad_tails`;
+    """The entry point per step and group (numpy form). `tails`: the step's `padded_tails.pad_tails`;
     num_computed_tokens [R] int32; prompt_or_prefill_len [R] int32 (V1: num_prompt_tokens, MRV2: prefill_len);
     correction [R] int32 or None (async spec decode)."""
     n, t = _counts(desc)

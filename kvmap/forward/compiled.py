@@ -30,10 +30,10 @@ import numpy as np
 
 from kvmap.aot import load
 from kvmap.forward import attention as A
-from kvmap.forward import cudagraph as C
 from kvmap.forward import flash_attn as FA
 from kvmap.forward import flashinfer as FI
 from kvmap.forward import graph_parts as gp
+from kvmap.forward import padded_tails as P
 from kvmap.forward import sampler as S
 from kvmap.forward.config import ForwardConfig
 from kvmap.forward.core import core_of
@@ -103,7 +103,7 @@ class Dispatched:
         T, max_q, eligible = buf.shape.tolist()  # the step's, as the kernel wrote them
         desc = self.desc = buf.dispatcher.dispatch(R, T, max_q, eligible == 1)
         self.R = R
-        self.T, self.n = T, C._num_slots(cfg.runner, desc, True)  # [num_slots] of the padded slot_mapping
+        self.T, self.n = T, P.num_slots(cfg.runner, desc, True)  # [num_slots] of the padded slot_mapping
         Rp, Tp = desc.num_reqs_padded, desc.num_tokens_padded
         self.views = None if Tp == T and Rp == R else (  # (query_start_loc, seq_lens, slot_mapping, is_padding,
             buf.query_start_loc[: Rp + 1], buf.seq_lens[:Rp], buf.slot_mapping[:, : self.n],  # positions)
@@ -122,12 +122,12 @@ def cudagraph_numba(cfg: ForwardConfig, step, buf: PaddingBuffers) -> gp.Padding
         d = buf.descs[key] = Dispatched(cfg, buf, len(r.idx_mapping))
     v = d.views
     if v is None:  # nothing padded: the arrays themselves
-        tails = C.PaddedTails(qsl, r.seq_lens, m.slot_mapping, m.tables, None, None if buf.mrv2 else m.positions)
+        tails = P.PaddedTails(qsl, r.seq_lens, m.slot_mapping, m.tables, None, None if buf.mrv2 else m.positions)
     else:
         buf.k.pad_tails(qsl, r.seq_lens, m.slot_mapping, m.positions, d.R, d.T, d.desc.num_reqs_padded,
                         d.desc.num_tokens_padded, d.n, PAD_SLOT_ID, buf.query_start_loc, buf.seq_lens,
                         v[2], buf.positions, buf.is_padding)
-        tails = C.PaddedTails(v[0], v[1], v[2], m.tables, v[3], v[4])
+        tails = P.PaddedTails(v[0], v[1], v[2], m.tables, v[3], v[4])
     return gp.Padding(d.desc, tails, buf.max_size)
 
 

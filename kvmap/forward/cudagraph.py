@@ -2,9 +2,9 @@
 
 Job: from the resolved `cudagraph_mode` and `cudagraph_capture_sizes` (trace header, or the defaults of
 `default_capture_sizes`), say per step which graph runs (`FULL`, `PIECEWISE`, `NONE`), `num_tokens_padded` and
-`num_reqs_padded`, and what the padded tails hold (`pad_tails`).
+`num_reqs_padded`. What the padded tails hold: padded_tails.py.
 
-Rules (issue 26 forward-pass notes, section 4.1-4.5):
+Rules (issue 26 forward-pass notes, section 4.1-4.4):
 - Capture sizes: `VllmConfig._set_cudagraph_sizes` (vllm/config/vllm.py); V1 with FULL decode graphs and
   spec decode rounds them to multiples of 1+k (`adjust_cudagraph_sizes_for_spec_decode`); MRV2 does not.
 - V1 (`CudagraphDispatcher`, vllm/v1/cudagraph_dispatcher.py): pad to the smallest capture size >= T;
@@ -20,7 +20,7 @@ Rules (issue 26 forward-pass notes, section 4.1-4.5):
   modelled (no LoRA, one microbatch).
 - Data parallelism: dp_padding.py.
 - Each rule has a scalar spec (`*_spec`, plain loops over the sizes) and one fast form (`Dispatcher`: lookup
-  tables built once with numpy, O(1) per step; `pad_tails`: whole-array numpy), held together by tests.
+  tables built once with numpy, O(1) per step), held together by tests.
 """
 
 from __future__ import annotations
@@ -29,15 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvmap.layout import PAD_SLOT_ID
-
-__all__ = ["MODES", "RUNNERS", "BatchDescriptor", "Dispatcher", "PaddedTails", "adjust_sizes_for_spec_decode",
-           "decode_graph_eligible", "default_capture_sizes", "dispatch", "dispatch_spec", "pad_tails",
-           "pad_tails_spec", "resolve_capture_sizes"]
+__all__ = ["MODES", "RUNNERS", "BatchDescriptor", "Dispatcher", "adjust_sizes_for_spec_decode",
+           "decode_graph_eligible", "default_capture_sizes", "dispatch", "dispatch_spec", "resolve_capture_sizes"]
 
 MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")  # vLLM's CUDAGraphMode names
 RUNNERS = ("mrv2", "v1")
-NULL_BLOCK_ID = 0  # vLLM's block id for padded block-table rows
 
 
 def _decode_mode(mode: str) -> str:
@@ -325,77 +321,3 @@ def dispatch(runner: str, mode: str, capture_sizes: list[int], max_num_seqs: int
     """The entry point per step (builds a `Dispatcher`; keep one per replay to dispatch many steps)."""
     return Dispatcher(runner, mode, capture_sizes, max_num_seqs, num_speculative_tokens).dispatch(
         num_reqs, num_tokens, max_query_len, decode_eligible)
-
-
-# ------------------------------------------------------------------------------------------ padded tails
-
-@dataclass(slots=True)  # a step's result: not frozen (inputs.py)
-class PaddedTails:
-    """The step's inputs at the padded shape (issue 26 forward-pass notes, section 4.5), host arrays."""
-
-    query_start_loc: np.ndarray  # [num_reqs_padded + 1] int32, tail = the unpadded total T
-    seq_lens: np.ndarray  # [num_reqs_padded] int32, padded rows 0
-    slot_mapping: np.ndarray  # [num_groups, num_slots] int64, PAD_SLOT_ID from T on
-    block_tables: list[np.ndarray]  # [num_groups] x [num_reqs_padded, width_g] int32, padded rows NULL_BLOCK_ID
-    is_padding: np.ndarray  # [num_tokens_padded] bool, token index >= T
-    positions: np.ndarray | None  # V1: [num_tokens_padded] int64, tail 0; MRV2: None (tail stale, not written)
-
-
-def _num_slots(runner: str, desc: BatchDescriptor, separate_kv_update: bool) -> int:
-    """V1: T_pad if FULL or a backend writes KV outside forward (FA, FlashInfer, Triton), else T. MRV2: T_pad."""
-    if runner == "v1" and not (desc.pad_attn or separate_kv_update):
-        return desc.num_tokens
-    return desc.num_tokens_padded
-
-
-def pad_tails_spec(runner: str, desc: BatchDescriptor, query_start_loc, seq_lens, slot_mapping, block_tables,
-                   positions, separate_kv_update: bool = True) -> PaddedTails:
-    """Scalar spec: element by element."""
-    R, T, Rp, Tp = desc.num_reqs, desc.num_tokens, desc.num_reqs_padded, desc.num_tokens_padded
-    qsl = [int(query_start_loc[b]) if b <= R else T for b in range(Rp + 1)]
-    sl = [int(seq_lens[b]) if b < R else 0 for b in range(Rp)]
-    n = _num_slots(runner, desc, separate_kv_update)
-    slots = [[int(g[i]) if i < T else PAD_SLOT_ID for i in range(n)] for g in slot_mapping]
-    tables = []
-    for t in block_tables:
-        tables.append(np.array([[int(t[b, j]) if b < R else NULL_BLOCK_ID for j in range(t.shape[1])]
-                                for b in range(Rp)], dtype=np.int32).reshape(Rp, t.shape[1]))
-    pos = None if runner == "mrv2" else np.array([int(positions[i]) if i < T else 0 for i in range(Tp)],
-                                                   dtype=np.int64)
-    return PaddedTails(np.array(qsl, dtype=np.int32), np.array(sl, dtype=np.int32),
-                       np.array(slots, dtype=np.int64).reshape(len(slot_mapping), n), tables,
-                       np.array([i >= T for i in range(Tp)], dtype=bool), pos)
-
-
-def pad_tails(runner: str, desc: BatchDescriptor, query_start_loc: np.ndarray, seq_lens: np.ndarray,
-              slot_mapping: np.ndarray, block_tables: list[np.ndarray], positions: np.ndarray,
-              separate_kv_update: bool = True) -> PaddedTails:
-    """numpy form. Inputs unpadded: query_start_loc [R + 1] int32, seq_lens [R] int32, slot_mapping [G, T]
-    int64, block_tables [G] x [R, W_g] int32, positions [T] int64. What needs no padding is returned as views of
-    the inputs (valid while they are)."""
-    R, T, Rp, Tp = desc.num_reqs, desc.num_tokens, desc.num_reqs_padded, desc.num_tokens_padded
-    if Rp == R:  # no request padding: the inputs themselves (views)
-        qsl, sl, tables = query_start_loc[: R + 1], seq_lens[:R], [t[:R] for t in block_tables]
-    else:
-        qsl = np.full(Rp + 1, T, dtype=np.int32)
-        qsl[: R + 1] = query_start_loc[: R + 1]
-        sl = np.zeros(Rp, dtype=np.int32)
-        sl[:R] = seq_lens[:R]
-        tables = []
-        for t in block_tables:
-            out = np.full((Rp, t.shape[1]), NULL_BLOCK_ID, dtype=np.int32)
-            out[:R] = t[:R]
-            tables.append(out)
-    n = _num_slots(runner, desc, separate_kv_update)
-    if n == T:
-        slots = slot_mapping[:, :T]
-    else:
-        slots = np.full((slot_mapping.shape[0], n), PAD_SLOT_ID, dtype=np.int64)
-        slots[:, :T] = slot_mapping[:, :T]
-    is_padding = np.arange(Tp) >= T
-    pos = None
-    if runner == "v1":
-        pos = np.zeros(Tp, dtype=np.int64)
-        pos[:T] = positions[:T]
-    return PaddedTails(qsl, sl, slots, tables, is_padding, pos)
-

@@ -1,8 +1,8 @@
 """Items 2-4 of the forward pass as parts (inputs.py PARTS): CUDA-graph padding, attention metadata, backends.
 
-Job: compose the pure rules (cudagraph.py, attention.py, local_attention.py, flashinfer.py, flash_attn.py) over
-one step's core mappings, in both forms: `*_host` (the numpy forms, for the host workers) and `*_spec` (the
-scalar specs, for the reference worker). Each part's result says its dump keys (`to_dict`, vLLM's names).
+Job: compose the pure rules (cudagraph.py, padded_tails.py, attention.py, local_attention.py, flashinfer.py,
+flash_attn.py) over one step's core mappings, in both forms: `*_host` (numpy, for the host workers) and `*_spec`
+(scalar, for the reference worker). Each part's result says its dump keys (`to_dict`, vLLM's names).
 
 Rules (docs/trace-format.md, "Forward-pass dump keys"):
 - `cudagraph`: the step's `BatchDescriptor` (the resolved capture sizes: the header's or the options', with
@@ -37,6 +37,7 @@ from kvmap.forward import cudagraph as C
 from kvmap.forward import flash_attn as FA
 from kvmap.forward import flashinfer as FI
 from kvmap.forward import local_attention as L
+from kvmap.forward import padded_tails as P
 from kvmap.forward.config import ForwardConfig, GroupForward
 from kvmap.forward.core import core_of
 
@@ -93,7 +94,7 @@ class Padding:
     """The `cudagraph` part: the step's graph choice and padded tails."""
 
     desc: C.BatchDescriptor
-    tails: C.PaddedTails  # block_tables: the unpadded tables in the host form (see the module's rules)
+    tails: P.PaddedTails  # block_tables: the unpadded tables in the host form (see the module's rules)
     max_cudagraph_capture_size: int  # 0 when eager
 
     def to_dict(self) -> dict:
@@ -184,11 +185,11 @@ def cudagraph_host(cfg: ForwardConfig, step, buf: PaddingBuffers) -> Padding:
     desc = buf.dispatcher.dispatch(R, T, max_q, cfg.runner == "v1" or _eligible_host(r, q, T, R, max_q))
     tables = _tables(m)
     if desc.num_tokens_padded == T and desc.num_reqs_padded == R:  # nothing padded: the arrays themselves
-        tails = C.PaddedTails(qsl, r.seq_lens, m.slot_mapping, tables, None,
+        tails = P.PaddedTails(qsl, r.seq_lens, m.slot_mapping, tables, None,
                               None if cfg.runner == "mrv2" else m.positions)
     else:
-        t = C.pad_tails(cfg.runner, desc, qsl, r.seq_lens, m.slot_mapping, [], m.positions)
-        tails = C.PaddedTails(t.query_start_loc, t.seq_lens, t.slot_mapping, tables, t.is_padding, t.positions)
+        t = P.pad_tails(cfg.runner, desc, qsl, r.seq_lens, m.slot_mapping, [], m.positions)
+        tails = P.PaddedTails(t.query_start_loc, t.seq_lens, t.slot_mapping, tables, t.is_padding, t.positions)
     return Padding(desc, tails, buf.sizes[-1] if buf.sizes else 0)
 
 
@@ -205,7 +206,7 @@ def cudagraph_spec(cfg: ForwardConfig, step) -> Padding:
     sizes = capture_sizes(cfg)
     desc = C.dispatch_spec(cfg.runner, cfg.cudagraph_mode, sizes, cfg.max_num_seqs, cfg.num_speculative_tokens,
                            R, T, max(q, default=0), elig)
-    tails = C.pad_tails_spec(cfg.runner, desc, r.query_start_loc, r.seq_lens, m.slot_mapping, _tables(m),
+    tails = P.pad_tails_spec(cfg.runner, desc, r.query_start_loc, r.seq_lens, m.slot_mapping, _tables(m),
                              m.positions)
     return Padding(desc, tails, sizes[-1] if sizes else 0)
 

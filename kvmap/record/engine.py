@@ -3,34 +3,28 @@
 Rules:
 - The "model" is a `config.json` for a tiny Llama in a temporary folder; no weights, no hub access.
 - The KV cache config is built by hand, one group per workload group, all drawing from one block pool.
-- The fake model is deterministic: the token at position p of request r is a hash of (seed, r, p). A partial
-  prefill chunk samples nothing; a decode samples the accepted drafts plus one bonus token. Drafts are the
-  true next tokens, each wrong with probability `draft_error_rate` (seeded per request and step).
+- What the model samples and the drafts it proposes are the fake model's (fake_model.py: deterministic,
+  seeded, with early stops at `stop_rate`). A partial prefill chunk samples nothing.
 - The loop is `EngineCore.step`'s: add arrived requests, `schedule()`, model output, `update_from_output()`,
   drafts; and one last `schedule()` to deliver the final finished ids.
 - With `async_scheduling: true` the loop is `EngineCore.step_with_batch_queue`'s (vLLM 0.33, the
   `AsyncScheduler`): schedule while the batch queue (depth `max_concurrent_batches`) has room, block on the
   oldest batch only when it is full or nothing more can be scheduled, then `update_from_output()` that batch.
-  The fake worker executes batches in schedule order, as the real one does, keeping its own view of each
-  request (tokens, worker-true computed count, its drafts): under async spec decoding the scheduler sends
-  `-1` placeholders and an optimistic `num_computed_tokens`; the worker verifies its own drafts (told to the
-  recorder as `spec_draft_token_ids`) and starts from its own count.
-- Early stops (`stop_rate`): the token at an output position is a stop token when a second hash of
-  (seed, request, position) falls below `stop_rate`; under async scheduling a request that stops at step N is
-  often already scheduled in N+1, whose output vLLM then discards.
+  The fake worker (fake_model.FakeWorker) executes batches in schedule order, as the real one does; the real
+  drafts it verified are told to the recorder as `spec_draft_token_ids`. A request that stops early at step N
+  is often already scheduled in N+1, whose output vLLM then discards.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import random
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmap.errors import KvmapError
+from kvmap.record.fake_model import FakeWorker, propose, sample
 from kvmap.record.header import header_from_config
 from kvmap.record.recorder import RecordingScheduler, TraceWriter
 from kvmap.record.workload import Arrival, Workload, arrivals
@@ -48,22 +42,6 @@ class RecordSummary:
     tokens: int
     preemptions: int
     prefix_hit_tokens: int
-
-
-def _true_token(seed: int, req_id: str, position: int, vocab: int) -> int:
-    h = hashlib.blake2b(f"{seed}/{req_id}/{position}".encode(), digest_size=8).digest()
-    return 1 + int.from_bytes(h, "little") % (vocab - 1)
-
-
-def _model_token(w: Workload, req_id: str, position: int) -> int:
-    """The fake model's token at `position`: `_true_token`, or a stop token with probability `stop_rate`."""
-    if w.stop_rate > 0:
-        h = int.from_bytes(hashlib.blake2b(f"{w.seed}/stop/{req_id}/{position}".encode(), digest_size=8).digest(),
-                           "little")
-        if (h % 1_000_000) / 1_000_000 < w.stop_rate:
-            stops = ([w.eos_token_id] if w.eos_token_id is not None else []) + list(w.stop_token_ids)
-            return stops[(h // 1_000_000) % len(stops)]
-    return _true_token(w.seed, req_id, position, w.vocab_size)
 
 
 def _sampling_params(w: Workload, max_tokens: int):
@@ -248,15 +226,7 @@ def drive(w: Workload, rec, hasher, on_step: Callable[[int], None] | None = None
                 continue
             drafts = out.scheduled_spec_decode_tokens.get(r, [])
             # position of the first draft: the request computed up to here before this step's drafts
-            first = req.num_computed_tokens - len(drafts)
-            toks = []
-            for j, d in enumerate(drafts):
-                true = _model_token(w, r, first + j)
-                if d != true:
-                    break
-                toks.append(true)
-            toks.append(_model_token(w, r, first + len(toks)))
-            sampled.append(toks)
+            sampled.append(sample(w, r, req.num_computed_tokens - len(drafts), drafts))
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=[list(s) for s in sampled])
         rec.update_from_output(out, mro)
@@ -266,84 +236,13 @@ def drive(w: Workload, rec, hasher, on_step: Callable[[int], None] | None = None
                 req = rec.requests.get(r)
                 if not s or req is None or req.is_finished():
                     continue
-                rng = random.Random(f"{w.seed}/{r}/{steps}")
-                nxt = req.num_tokens
-                d = [_model_token(w, r, nxt + j) for j in range(k)]
-                d = [t if rng.random() >= w.draft_error_rate else 1 + t % (w.vocab_size - 1) for t in d]
                 d_ids.append(r)
-                d_toks.append(d)
+                d_toks.append(propose(w, r, steps, req.num_tokens))
             rec.update_draft_token_ids(DraftTokenIds(d_ids, d_toks))
         if on_step:
             on_step(steps)
     rec.schedule()  # the last finished ids arrive with one more (empty) step
     return tokens, hits
-
-
-class FakeWorker:
-    """The worker side of the async loop: executes each scheduled batch in order, with its own view of every
-    request (as a real worker: tokens so far, the worker-true computed count, the drafts it proposed)."""
-
-    def __init__(self, w: Workload) -> None:
-        self.w = w
-        self.tokens: dict[str, list[int]] = {}
-        self.computed: dict[str, int] = {}
-        self.drafts: dict[str, list[int]] = {}
-
-    def execute(self, out, step: int) -> tuple[list[str], list[list[int]], dict[str, list[int]]]:
-        """(req_ids, sampled per request, the real drafts verified) for one SchedulerOutput."""
-        w = self.w
-        for r in out.finished_req_ids:
-            for d in (self.tokens, self.computed, self.drafts):
-                d.pop(r, None)
-        if w.protocol == "v2":
-            for r in out.preempted_req_ids or ():
-                for d in (self.tokens, self.computed, self.drafts):
-                    d.pop(r, None)
-        for nr in out.scheduled_new_reqs:
-            self.tokens[nr.req_id] = list(nr.prefill_token_ids or nr.prompt_token_ids)
-            self.computed[nr.req_id] = nr.num_computed_tokens
-            self.drafts.pop(nr.req_id, None)
-        c = out.scheduled_cached_reqs
-        resumed = set(c.resumed_req_ids)
-        for i, r in enumerate(c.req_ids):
-            if r in resumed:  # v1: the full token list comes with the resume; the count is exact again
-                if r in c.all_token_ids:
-                    self.tokens[r] = list(c.all_token_ids[r])
-                self.computed[r] = c.num_computed_tokens[i]
-                self.drafts.pop(r, None)
-        req_ids = list(out.num_scheduled_tokens)
-        sampled, used = [], {}
-        for r in req_ids:
-            n = out.num_scheduled_tokens[r]
-            d = len(out.scheduled_spec_decode_tokens.get(r, ()))
-            toks, start = self.tokens[r], self.computed[r]
-            if start + n - d < len(toks):  # partial prefill chunk
-                self.computed[r] = start + n
-                sampled.append([])
-                continue
-            drafts = self.drafts.get(r, [])[:d]
-            drafts += [0] * (d - len(drafts))
-            if d:
-                used[r] = drafts
-            first = start + n - d  # position of the first draft (the next token)
-            acc = []
-            for j, t in enumerate(drafts):
-                true = _model_token(w, r, first + j)
-                if t != true:
-                    break
-                acc.append(true)
-            acc.append(_model_token(w, r, first + len(acc)))
-            self.computed[r] = start + n - (d - (len(acc) - 1))
-            toks.extend(acc)
-            sampled.append(acc)
-            k = w.num_speculative_tokens
-            if k:  # propose the next step's drafts (they stay on "the GPU": the scheduler sees -1)
-                rng = random.Random(f"{w.seed}/{r}/{step}")
-                nxt = len(toks)
-                dr = [_model_token(w, r, nxt + j) for j in range(k)]
-                self.drafts[r] = [t if rng.random() >= w.draft_error_rate else 1 + t % (w.vocab_size - 1)
-                                  for t in dr]
-        return req_ids, sampled, used
 
 
 def drive_async(w: Workload, rec, hasher, depth: int,
