@@ -163,14 +163,10 @@ def _launch(trace: Path, cp: int, nproc: int, rank: int | None, config, dump_map
     if nproc % cp:  # said before any process starts (each rank would say it again after seconds)
         raise KvmapError(f"{nproc} processes cannot form DCP groups of {cp}: use a multiple of {cp}",
                          field="--nproc")
-    if config.device != "cpu":  # each rank would fail on its own after seconds: NCCL missing, no such GPU
-        from kvmap._torch import torch
-        from kvmap.workers.device import resolve_device
+    if config.device != "cpu":
+        from kvmap.workers.device import check_gpus_for_ranks
 
-        resolve_device(config.device)
-        gpus = torch().cuda.device_count()
-        if nproc > gpus:
-            raise KvmapError(f"{nproc} ranks on {config.device} need a GPU each; {gpus} visible", field="--nproc")
+        check_gpus_for_ranks(config.device, nproc)
     with Spinner(progress, f"starting {nproc} ranks under torchrun, then replaying"):
         return launch(trace, nproc, backend=config.backend, device=config.device, verify_kv=config.verify_kv,
                       write_kv=config.write_kv, kv_geometry=config.kv_geometry, dump_mappings=dump_mappings,

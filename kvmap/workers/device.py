@@ -43,6 +43,15 @@ def resolve_device(name: str):
     return t.device(name)
 
 
+def check_gpus_for_ranks(name: str, nproc: int) -> None:
+    """`--nproc N --device cuda`: the device exists and N GPUs are visible, one a rank (said before any rank
+    starts; each would otherwise fail on its own after seconds)."""
+    resolve_device(name)
+    gpus = torch().cuda.device_count()
+    if nproc > gpus:
+        raise KvmapError(f"{nproc} ranks on {name} need a GPU each; {gpus} visible", field="--nproc")
+
+
 class Staging:
     """Host -> device transfer through two pinned buffers used in turn (plain memory on a CPU device)."""
 
