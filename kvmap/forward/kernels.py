@@ -45,7 +45,7 @@ def step_shape(query_start_loc, num_computed_tokens, prefill_len, idx_mapping, n
 @_jit
 def pad_tails(query_start_loc, seq_lens, slot_mapping, positions, R, T, Rp, Tp, n, pad_slot_id, qsl_out, sl_out,
               slots_out, positions_out, is_padding_out):
-    """cudagraph.pad_tails into the buffers: query_start_loc [Rp + 1] (tail T), seq_lens [Rp] (tail 0),
+    """padded_tails.pad_tails into the buffers: query_start_loc [Rp + 1] (tail T), seq_lens [Rp] (tail 0),
     slot_mapping [G, n] (tail pad_slot_id), is_padding [Tp] (token >= T), positions [Tp] (tail 0; an empty
     positions_out: not written, MRV2)."""
     for b in range(Rp + 1):

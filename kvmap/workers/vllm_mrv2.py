@@ -14,9 +14,9 @@ Rules:
   after each step (`num_rejected` by vLLM's `get_num_sampled_and_rejected`), drafts into
   `req_states.draft_tokens` before it (what the speculator writes), the real drafts under async scheduling.
 - Differences from a serving runner, none of which moves an index: no request padding without `--forward`
-  (an eager batch descriptor); the gathered block tables are the manager's rows (no sliding-window nulling:
-  the dump compares block ids, the forward-pass table is the forward-pass dump's); kernel-block rows (a kernel
-  split) are kvmap's layout rule; token rows are wider (vllm_mrv2_runner.py).
+  (an eager batch descriptor); the gathered block tables are vLLM's own gather's rows, with MRV2's
+  sliding-window nulling (`sliding_window_reach` from vLLM's `SlidingWindowSpec`; off when DCP > 1);
+  kernel-block rows (a kernel split) are kvmap's layout rule; token rows are wider (vllm_mrv2_runner.py).
 - With `--forward`, the `sampler` part is vLLM's: `cu_num_logits`, `logits_indices` (from
   `combine_sampled_and_draft_tokens`), `expanded_idx_mapping` and `expanded_local_pos` (from
   `expand_idx_mapping`, or `idx_mapping` and zeros on MRV2's no-draft path) of the `InputBatch` its
