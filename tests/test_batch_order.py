@@ -3,6 +3,8 @@ condense, the optional 4-region reorder), the same in every backend."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvmap.run.config import ReplayConfig
@@ -93,3 +95,32 @@ def test_every_backend_has_the_same_v1_order(path, threshold):
                                          verify_kv=True, nvtx=False), on_mappings=lambda d: lines.append(dump_line(d)))
         dumps[backend] = lines
     assert dumps["numpy"] == dumps["reference"] == dumps["numba"] == dumps["torch"]
+
+
+class _AlwaysApplied(V1PersistentBatch):
+    """The persistent batch with every step applied in full (no shortcut for a step that only repeats the last
+    step's requests): the order the shortcut must keep."""
+
+    def update(self, step, num_computed):
+        so = step.scheduler_output
+        if not so.finished_req_ids:  # a finished id nobody holds: the full path, the same state after it
+            step = replace(step, scheduler_output=replace(so, finished_req_ids=["never scheduled"]))
+        return super().update(step, num_computed)
+
+
+@pytest.mark.parametrize("threshold", [None, 1, 4])
+def test_a_step_repeating_the_last_ones_requests_keeps_the_order_the_full_update_gives(threshold):
+    """Every bundled trace: the shortcut (the same requests as the last step, none leaving or coming) gives
+    the order the full update gives, with and without the 4-region reorder; and it is taken on most steps."""
+    shortcuts = total = 0
+    for path in bundled_traces():
+        fast, full = V1PersistentBatch(threshold), _AlwaysApplied(threshold)
+        for step in Trace(path).steps():
+            so = step.scheduler_output
+            before = dict(fast.index)
+            shortcuts += not (so.finished_req_ids or so.preempted_req_ids or so.scheduled_new_reqs
+                              or so.scheduled_cached_reqs.resumed_req_ids) and so.num_scheduled_tokens.keys() == (
+                before.keys())
+            total += 1
+            assert fast.update(step, _nc(step)) == full.update(step, _nc(step)), (path.name, step.step)
+    assert shortcuts > total // 2, (shortcuts, total)

@@ -105,9 +105,10 @@ class Worker(ABC):
     def v1_order(self, step: Step) -> list[str]:
         """This step's batch order (req ids) under V1's persistent batch."""
         assert self.v1_batch is not None
-        so = step.scheduler_output
-        nc = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
-        nc.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+        so, nc = step.scheduler_output, None
+        if self.v1_batch.threshold is not None:  # the reorder's regions read them
+            nc = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
+            nc.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
         return self.v1_batch.update(step, nc)
 
     @property

@@ -12,7 +12,9 @@ Rules:
   take the lowest hole or are appended;
   `condense()` moves the highest occupied rows into the remaining holes, lowest hole first; then, only if the
   attention backend sets `reorder_batch_threshold`, the 4-region reorder by swaps (decode, short extend, long
-  extend, prefill), exactly as `reorder_batch_to_split_decodes_and_prefills` swaps them.
+  extend, prefill), exactly as `reorder_batch_to_split_decodes_and_prefills` swaps them. A step whose
+  requests are the last step's, none finished, preempted, sent as new or resumed, keeps every row (the rows
+  never keep a hole), so only the reorder runs (tests/test_batch_order.py holds it to the full update).
 - Plain Python over request ids: the order is per request, not per token, and it is what V1 itself does.
 """
 
@@ -57,16 +59,20 @@ class V1PersistentBatch:
 
     def update(self, step: Step, num_computed: dict[str, int]) -> list[str]:
         """Apply one step; returns the batch order (req ids). `num_computed`: each scheduled request's
-        num_computed_tokens as the worker holds it this step (for the reorder's regions)."""
+        num_computed_tokens as the worker holds it this step (for the reorder's regions; None without a
+        `reorder_batch_threshold`)."""
         so = step.scheduler_output
+        scheduled = so.num_scheduled_tokens
+        resumed = so.scheduled_cached_reqs.resumed_req_ids
+        if not (so.finished_req_ids or so.preempted_req_ids or so.scheduled_new_reqs or resumed) and (
+                scheduled.keys() == self.index.keys()):  # the last step's requests, none leaving or coming
+            return self._ordered(scheduled, num_computed)  # every row stands (rows never keep holes)
         holes: list[int] = []
         for r in so.finished_req_ids:
             self._remove(r, holes)
             self.prompt_len.pop(r, None)
             self.preempted.discard(r)
         self.preempted.update(so.preempted_req_ids)
-        scheduled = so.num_scheduled_tokens
-        resumed = so.scheduled_cached_reqs.resumed_req_ids
         for r in [r for r in self.index if r not in scheduled or r in resumed]:
             self._remove(r, holes)
         for nr in so.scheduled_new_reqs:  # a live id sent as new: a streaming-input continuation leaves its row
@@ -87,6 +93,9 @@ class V1PersistentBatch:
                 self.rows[i] = r
             self.index[r] = i
         self._condense(holes)
+        return self._ordered(scheduled, num_computed)
+
+    def _ordered(self, scheduled: dict[str, int], num_computed: dict[str, int] | None) -> list[str]:
         if self.threshold is not None:
             self._reorder(scheduled, num_computed)
         return list(self.rows)
