@@ -53,5 +53,5 @@ def release(a: np.ndarray) -> None:
         base = base.base
     if isinstance(base, memoryview):  # numpy's hold on the buffer it was made from
         base = base.obj
-    if isinstance(base, mmap.mmap):
+    if isinstance(base, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):  # (a system without it keeps the pages)
         base.madvise(mmap.MADV_DONTNEED)

@@ -7,7 +7,8 @@ Rules:
   temporary file, so memory stays flat however long the trace (a run shorter than a block never makes one);
   the step starts to a file of their own.
 - The result's arrays are filled block by block from the spill at the end, so the run never holds its figures
-  twice; spilled step starts stay on disk, mapped (ondisk.py). The step starts are kept only when asked
+  twice; once blocks were spilled, the phase times and step starts stay on disk, mapped (ondisk.py: a reader
+  that walks them lets them go). The step starts are kept only when asked
   (`keep_start`: an output reads them, `--json` or `--trace-out`); otherwise `step_start_ns` is empty, and
   neither held nor spilled.
 - The series only some outputs read (KV occupancy, batch composition: `Rows`) are held the same way: an open
@@ -25,7 +26,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from kvmap.ondisk import mapped
+from kvmap.ondisk import mapped, release
 
 BLOCK = 4096  # steps per block
 _INT32_MAX = np.iinfo(np.int32).max
@@ -90,7 +91,14 @@ class StepLog:
         # steps (int32 or int64), num_reqs and num_tokens (int16 too)
         counts = [np.empty(n, dtype=_fitting(top, narrow=k > 0)) for k, top in enumerate(self.tops)]
         start = np.empty(n if self.keep_start else 0, dtype=np.int64) if self.starts is None else None
-        phases = np.empty((n, P), dtype=_fitting(self.phase_top, self.phase_bottom))
+        dtype = _fitting(self.phase_top, self.phase_bottom)
+        if self.spill is None:
+            phases = np.empty((n, P), dtype=dtype)
+        else:  # spilled: the phase times stay on disk (ondisk.py), phase after phase: a phase's are contiguous
+            times = tempfile.TemporaryFile(prefix="kvmap-phases-")
+            times.truncate(n * P * np.dtype(dtype).itemsize)
+            phases = mapped(times, dtype, (P, n)).T
+            times.close()
         at = 0
         if self.spill is not None:
             self.spill.seek(0)
@@ -102,7 +110,7 @@ class StepLog:
             self.spill.close()
             self.spill, self.sizes = None, []
         self._place(last, counts, start, phases, at)
-        if self.starts is not None:  # spilled: the starts stay on disk (ondisk.py), the open block's after them
+        if self.starts is not None:  # spilled: the starts stay on disk, the open block's after them
             self.starts.seek(0, 2)
             self.starts.write(last[1].tobytes())
             start = mapped(self.starts, np.int64, (n,))
@@ -112,7 +120,9 @@ class StepLog:
         return counts[0], counts[1], counts[2], start, phases
 
     @staticmethod
-    def _place(blk, counts: list[np.ndarray], start: np.ndarray, phases: np.ndarray, at: int) -> None:
+    def _place(blk, counts: list[np.ndarray], start: np.ndarray | None, phases: np.ndarray, at: int) -> None:
+        """A block's rows into the arrays from row `at` (its starts unless they are on disk); what it wrote into
+        an array on disk is let go."""
         c, s, p = blk
         k = len(p)
         for row, values in zip(counts, c):
@@ -120,6 +130,7 @@ class StepLog:
         if s is not None and start is not None:
             start[at : at + len(s)] = s
         phases[at : at + k] = p
+        release(phases)
 
 
 def _fitting(top: int, bottom: int = 0, narrow: bool = False) -> type:
