@@ -80,7 +80,7 @@ def summary_dict(r: ReplayResult) -> dict:
         "warnings": warnings(r),
         **({"ranks": rank_dict(r)} if r.cp_size > 1 or r.kernel_block_sizes or r.world_size > 1 else {}),
     }
-    release(r.phase_ns)  # on disk: every statistic read it whole (ondisk.py)
+    release(r.phase_ns)  # on disk: whatever a statistic left in (ondisk.py)
     return out
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from kvmap.ondisk import release
 from kvmap.run.kvstats import efficiency_series, free_blocks, kv_series
 from kvmap.run.result import ReplayResult
-from kvmap.run.stats import phase_series, slow_steps
+from kvmap.run.stats import phase_series, row_sums, slow_steps
 
 MAX_POINTS = 4000  # steps drawn one by one up to this many
 BUCKETS = 1500  # runs of steps past it (two points each)
@@ -80,11 +80,10 @@ def figure_data(r: ReplayResult, summary: dict) -> dict:
     m_steps = r.measured_steps()
     m = r.measured()
     read = r.phases.index("read_step") if "read_step" in r.phases else None
-    work = m.sum(axis=1) - (m[:, read] if read is not None else 0)
+    work = row_sums(m, [i for i in range(len(r.phases)) if i != read])  # a column at a time (ondisk.py)
     nr, nt = r.measured_counts()
     slow = slow_steps(work, nt, nr)
     del work
-    release(r.phase_ns)  # on disk: read whole for the work times (ondisk.py)
     out = {
         "phases": list(r.phases),
         "warmup_steps": _plain(r.warmup_steps()),
