@@ -31,7 +31,7 @@ def own_mappings() -> None:
     """From now on every block of MMAP_THRESHOLD bytes or more is its own mapping (the module's rules)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # no C library to ask, or not glibc's
+    except (OSError, AttributeError, TypeError):  # no C library to ask, or not glibc's
         return
     mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
