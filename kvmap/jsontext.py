@@ -4,8 +4,9 @@ the list of its items, without ever holding that document (a saved run of 200k s
 
 Rules:
 - Only what may be long is streamed: an ndarray (integer or boolean, any number of dimensions) is turned into
-  text `CHUNK` rows at a time straight from its own memory; a `Stream` (an iterable of lists of JSON values) one
-  list at a time; a dict holding either is walked key by key (its keys are strings). Every other value is
+  text `CHUNK` rows at a time straight from its own memory (an array mapped from disk lets each chunk go again:
+  ondisk.py); a `Stream` (an iterable of lists of JSON values) one list at a time; a dict holding either is
+  walked key by key (its keys are strings). Every other value is
   `json.dumps`'s own text, re-indented to its depth (a JSON string holds no raw newline: every newline in that
   text starts an indented line).
 - json's form with an indent: `[]` and `{}` when empty, else each item on its own line, indented one step more
@@ -21,7 +22,9 @@ from typing import Callable
 
 import numpy as np
 
-CHUNK = 4096  # rows of an array turned into text at once
+from kvmap.ondisk import release
+
+CHUNK = 1024  # rows of an array turned into text at once
 
 
 class Stream:
@@ -78,6 +81,7 @@ def _array(a: np.ndarray, level: int, ind: int) -> Iterator[str]:
     pad = "\n" + " " * (ind * (level + 1))
     for i in range(0, len(a), CHUNK):
         yield ("[" if i == 0 else ",") + pad + _items(a[i : i + CHUNK].tolist(), level, ind, fmt)
+        release(a)  # an array on disk: the chunk's pages go (ondisk.py)
     yield "\n" + " " * (ind * level) + "]"
 
 

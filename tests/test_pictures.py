@@ -151,9 +151,38 @@ def test_envelope_keeps_every_extreme():
     rng = np.random.default_rng(0)
     v = rng.random(10_000)
     v[7777] = 50.0
-    x, s = envelope(np.arange(10_000), {"v": v}, max_points=1000, buckets=500)
+    x, s = envelope(np.arange(10_000), lambda lo, hi: {"v": v[lo:hi]}, max_points=1000, buckets=500)
     assert len(x) == 1000 and s["v"].max() == 50.0 and s["v"].min() == v.min()
     assert x[2 * (7777 // 20)] == 7777 // 20 * 20  # each run of 20 steps: its first step, twice
+
+
+@pytest.mark.parametrize("part", [1, 7, 20, 41, 10_000])
+def test_an_envelope_made_in_parts_is_the_whole_ones(monkeypatch, part):
+    """Parts of any size (one run, runs not dividing the part, several runs, everything at once): the same points
+    to the bit as min/max over the whole series, NaN left out, runs of nothing but NaN null; the rows asked for are
+    whole runs, each once, in order."""
+    from kvmap.render.html import series
+
+    rng = np.random.default_rng(part)
+    v = rng.random(10_007)
+    v[rng.integers(0, 10_007, 500)] = np.nan
+    v[2000:2100] = np.nan  # whole runs of NaN
+    k = np.arange(10_007) * 3 - 5000  # an integer series beside it
+    edges = np.linspace(0, 10_007, 501).astype(np.int64)
+    want = {}
+    for name, a in (("v", v), ("k", k.astype(np.float64))):
+        lo = [np.nanmin(a[s:e]) if not np.isnan(a[s:e]).all() else np.nan for s, e in zip(edges[:-1], edges[1:])]
+        hi = [np.nanmax(a[s:e]) if not np.isnan(a[s:e]).all() else np.nan for s, e in zip(edges[:-1], edges[1:])]
+        want[name] = np.array([x for pair in zip(lo, hi) for x in pair])
+    monkeypatch.setattr(series, "PART", part)
+    asked = []
+    x, s = envelope(np.arange(10_007), lambda lo, hi: asked.append((lo, hi)) or {"v": v[lo:hi], "k": k[lo:hi]},
+                    max_points=1000, buckets=500)
+    assert list(s) == ["v", "k"] and x.tolist() == np.repeat(edges[:-1], 2).tolist()
+    for name in s:
+        assert s[name].tobytes() == want[name].tobytes(), name
+    assert asked[0][0] == 0 and asked[-1][1] == 10_007 and all(a[1] == b[0] for a, b in zip(asked, asked[1:]))
+    assert {lo for lo, _ in asked} <= set(edges.tolist()) and (len(asked) == 500) == (part <= 20)  # runs: 20, 21
 
 
 def test_vendored_uplot_is_the_pinned_release():

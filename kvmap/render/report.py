@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvmap.jsontext import Stream
+from kvmap.ondisk import release
 from kvmap.render.text import fit_table, safe, say
 from kvmap.run.costfit import cost_dict
 from kvmap.run.kvstats import memory_dict
 from kvmap.run.result import ReplayResult
 from kvmap.run.provenance import csv_header, provenance_lines
 from kvmap.run.runs import runs_stats
-from kvmap.run.stats import median, percentiles, phase_percentiles, phase_stats, step_span, steps_text, warnings
+from kvmap.run.stats import (median, percentiles, phase_percentiles, phase_stats, step_span, steps_text, total_ns,
+                              warnings)
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
@@ -40,9 +42,9 @@ def summary_dict(r: ReplayResult) -> dict:
     reqs, toks = r.measured_counts()
     m = r.measured()
     n = int(len(m))
-    total_s = float(m.sum()) / 1e9
+    total_s = float(total_ns(m)) / 1e9
     h2d = r.h2d_bytes_measured if r.h2d_bytes_measured is not None else r.h2d_bytes
-    return {
+    out = {
         "trace": r.trace,
         "backend": r.backend,
         "backend_detail": r.backend_detail,
@@ -78,6 +80,8 @@ def summary_dict(r: ReplayResult) -> dict:
         "warnings": warnings(r),
         **({"ranks": rank_dict(r)} if r.cp_size > 1 or r.kernel_block_sizes or r.world_size > 1 else {}),
     }
+    release(r.phase_ns)  # on disk: whatever a statistic left in (ondisk.py)
+    return out
 
 
 def percentile_name(q: float) -> str:
@@ -324,6 +328,8 @@ def _chrome_events(r: ReplayResult) -> Iterator[list[dict]]:
                 events.append({"ph": "X", "pid": 1, "tid": t, "name": p, "ts": t0 / 1e3, "dur": ns / 1e3,
                                "args": {"step": step}})
                 t0 += ns
+        release(r.step_start_ns)  # on disk: the part's pages go (ondisk.py)
+        release(r.phase_ns)
         yield events
 
 

@@ -16,15 +16,15 @@ import numpy as np
 from kvmap.run.result import ReplayResult
 
 
-def kv_series(r: ReplayResult) -> dict[str, np.ndarray]:
-    """{column: [recorded steps] int64} of the occupancy series (empty when the run has none)."""
-    return {c: r.kv_series[:, i] for i, c in enumerate(r.kv_columns)} if r.kv_series.size else {}
+def kv_series(r: ReplayResult, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
+    """{column: [recorded steps lo..hi-1] integers} of the occupancy series (empty when the run has none)."""
+    return {c: r.kv_series[lo:hi, i] for i, c in enumerate(r.kv_columns)} if r.kv_series.size else {}
 
 
-def efficiency_series(r: ReplayResult) -> dict[str, np.ndarray]:
-    """{name: [recorded steps] float64 efficiency (NaN where nothing is held)}: `g{G}` per KV group (and
+def efficiency_series(r: ReplayResult, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
+    """{name: [recorded steps lo..hi-1] float64 efficiency (NaN where nothing is held)}: `g{G}` per KV group (and
     `g{G}.r{R}` per DCP rank when several), `contiguous_max_len`, `contiguous_final`."""
-    s = kv_series(r)
+    s = kv_series(r, lo, hi)
     if not s:
         return {}
     out: dict[str, np.ndarray] = {}
@@ -63,9 +63,10 @@ def memory_dict(r: ReplayResult) -> dict | None:
             "efficiency": r.kv_memory["efficiency"], "groups": r.kv_memory["groups"]}
 
 
-def free_blocks(r: ReplayResult) -> np.ndarray:
-    """[recorded steps] blocks free in the pool: num_gpu_blocks - the null block - every group's blocks in use."""
-    s = kv_series(r)
+def free_blocks(r: ReplayResult, lo: int = 0, hi: int | None = None) -> np.ndarray:
+    """[recorded steps lo..hi-1] blocks free in the pool: num_gpu_blocks - the null block - every group's blocks in
+    use."""
+    s = kv_series(r, lo, hi)
     used = sum(s[f"g{g}.in_use"] for g in range(len(r.groups)) if f"g{g}.in_use" in s)
     null = 1 if r.engine.get("null_block_id") is not None else 0
     return r.engine.get("num_gpu_blocks", 0) - null - used

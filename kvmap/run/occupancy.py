@@ -29,6 +29,7 @@ from array import array
 
 import numpy as np
 
+from kvmap.ondisk import release
 from kvmap.run.kvsummary import Running
 from kvmap.run.steplog import Rows
 
@@ -139,13 +140,12 @@ class Occupancy:
             self._flush(upto)
         self.next_flush = len(self.diff) + CHUNK
 
-    def _flush(self, upto: int, keep_reserve: bool = False) -> np.ndarray | None:
+    def _flush(self, upto: int) -> None:
         """Steps base..upto-1 are final: their contiguous_final ratios into the summary, CHUNK steps at a time;
-        then they are dropped. Returns their reserve_final values when `keep_reserve` (the series' column)."""
+        then they are dropped."""
         n = upto - self.base
         diff = np.frombuffer(self.diff, dtype=self.diff.typecode)[:n]
         tokens = np.frombuffer(self.tokens, dtype=self.tokens.typecode)
-        reserve = np.cumsum(diff, dtype=np.int64) + self.carry if keep_reserve else None
         used = 0
         if self.measured_from is not None:
             lo, hi = max(self.base, self.tok_from), min(upto, self.tok_from + len(tokens))
@@ -165,7 +165,6 @@ class Occupancy:
         self.base = upto
         if self.measured_from is not None:
             self.tok_from += used
-        return reserve
 
     def _owners(self, i: int, new_rows: list[int]) -> None:
         """Read the rows' owners after step `i`: close the lives that ended (their final reservation spans
@@ -238,19 +237,33 @@ class Occupancy:
             n = int(self.kv_len[r])
             _bump(self, self.first[r], n)
             _bump(self, steps, -n)
-        reserve = self._flush(steps, keep_reserve=self.keep)  # [steps] when kept (nothing was dropped then)
+        out = self.rows.take()
+        if len(out):  # the series' reserve_final column, before _flush drops the difference array
+            out = _fill_reserve(np.frombuffer(self.diff, dtype=self.diff.typecode)[: steps - self.base], self.carry,
+                                out)
+        self._flush(steps)
         self.diff = array("i")
         self.tokens = array("i")
-        out = self.rows.take()
-        if len(out):
-            final = reserve[steps - len(out):]
-            if out.dtype == np.int32 and (final.max() > 2**31 - 1 or final.min() < -2**31):
-                out = out.astype(np.int64)
-            out[:, 2] = final
-        del reserve
         summary = {"efficiency": {k: x.summary() for k, x in self.running.items()},
                    "groups": {g: {"max_in_use": a, "max_shared": b} for g, (a, b) in self.top.items()}}
         return out, summary
+
+
+def _fill_reserve(diff: np.ndarray, carry: int, out: np.ndarray) -> np.ndarray:
+    """`out` (the last len(out) of diff's steps) with column 2 the running sum of `diff` from `carry` (each step's
+    reserve_final), CHUNK steps at a time, each let go (a series on disk stays there: ondisk.py); an int64 copy
+    once a value passes int32."""
+    skip = len(diff) - len(out)
+    carry += int(diff[:skip].sum(dtype=np.int64))
+    for lo in range(0, len(out), CHUNK):
+        part = np.cumsum(diff[skip + lo : skip + lo + CHUNK], dtype=np.int64)
+        part += carry
+        carry = int(part[-1])
+        if out.dtype == np.int32 and (part.max() > 2**31 - 1 or part.min() < -(2**31)):
+            out = out.astype(np.int64)
+        out[lo : lo + CHUNK, 2] = part
+        release(out)
+    return out
 
 
 def _efficiency_columns(cols: list[str], block_sizes: list[int], ranks: list[int]) -> list[tuple]:

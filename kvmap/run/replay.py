@@ -25,6 +25,7 @@ import numpy as np
 from kvmap import defaults
 from kvmap.errors import KvmapError
 from kvmap.kv.cache import KVCheckResult, KVGeometry
+from kvmap.ondisk import own_mappings
 from kvmap.run.config import ReplayConfig
 from kvmap.run.composition import COLUMNS as MIX_COLUMNS
 from kvmap.run.composition import Composition
@@ -236,6 +237,7 @@ class _Run:
         # the worker, its KV cache and the stages that hold them go before the arrays are made (a long run's
         # arrays are its largest part), unless the caller holds the worker
         self.worker = self.stages = self.ranks_tally = worker = None
+        own_mappings()  # the arrays below and every later temporary: returned when freed (ondisk.py)
         result.steps, result.num_reqs, result.num_tokens, result.step_start_ns, result.phase_ns = self.rec.arrays()
         if self.mix is not None:
             result.mix_columns, result.mix_series = list(MIX_COLUMNS), self.mix.arrays()

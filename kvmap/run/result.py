@@ -82,7 +82,8 @@ class ReplayResult:
     step_window: list[int | None] = field(default_factory=lambda: [0, None])  # [start, stop) as asked
     prewarm_steps: int = 0  # steps 0..N-1 replayed first by a throwaway worker, untimed (a window from 0)
     warmup: int = 0  # recorded steps excluded from statistics: those just before the window (or its first, from 0)
-    # per recorded step, int64 arrays (compact: 8 bytes a value, so long replays stay flat in memory)
+    # per recorded step, integer arrays (int64 loaded; a replay's as narrow as the values allow: steplog.py); a
+    # replay's past one block of steps keeps phase_ns, step_start_ns and the series on disk (ondisk.py)
     steps: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n] step index
     num_reqs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n]
     num_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvmap.ondisk import release
 from kvmap.run.result import MAPPING_PHASES, ReplayResult
 
 OUTLIER_Z = 14.0  # modified z-score threshold (hyperfine's)
@@ -102,29 +103,49 @@ def _stats(name: str, ns: np.ndarray, step_total_ns: float) -> PhaseStats:
 
 
 def row_sums(m: np.ndarray, cols=None) -> np.ndarray:
-    """[rows] the sum of `m`'s columns `cols` (all: None), column by column (no [n, k] copy), int32 where no sum
-    can pass it (else int64)."""
+    """[rows] the sum of `m`'s columns `cols` (all: None), column by column (no [n, k] copy; an array on disk is
+    let go after each: ondisk.py), int32 where no sum can pass it (else int64)."""
     cols = range(m.shape[1]) if cols is None else cols
-    wide = m.dtype != np.int32 or (len(m) and int(m.max()) * len(cols) > np.iinfo(np.int32).max)
+    wide = m.dtype != np.int32 or (len(m) and _top(m) * len(cols) > np.iinfo(np.int32).max)
     out = np.zeros(len(m), dtype=np.int64 if wide else np.int32)
     for i in cols:
         out += m[:, i]
+        release(m)
     return out
+
+
+def _top(m: np.ndarray) -> int:
+    """The largest value of non-empty `m` [rows, columns], column by column."""
+    top = int(m[:, 0].max())
+    for i in range(1, m.shape[1]):
+        top = max(top, int(m[:, i].max()))
+        release(m)
+    return top
+
+
+def total_ns(m: np.ndarray) -> int:
+    """The sum of every value of `m` [rows, columns], exact, column by column."""
+    total = 0
+    for i in range(m.shape[1]):
+        total += int(m[:, i].sum(dtype=np.int64))
+        release(m)
+    return total
 
 
 def phase_series(r: ReplayResult) -> Iterator[tuple[str, np.ndarray]]:
     """(name, [measured steps] ns) per phase, then `mappings` (the four mapping phases) and `step` (all phases),
-    one at a time: a long run never holds two derived series at once."""
+    one at a time: a long run never holds two derived series at once (nor, on disk, its phase times: ondisk.py)."""
     m = r.measured()
     for i, p in enumerate(r.phases):
         yield p, m[:, i]
+        release(m)
     yield "mappings", row_sums(m, [r.phases.index(p) for p in MAPPING_PHASES if p in r.phases])
     yield "step", row_sums(m)
 
 
 def phase_stats(r: ReplayResult) -> list[PhaseStats]:
     """Per phase, then `mappings` (the four mapping phases) and `step` (all phases)."""
-    all_ns = float(r.measured().sum(dtype=np.int64))  # the step series' sum: exact integers
+    all_ns = float(total_ns(r.measured()))  # the step series' sum: exact integers
     out = []
     for name, ns in phase_series(r):
         out.append(_stats(name, ns, all_ns))

@@ -4,12 +4,16 @@ Rules:
 - No per-step Python objects are kept: a step appends its numbers to one flat `array("q")` block of `BLOCK`
   steps; a full block is turned at once into its final form (step, num_reqs, num_tokens, start from the
   replay's origin, each phase's time as the difference of two clock reads) and spilled to an unlinked
-  temporary file, so memory stays flat however long the trace (a run shorter than a block never makes one).
+  temporary file, so memory stays flat however long the trace (a run shorter than a block never makes one);
+  the step starts to a file of their own.
 - The result's arrays are filled block by block from the spill at the end, so the run never holds its figures
-  twice. The step starts are kept only when asked (`keep_start`: an output reads them, `--json` or
-  `--trace-out`); otherwise `step_start_ns` is empty, and neither held nor spilled.
+  twice; once blocks were spilled, the phase times and step starts stay on disk, mapped (ondisk.py: a reader
+  that walks them lets them go). The step starts are kept only when asked
+  (`keep_start`: an output reads them, `--json` or `--trace-out`); otherwise `step_start_ns` is empty, and
+  neither held nor spilled.
 - The series only some outputs read (KV occupancy, batch composition: `Rows`) are held the same way: an open
-  block of int32 rows (int64 once a value needs it), full blocks spilled, one array made at its final size.
+  block of int32 rows (int64 once a value needs it), full blocks spilled; handed over as a map of the spill file
+  when every value is int32 (they stay on disk: ondisk.py), else as one array made at its final size.
 - Values are the same integers in any dtype: num_reqs and num_tokens are int16 or int32, steps int32, phase
   times int32, each when every value fits (a phase of 2.1 s or more keeps int64), step starts int64.
 """
@@ -21,6 +25,8 @@ from array import array
 from typing import BinaryIO
 
 import numpy as np
+
+from kvmap.ondisk import mapped, release
 
 BLOCK = 4096  # steps per block
 _INT32_MAX = np.iinfo(np.int32).max
@@ -36,8 +42,9 @@ class StepLog:
         self.num_phases = num_phases
         self.origin = 0  # clock at the start of the run
         self.buf = array("q")  # the open block, row after row
-        # the closed blocks, each as counts [3, k], start [k] (if kept), phases [k, P]
+        # the closed blocks, each as counts [3, k], phases [k, P]; their starts (if kept) in a file of their own
         self.spill: BinaryIO | None = None
+        self.starts: BinaryIO | None = None
         self.sizes: list[int] = []  # steps of each closed block
         self.tops = [0, 0, 0]  # largest step, num_reqs, num_tokens
         self.phase_top = self.phase_bottom = 0  # largest and smallest phase time
@@ -68,8 +75,12 @@ class StepLog:
     def _spill(self, counts: np.ndarray, start: np.ndarray, phases: np.ndarray) -> None:
         if self.spill is None:
             self.spill = tempfile.TemporaryFile(prefix="kvmap-steps-")
-        for a in (counts, start, phases):
+        for a in (counts, phases):
             self.spill.write(a.tobytes())
+        if self.keep_start:
+            if self.starts is None:
+                self.starts = tempfile.TemporaryFile(prefix="kvmap-starts-")
+            self.starts.write(start.tobytes())
         self.sizes.append(len(phases))
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -79,31 +90,47 @@ class StepLog:
         n, P = self.n, self.num_phases
         # steps (int32 or int64), num_reqs and num_tokens (int16 too)
         counts = [np.empty(n, dtype=_fitting(top, narrow=k > 0)) for k, top in enumerate(self.tops)]
-        start = np.empty(n if self.keep_start else 0, dtype=np.int64)
-        phases = np.empty((n, P), dtype=_fitting(self.phase_top, self.phase_bottom))
+        start = np.empty(n if self.keep_start else 0, dtype=np.int64) if self.starts is None else None
+        dtype = _fitting(self.phase_top, self.phase_bottom)
+        if self.spill is None:
+            phases = np.empty((n, P), dtype=dtype)
+        else:  # spilled: the phase times stay on disk (ondisk.py), phase after phase: a phase's are contiguous
+            times = tempfile.TemporaryFile(prefix="kvmap-phases-")
+            times.truncate(n * P * np.dtype(dtype).itemsize)
+            phases = mapped(times, dtype, (P, n)).T
+            times.close()
         at = 0
         if self.spill is not None:
             self.spill.seek(0)
             for k in self.sizes:
-                blk = (np.fromfile(self.spill, np.int64, 3 * k).reshape(3, k),
-                       np.fromfile(self.spill, np.int64, k if self.keep_start else 0),
+                blk = (np.fromfile(self.spill, np.int64, 3 * k).reshape(3, k), None,
                        np.fromfile(self.spill, np.int64, k * P).reshape(k, P))
                 self._place(blk, counts, start, phases, at)
                 at += k
             self.spill.close()
             self.spill, self.sizes = None, []
         self._place(last, counts, start, phases, at)
+        if self.starts is not None:  # spilled: the starts stay on disk, the open block's after them
+            self.starts.seek(0, 2)
+            self.starts.write(last[1].tobytes())
+            start = mapped(self.starts, np.int64, (n,))
+            self.starts.close()
+            self.starts = None
         self.n = 0
         return counts[0], counts[1], counts[2], start, phases
 
     @staticmethod
-    def _place(blk, counts: list[np.ndarray], start: np.ndarray, phases: np.ndarray, at: int) -> None:
+    def _place(blk, counts: list[np.ndarray], start: np.ndarray | None, phases: np.ndarray, at: int) -> None:
+        """A block's rows into the arrays from row `at` (its starts unless they are on disk); what it wrote into
+        an array on disk is let go."""
         c, s, p = blk
         k = len(p)
         for row, values in zip(counts, c):
             row[at : at + k] = values
-        start[at : at + len(s)] = s
+        if s is not None and start is not None:
+            start[at : at + len(s)] = s
         phases[at : at + k] = p
+        release(phases)
 
 
 def _fitting(top: int, bottom: int = 0, narrow: bool = False) -> type:
@@ -146,8 +173,17 @@ class Rows:
         return self.n
 
     def take(self) -> np.ndarray:
-        """[rows, width] int32 (int64 when a value needed it); the rows start over."""
+        """[rows, width] int32 (int64 when a value needed it); the rows start over. Rows that were spilled stay
+        on disk when every value is int32: the open block joins them in the file and the array maps it
+        (ondisk.py: a reader takes them a chunk at a time and lets each go); else one array in memory."""
         wide = "q" in self.blocks or self.buf.typecode == "q"
+        if self.spill is not None and not wide:
+            self.spill.seek(0, 2)
+            self.spill.write(self.buf.tobytes())
+            out = mapped(self.spill, np.int32, (self.n, self.width))
+            self.spill.close()
+            self.__init__(self.width)
+            return out
         out = np.empty((self.n, self.width), dtype=np.int64 if wide else np.int32)
         at = 0
         if self.spill is not None:
