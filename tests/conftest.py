@@ -24,6 +24,16 @@ ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "traces"
 
 
+def load_script(name: str):
+    """scripts/NAME.py as a module (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _all_traces() -> list[Path]:
     return sorted(p for p in TRACES.iterdir() if p.name.endswith((".jsonl", ".jsonl.gz")))
 

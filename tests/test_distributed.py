@@ -133,6 +133,14 @@ def _start_slow_run(tmp_path, *extra):
     return proc, trace, out
 
 
+def _reap(marker: str, proc) -> None:
+    """Whatever a failed test left running: the ranks and torchrun (by `marker`), and the parent `proc`."""
+    for pid in _ours(marker):
+        os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+
+
 def _gone(marker: str, within: float) -> bool:
     deadline = time.monotonic() + within
     while _ours(marker) and time.monotonic() < deadline:
@@ -149,10 +157,7 @@ def test_ranks_die_with_the_parent_and_leave_no_output(tmp_path, sig):
         assert proc.returncode == 128 + sig and "Traceback" not in err, err
         assert _gone(str(trace), within=5), "ranks outlived the parent"
     finally:
-        for pid in _ours(str(trace)):
-            os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
+        _reap(str(trace), proc)
     assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".kvmap-")] == []
 
 
@@ -228,10 +233,7 @@ def test_a_killed_rank_or_torchrun_is_one_line_naming_it(tmp_path, victim):
         _, err = proc.communicate(timeout=60)
         assert _gone(str(trace), within=10), "ranks outlived the failure"
     finally:
-        for p in _ours(str(trace)):
-            os.kill(p, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
+        _reap(str(trace), proc)
     lines = err.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, err
     if victim == "rank":

@@ -4,20 +4,11 @@ replays a step window). A refusal recorded there must stay the same refusal."""
 
 from __future__ import annotations
 
-import importlib.util
-
-from .conftest import ROOT
-
-
-def _golden_module():
-    spec = importlib.util.spec_from_file_location("golden_dumps", ROOT / "scripts" / "golden_dumps.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from .conftest import load_script
 
 
 def test_every_dump_is_byte_identical_to_the_golden_one():
-    g = _golden_module()
+    g = load_script("golden_dumps")
     g.setup_env()
     want = g.load_golden()
     assert {g.case_key(*c) for c in g.all_cases()} == set(want) - {"_about"}, "the cases changed: rerun --write?"

@@ -4,23 +4,18 @@ bundled traces and names the first step where their dumps differ. Needs vLLM 0.3
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from kvmap import vllm_compat
 
-from .conftest import ROOT
+from .conftest import load_script
 
 MRV2 = vllm_compat.installed("vllm") in vllm_compat.SUPPORTED["vllm-mrv2"]["vllm"]
 pytestmark = pytest.mark.skipif(not MRV2, reason="vLLM 0.33 is not installed here (CI: .venv-record)")
 
 
 def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("gpu_check")
 
 
 def test_the_gpu_sections_dump_rows_run_on_host_tensors():

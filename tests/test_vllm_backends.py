@@ -18,7 +18,7 @@ from kvmap.errors import KvmapError
 from kvmap.trace import Trace
 from kvmap.validate import validate
 
-from .conftest import ROOT, TRACES, read_lines, write_lines
+from .conftest import ROOT, TRACES, load_script, read_lines, write_lines
 from .vllm_backends_helpers import CPU_BUILD, FORWARD_CONFIGS, GPU, assert_same_dumps, dumps, needs_mrv2, needs_v1
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -205,21 +205,14 @@ def test_version_rules_decide_cross_version_replays():
         rules["0.32.0"]["virtual_block"] = saved
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_gpu_check_vllm_section_skips_cleanly_without_a_gpu():
-    lines = _script("gpu_check").vllm_section("cpu", str(TRACES / "long_mixed.jsonl.gz"))
+    lines = load_script("gpu_check").vllm_section("cpu", str(TRACES / "long_mixed.jsonl.gz"))
     assert lines == [l for l in lines if l.startswith("vLLM section: skipped (no GPU")] and len(lines) == 1
 
 
 @needs_v1
 def test_bench_vllm_prints_medians_and_ratios(capsys):
-    assert _script("bench_vllm").main([str(TRACES / "prefix_caching.jsonl"), "--warmup", "2"]) == 0
+    assert load_script("bench_vllm").main([str(TRACES / "prefix_caching.jsonl"), "--warmup", "2"]) == 0
     out = capsys.readouterr().out
     assert "vLLM/kvmap" in out and "_prepare_inputs" in out and "x\n" in out
     import torch
