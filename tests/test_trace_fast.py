@@ -157,6 +157,43 @@ def test_invalid_utf8_names_the_byte_and_what_is_wrong(tmp_path, bad, what):
     assert e.value.line == 3 and e.value.message == f"not UTF-8 text ({what})", e.value.message
 
 
+@pytest.mark.parametrize("number", [b"1e400", b"-" + b"9" * 400, b"9" * 5000])
+@pytest.mark.parametrize("decoder", ["typed", "orjson", "stdlib"])
+def test_a_number_past_a_doubles_range_in_a_skipped_member_is_json_to_every_decoder(tmp_path, monkeypatch,
+                                                                                   number, decoder):
+    """JSON sets no range on numbers. The typed decoder skips such a member; orjson refused it, so validate
+    named a line replay had replayed. Every decoder now reads the line, and the steps are the same steps."""
+    import kvmap.trace.reader
+    import kvmap.validate.driver
+    from kvmap.trace.checks import stdlib_loads
+
+    lines = (TRACES / "worked_example.jsonl").read_bytes().splitlines()
+    lines[2] = lines[2].replace(b'"scheduler_output": {', b'"scheduler_output": {"junk": [' + number + b"], ", 1)
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(b"\n".join(lines) + b"\n")
+    if decoder != "typed":
+        monkeypatch.setattr(Trace, "_typed_decoder", lambda self: None)  # the checked path
+    if decoder == "stdlib":
+        monkeypatch.setattr(kvmap.trace.reader, "loads", stdlib_loads)
+        monkeypatch.setattr(kvmap.validate.driver, "loads", stdlib_loads)
+    assert list(Trace(big).steps()) == list(Trace(TRACES / "worked_example.jsonl").steps())
+    assert validate(Trace(big)).problems == []
+
+
+def test_a_number_past_a_doubles_range_in_a_field_kvmap_reads_is_refused_by_both_decoders(tmp_path, monkeypatch):
+    lines = (TRACES / "worked_example.jsonl").read_bytes().splitlines()
+    lines[2] = lines[2].replace(b'"total_num_scheduled_tokens": 9', b'"total_num_scheduled_tokens": 1e400', 1)
+    assert b"1e400" in lines[2]
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(TraceError) as typed:
+        list(Trace(big).steps())
+    monkeypatch.setattr(Trace, "_typed_decoder", lambda self: None)
+    with pytest.raises(TraceError) as checked:
+        list(Trace(big).steps())
+    assert (typed.value.line, checked.value.line) == (3, 3) and validate(Trace(big)).problems[0].line == 3
+
+
 def test_nesting_past_the_depth_limit_in_a_skipped_member_is_one_located_error(tmp_path):
     """msgspec raised RecursionError (a traceback from replay and explain) on a member it skips; validate named
     the line. Now the typed decoder steps aside and every consumer gets the checked parser's located error."""
@@ -170,10 +207,10 @@ def test_nesting_past_the_depth_limit_in_a_skipped_member_is_one_located_error(t
     assert [(p.kind, p.line) for p in validate(Trace(bad)).problems] == [("json", 3)]
 
 
-@pytest.mark.parametrize("junk", [b"[" * 100_000 + b"]" * 100_000, b"9" * 5000])
+@pytest.mark.parametrize("junk", [b"[" * 100_000 + b"]" * 100_000, b"NaN"])
 def test_the_standard_library_fallback_fails_as_orjson_does(tmp_path, monkeypatch, junk):
-    """Without orjson, json.loads raised RecursionError (deep nesting) or ValueError (past 4300 digits): a
-    traceback from replay and validate. `stdlib_loads` turns both into the located error orjson gives."""
+    """Without orjson, json.loads raised RecursionError on deep nesting (a traceback from replay and validate)
+    and took NaN, which is not JSON. `stdlib_loads` refuses both with the located error orjson gives."""
     import kvmap.trace.reader
     import kvmap.validate.driver
     from kvmap.trace.checks import stdlib_loads

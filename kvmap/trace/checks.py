@@ -14,11 +14,21 @@ from kvmap.errors import TraceError
 
 
 
+def _int(digits: str) -> int | float:
+    return int(digits) if len(digits) <= 4300 else float("inf")  # the value of a number no int can be here
+
+
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def stdlib_loads(text: str | bytes) -> object:
-    """`json.loads` failing only as orjson does, with a `JSONDecodeError` (deep nesting raised RecursionError,
-    an integer past 4300 digits ValueError: tracebacks where orjson names the line)."""
+    """`json.loads` accepting and refusing what the typed decoder does, failing only as orjson does (with a
+    `JSONDecodeError`): NaN and Infinity are not JSON; an integer past the standard library's 4300 digits is
+    infinity, as 1e400 is (a field kvmap reads then fails its type check; one it skips is skipped); deep
+    nesting is refused."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_int=_int, parse_constant=_not_json)
     except json.JSONDecodeError:
         raise
     except (RecursionError, ValueError) as e:  # UnicodeDecodeError too: json_error names the byte
@@ -26,7 +36,18 @@ def stdlib_loads(text: str | bytes) -> object:
 
 
 try:  # orjson decodes a step line about twice as fast; the standard library is the fallback
-    from orjson import loads
+    from orjson import JSONDecodeError as _OrjsonError
+    from orjson import loads as _orjson_loads
+
+    def loads(text: str | bytes) -> object:
+        """orjson's, but a number past a double's range (1e400, 310 digits and more) is JSON: such a line is
+        the standard library's, as the typed decoder skips such numbers in the members it does not read."""
+        try:
+            return _orjson_loads(text)
+        except _OrjsonError as e:
+            if not str(e).startswith("number is infinity"):
+                raise
+        return stdlib_loads(text)
 except ImportError:  # pragma: no cover
     loads = stdlib_loads
 
