@@ -26,6 +26,18 @@ pytest.importorskip("numba")
 K = load("kvmap.forward.kernels")
 
 
+def step_rows(qsl, computed, lens, idx, drafts, mrv2, m, up, rule=(-1, False), has_drafts=True):
+    """kernels.step_rows over fresh buffers: (key, shape [4], sampler buffers, is_prefilling, split out)."""
+    R, T = len(idx), int(qsl[-1])
+    shape, sb = np.zeros(4, np.int64), nf.SamplerBuffers(SimpleNamespace(max_num_seqs=max(R, 1),
+                                                                        num_speculative_tokens=max(T, 1)), T)
+    pre, out = np.zeros(max(R, 1), bool), np.full(6, -7, np.int64)
+    key = K.step_rows(qsl, computed, lens, idx, drafts, has_drafts, S.NUM_NEW_SAMPLED_TOKENS, mrv2, m, shape,
+                      sb.cu_num_logits, sb.logits_indices, sb.expanded_idx_mapping, sb.expanded_local_pos, up,
+                      rule[0], rule[1], pre, out)
+    return key, shape, sb, pre[:R], out
+
+
 @pytest.mark.parametrize("runner", ["mrv2", "v1"])
 def test_shape_and_padded_tails_equal_the_specs_fuzzed(runner):
     for rng, k, mode in fuzz_modes(2601):
@@ -36,12 +48,11 @@ def test_shape_and_padded_tails_equal_the_specs_fuzzed(runner):
         idx = rng.permutation(20)[:R].astype(np.int32)
         prefill = rng.integers(0, 250, 20).astype(np.int32)
         drafts = np.minimum(rng.integers(0, k + 1, R), q - 1).astype(np.int32)
-        shape = np.zeros(3, dtype=np.int64)
-        key = K.step_shape(qsl, computed, prefill, idx, drafts, runner == "mrv2", 5000, shape)
+        key, shape = step_rows(qsl, computed, prefill, idx, drafts, runner == "mrv2", 5000, seq)[:2]
         pre = [int(prefill[j]) for j in idx]
         eligible = cg.decode_graph_eligible(q.tolist(), drafts.tolist(), np.minimum(computed, pre).tolist(), pre)
         e = int(eligible) if runner == "mrv2" else 1
-        assert shape.tolist() == [T, int(q.max()), e]
+        assert shape[:3].tolist() == [T, int(q.max()), e]
         assert key == ((R * 5000 + T) * 5000 + int(q.max())) * 2 + e
         sizes = cg.resolve_capture_sizes(runner, mode, None, 16, 4096, k)
         desc = cg.dispatch(runner, mode, sizes, 16, k, R, T, int(q.max()), eligible)
@@ -78,6 +89,11 @@ def test_common_metadata_and_split_equal_the_specs_fuzzed(runner):
             sp = fa.split_decodes_and_prefills_spec(cm.query_start_loc, cm.num_reqs, cm.num_actual_tokens,
                                                     want.max_query_len, t, u)
             assert fa.Split(*out[2:].tolist()) == sp, (t, u)
+            if not desc.pad_attn:  # step_rows' rule over the unpadded rows gives the same (NumbaForward.run)
+                R0 = cm.num_reqs
+                _, _, _, pre1, out1 = step_rows(cm.query_start_loc[: R0 + 1], computed, by_row, idx,
+                                                np.zeros(R0, np.int32), runner == "mrv2", 5000, cm.seq_lens, (t, u))
+                assert out1.tolist() == out.tolist() and pre1.tolist() == pre[:R0].tolist(), (t, u)
 
 
 def _tails(cm, desc):
@@ -151,19 +167,24 @@ def test_deferred_flashinfer_metadata_is_made_on_first_read():
 
 
 def test_mrv2_sampler_numba_equals_the_spec_fuzzed():
-    """The numba part's MRV2 indices (made on first read) equal the spec's, with drafts and without (the fast
-    path: one logit per request, the drafts array not read), through one set of buffers, step after step."""
+    """The numba pass's MRV2 indices (kernels.step_rows, the object made by `SamplerBuffers.mrv2`) equal the
+    spec's, with drafts and without (the fast path: one logit per request, the drafts array not read), through
+    one set of buffers, step after step."""
     rng = np.random.default_rng(2602)
     cfg = SimpleNamespace(runner="mrv2", max_num_seqs=16, num_speculative_tokens=3)
-    buf = nf.SamplerBuffers(cfg, 16 * 8)
+    buf, shape = nf.SamplerBuffers(cfg, 16 * 8), np.zeros(4, np.int64)
+    pre, no_split = np.zeros(16, bool), np.zeros(0, np.int64)
     for i in range(200):
         R = int(rng.integers(0, 17))
         d = rng.integers(0, 4, R) if i % 2 else np.zeros(R, np.int64)
         qs = d + rng.integers(1, 5, R)
         r, _ = rows(qs.tolist(), [10] * R, d.tolist(), [20] * R, idx=rng.permutation(16)[:R].tolist())
         r = replace(r, has_drafts=bool(i % 2))
-        got = nf.sampler_numba(cfg, SimpleNamespace(rows=r), buf)
-        same(got.get(), S.mrv2_spec(r))
+        K.step_rows(r.query_start_loc, r.num_computed_tokens, r.prefill_len, r.idx_mapping, r.num_draft_tokens,
+                    r.has_drafts, S.NUM_NEW_SAMPLED_TOKENS, True, 5000, shape, buf.cu_num_logits,
+                    buf.logits_indices, buf.expanded_idx_mapping, buf.expanded_local_pos, r.seq_lens, -1, False,
+                    pre, no_split)
+        same(buf.mrv2(R, int(shape[3])), S.mrv2_spec(r))
 
 
 def test_shape_key_bounds_are_checked_at_the_boundary():
@@ -177,3 +198,25 @@ def test_shape_key_bounds_are_checked_at_the_boundary():
     assert nf.PaddingBuffers(cfg, 2048).m == 2048 + 1
     with pytest.raises(KvmapError, match="too large"):
         nf.PaddingBuffers(cfg, 2**31)
+
+
+def test_forward_parts_script_times_the_one_pass():
+    """scripts/forward_parts.py (docs/performance.md's per-piece figures) runs against the numba worker's one
+    pass and the numpy forms, and names each kernel it timed with its count of calls."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    def run(*args: str) -> str:
+        cmd = [sys.executable, str(ROOT / "scripts/forward_parts.py"), "--trace",
+               str(ROOT / "traces/spec_decode.jsonl"), "--warmup", "0", *args]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        return res.stdout
+
+    out = run("--cudagraph-mode", "FULL_AND_PIECEWISE", "--attention-backend", "FLASHINFER")
+    assert "NumbaForward.run" in out and "prepare_forward" in out
+    calls = {line.split()[0]: line for line in out.splitlines() if "calls)" in line}
+    assert {"step_rows", "pad_tails", "paged_kv"} <= set(calls), out
+    assert "sampler" in run("--backend", "numpy")

@@ -1,9 +1,12 @@
-"""The step's core mappings that the numba forward parts read, without building the step's `BatchMappings`.
+"""The step's core mappings that the forward parts read, without building the step's `BatchMappings`.
 
 Rules:
 - `CoreArrays` holds four of the mappings, as `BatchMappings` (workers/mappings.py) has them: the host workers
   give their own arrays directly (`ForwardStep.core`); any other worker leaves it None and `core_of` takes
   them from `step.mappings()`. Both give the same arrays, so a part's result does not depend on which.
+- `StepArrays` is what the numba worker's one-pass builder reads (forward/compiled.py `NumbaForward.run`): the
+  rows of `SamplerRows` (sampler.py) and the four of `CoreArrays`, as one plain tuple in the order below (a
+  tuple costs a fraction of the objects it stands for; it is made and unpacked in one place each).
 - Views valid for the step; never written.
 """
 
@@ -20,6 +23,14 @@ class CoreArrays:
     positions: np.ndarray  # [T] int64, flat token -> position in its request
     tables: list  # [G] x [R, W_g] int32 the gathered tables (the kernel tables under a kernel split)
     rank: int  # the first computed DCP rank (0 without DCP)
+
+
+# (query_start_loc [R + 1] int32, num_computed_tokens [R] int32, idx_mapping [R] int32 batch_idx ->
+#  req_state_idx, seq_lens [R] int32, num_draft_tokens [R] int32 (batch order), has_drafts bool,
+#  prefill_len [max_num_seqs] int32 req_state_idx -> MRV2's, num_prompt_tokens [max_num_seqs] int32 (V1's),
+#  num_computed_tokens_correction [R] int32 | None, slot_mapping [G, T] int64, positions [T] int64,
+#  tables [G] x [R, W_g] int32, rank int)
+StepArrays = tuple
 
 
 def from_mappings(m) -> CoreArrays:

@@ -17,8 +17,8 @@ Rules:
   `object.__setattr__`, in the timed phase: docs/performance.md); nothing writes a result after its part. A
   part may return `Deferred` (deferred.py): its objects are made on the first read, and a later part's host
   function reads only its `payload`.
-- A part may have a numba form (`numba`: its host function and buffers, forward/compiled.py), which the numba
-  worker's builder runs instead of the numpy one (`ForwardBuilder(..., numba=True)`); it returns the same values.
+- The numba worker builds every part in one pass instead (forward/compiled.py `NumbaForward`), with the same
+  values; the numpy forms here are its oracle and its fallback where a part needs objects in the phase.
 - A backend that builds a part with its own code (the vLLM backends: the sampler from vLLM's input
   preparation) puts that result in `step.parts` before `ForwardBuilder.host`, which computes only the parts not
   yet there; the worker names those parts in `native_forward_parts` (workers/contract.py).
@@ -30,7 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmap.forward import compiled as nf
 from kvmap.forward import graph_parts as gp
 from kvmap.forward import sampler
 from kvmap.forward.config import ForwardConfig
@@ -56,7 +55,6 @@ class Part:
     host: Callable[[ForwardConfig, ForwardStep, Any], Any]  # (config, step, buffers) -> result (numpy form)
     spec: Callable[[ForwardConfig, ForwardStep], Any]  # (config, step) -> result (scalar spec)
     buffers: Callable[[ForwardConfig, int], Any]  # (config, max_num_tokens) -> the host form's buffers
-    numba: tuple[Callable, Callable] | None = None  # the numba form's (host, buffers), as the two above
 
 
 def _sampler_host(cfg: ForwardConfig, step: ForwardStep, buf: SamplerBuffers):
@@ -73,14 +71,10 @@ def _sampler_spec(cfg: ForwardConfig, step: ForwardStep):
 
 PARTS: tuple[Part, ...] = (
     Part("sampler", _sampler_host, _sampler_spec,
-         lambda cfg, T: SamplerBuffers(cfg.max_num_seqs, cfg.num_speculative_tokens, T),
-         (nf.sampler_numba, nf.SamplerBuffers)),
-    Part("cudagraph", gp.cudagraph_host, gp.cudagraph_spec, lambda cfg, T: gp.PaddingBuffers(cfg),
-         (nf.cudagraph_numba, nf.PaddingBuffers)),
-    Part("attention", gp.attention_host, gp.attention_spec, lambda cfg, T: gp.SplitRules(cfg),
-         (nf.attention_numba, lambda cfg, T: nf.SplitBuffers(cfg))),
-    Part("backends", gp.backends_host, gp.backends_spec, lambda cfg, T: None,
-         (nf.backends_numba, lambda cfg, T: nf.BackendBuffers(cfg))),
+         lambda cfg, T: SamplerBuffers(cfg.max_num_seqs, cfg.num_speculative_tokens, T)),
+    Part("cudagraph", gp.cudagraph_host, gp.cudagraph_spec, lambda cfg, T: gp.PaddingBuffers(cfg)),
+    Part("attention", gp.attention_host, gp.attention_spec, lambda cfg, T: gp.SplitRules(cfg)),
+    Part("backends", gp.backends_host, gp.backends_spec, lambda cfg, T: None),
 )
 
 
@@ -109,14 +103,12 @@ class ForwardInputs:
 
 
 class ForwardBuilder:
-    """Computes a step's `ForwardInputs` with the host forms (the numba forms where `numba` and written), into
-    buffers allocated once."""
+    """Computes a step's `ForwardInputs` with the host forms, into buffers allocated once."""
 
-    def __init__(self, config: ForwardConfig, max_num_tokens: int, numba: bool = False) -> None:
+    def __init__(self, config: ForwardConfig, max_num_tokens: int) -> None:
         self.config = config
-        forms = [p.numba if numba and p.numba else (p.host, p.buffers) for p in PARTS]
-        self.buffers = [buffers(config, max_num_tokens) for _, buffers in forms]  # [parts] each form's buffers
-        self.forms = [(p.name, host, b) for p, (host, _), b in zip(PARTS, forms, self.buffers)]
+        self.buffers = [p.buffers(config, max_num_tokens) for p in PARTS]  # [parts] each form's buffers
+        self.forms = [(p.name, p.host, b) for p, b in zip(PARTS, self.buffers)]
 
     def host(self, step: ForwardStep) -> ForwardInputs:
         """Every part the backend has not already put in `step.parts`, in `PARTS` order."""

@@ -4,8 +4,10 @@ work: the step's shape and padded tails (cudagraph.py), CommonAttentionMetadata 
 
 Rules:
 - One kernel per rule and step (or group): one loop over the batch, writing preallocated buffers, returning
-  counts. The numba worker's `prepare_forward` composes them (forward/compiled.py); each is held against its
-  rule's scalar spec by tests (tests/test_forward_compiled.py), as the numpy forms are.
+  counts; each is held against its rule's scalar spec by tests (tests/test_forward_compiled.py), as the numpy
+  forms are. The numba worker's `prepare_forward` calls them (forward/compiled.py); `step_rows` calls three of
+  them in one call (a call from Python costs more than these loops over a step's rows), and only it and the
+  kernels the pass calls on their own are exported ahead of time.
 - Bounds checks stay on: the kernels index with lengths derived from the trace, so a bad length is an
   IndexError, never a read of other memory.
 - Importing this module imports numba: load it through `kvmap.aot.load` (its ahead-of-time twin, or the JIT).
@@ -142,15 +144,36 @@ def mrv2_sampler(query_start_loc, idx_mapping, num_draft_tokens, has_drafts, num
     return k
 
 
+@_jit
+def step_rows(query_start_loc, num_computed_tokens, prompt_or_prefill_len, idx_mapping, num_draft_tokens, has_drafts,
+              num_new_sampled, mrv2, m, shape_out, cu_num_logits, logits_indices, expanded_idx_mapping,
+              expanded_local_pos, seq_lens_cpu_upper_bound, threshold, require_uniform, is_prefilling_out, split_out):
+    """The rules over a step's unpadded rows, in one call (forward/compiled.py `NumbaForward.run`): MRV2's
+    sampler indices (`mrv2_sampler`, its L into shape_out[3]), the step's shape (`step_shape` into
+    shape_out[:3], its key returned) and one split rule's `common_split` over R rows and T tokens (the counts
+    of a step whose attention is not padded; an empty split_out: none)."""
+    R = idx_mapping.shape[0]
+    if mrv2:
+        shape_out[3] = mrv2_sampler(query_start_loc, idx_mapping, num_draft_tokens, has_drafts, num_new_sampled,
+                                    cu_num_logits, logits_indices, expanded_idx_mapping, expanded_local_pos)
+    key = step_shape(query_start_loc, num_computed_tokens, prompt_or_prefill_len, idx_mapping, num_draft_tokens,
+                     mrv2, m, shape_out)
+    if split_out.shape[0]:
+        common_split(query_start_loc, seq_lens_cpu_upper_bound, num_computed_tokens, prompt_or_prefill_len,
+                     idx_mapping, R, query_start_loc[R], not mrv2, threshold, require_uniform, is_prefilling_out,
+                     split_out)
+    return key
+
+
 # The ahead-of-time build (kvmap/aot.py): exported name -> (kernel, signature). The arrays are the host worker's
 # buffers and the forward buffers (forward/compiled.py): int32 rows, int64 slots, positions and scalars.
 AOT_EXPORTS = {
-    "step_shape": ("step_shape", "i8(i4[:], i4[:], i4[:], i4[:], i4[:], b1, i8, i8[:])"),
+    "step_rows": ("step_rows", "i8(i4[:], i4[:], i4[:], i4[:], i4[:], b1, i8, b1, i8, i8[:], i4[:], i8[:], i8[:], "
+                               "i4[:], i4[:], i8, b1, b1[:], i8[:])"),
     "pad_tails": ("pad_tails", "void(i4[:], i4[:], i8[:, :], i8[:], i8, i8, i8, i8, i8, i8, i4[:], i4[:], "
                                "i8[:, :], i8[:], b1[:])"),
     "common_split": ("common_split", "void(i4[:], i4[:], i4[:], i4[:], i4[:], i8, i8, b1, i8, b1, b1[:], i8[:])"),
     "paged_kv": ("paged_kv", "i8(i4[:], i4[:, ::1], i8, i8, i4[:], i4[:], i4[:])"),
-    "mrv2_sampler": ("mrv2_sampler", "i8(i4[:], i4[:], i4[:], b1, i8, i4[:], i8[:], i8[:], i4[:])"),
 }
 AOT_SOURCES = ("forward/kernels.py",)
 # the AOT build compiles this module with bounds checks (kvmap/aot.py `build`), as the JIT does

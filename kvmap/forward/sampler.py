@@ -256,14 +256,19 @@ def mrv2_input_ids_numpy(r: SamplerRows, last_sampled_tokens: np.ndarray, buf: S
     return ids
 
 
+def v1_no_spec(query_start_loc: np.ndarray, buf: SamplerBuffers) -> V1Sampler:
+    """`v1_numpy` without a spec-decode config: each request's last token (reads only query_start_loc)."""
+    logits = buf.logits_indices_i32[: len(query_start_loc) - 1]
+    np.subtract(query_start_loc[1:], 1, out=logits)
+    return V1Sampler(logits)
+
+
 def v1_numpy(r: SamplerRows, num_speculative_tokens: int, buf: SamplerBuffers) -> V1Sampler:
     """`v1_spec` as whole-array operations into `buf`."""
     R = len(r.idx_mapping)
     qsl = r.query_start_loc
     if num_speculative_tokens == 0:
-        logits = buf.logits_indices_i32[:R]
-        np.subtract(qsl[1:], 1, out=logits)
-        return V1Sampler(logits)
+        return v1_no_spec(qsl, buf)
     d = r.num_draft_tokens
     n = buf.num_logits[:R]
     np.add(d, 1, out=n)

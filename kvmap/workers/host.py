@@ -25,7 +25,8 @@ import numpy as np
 
 from kvmap.errors import TraceError
 from kvmap.forward.config import ForwardConfig
-from kvmap.forward.core import CoreArrays
+from kvmap.forward.compiled import NumbaForward
+from kvmap.forward.core import CoreArrays, from_mappings
 from kvmap.forward.inputs import ForwardBuilder, ForwardStep
 from kvmap.forward.sampler import SamplerRows, corrections
 from kvmap.kv.cache import KVCheckResult, KVGeometry, PagedKVCache, RankedKVCache
@@ -145,12 +146,31 @@ class HostWorker(Worker):
 
     def use_forward(self, config: ForwardConfig) -> None:
         super().use_forward(config)
-        self.forward_builder = ForwardBuilder(config, self.buffers.max_num_tokens, self.numba_forward)
+        self.forward_builder = ForwardBuilder(config, self.buffers.max_num_tokens)
+        self.forward_pass = None  # the numba worker's one-pass builder (forward/compiled.py), on host arrays
+        if self.numba_forward and self.mirror is None:
+            self.forward_pass = NumbaForward(config, self.buffers.max_num_tokens)
 
     def prepare_forward(self) -> None:
         """The forward inputs by the numpy forms on the host mappings (device backends: host copies of theirs,
-        as `mappings()` makes them; device forms are not written yet)."""
-        self.forward = self.forward_builder.host(self.forward_step())
+        as `mappings()` makes them; device forms are not written yet), or by the numba worker's one pass over
+        the same arrays."""
+        fp = self.forward_pass
+        if fp is None:
+            self.forward = self.forward_builder.host(self.forward_step())
+            return
+        st, b, i = self.state, self.batch, self.inputs
+        s = b.step
+        spec = s is None or s.scheduler_output.scheduled_spec_decode_tokens
+        if self.multirank:  # DCP: the first computed rank's, as the step's BatchMappings give them
+            c = from_mappings(self.mappings())
+            core = (c.slot_mapping, c.positions, c.tables, c.rank)
+        else:
+            core = (self.slots, i.positions, self.kernel_tables if self.kernel_split else self.tables.block_tables, 0)
+        self.forward = fp.run((i.query_start_loc, i.num_computed_tokens, i.idx_mapping, i.seq_lens,
+                               b.num_draft_tokens[b.order] if spec else b.num_draft_tokens, bool(spec),
+                               st.prefill_len, st.num_prompt_tokens, corrections(s, b.batch_req_ids)) + core,
+                              self.forward_step)
 
     def forward_step(self) -> ForwardStep:
         """This step's rows as the forward parts read them: the inputs (host arrays: this worker's own, or the
