@@ -89,12 +89,11 @@ class Dispatched:
     """A step shape's dispatch answer and, where it pads, the padded tails' views of the buffers (the same
     views whenever the shape recurs: the kernel rewrites them each step)."""
 
-    __slots__ = ("desc", "R", "T", "Rp", "Tp", "n", "views", "pad_attn", "counts")
+    __slots__ = ("desc", "T", "Rp", "Tp", "n", "views", "pad_attn", "counts")
 
     def __init__(self, cfg: ForwardConfig, buf: PaddingBuffers, R: int) -> None:
         T, max_q, eligible = buf.shape[:3].tolist()  # the step's, as the kernel wrote them
         desc = self.desc = buf.dispatcher.dispatch(R, T, max_q, eligible == 1)
-        self.R = R
         self.T, self.n = T, P.num_slots(cfg.runner, desc, True)  # [num_slots] of the padded slot_mapping
         Rp, Tp = self.Rp, self.Tp = desc.num_reqs_padded, desc.num_tokens_padded
         self.pad_attn = desc.pad_attn

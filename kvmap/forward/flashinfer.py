@@ -24,7 +24,6 @@ Rules (issue 26 forward-pass notes, section 6.2; vllm/v1/attention/backends/flas
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,8 +31,7 @@ import numpy as np
 from kvmap.forward.attention import CommonAttentionMetadata, Split
 from kvmap.layout import dcp_local_seq_len, dcp_local_seq_lens
 
-__all__ = ["DecodePlan", "FlashInferMetadata", "NumbaBuffers", "PrefillPlan", "build", "build_numba", "build_spec",
-           "paged_kv_numba"]
+__all__ = ["DecodePlan", "FlashInferMetadata", "NumbaBuffers", "PrefillPlan", "build", "build_numba", "build_spec"]
 
 
 @dataclass(slots=True)  # a step's result: not frozen (inputs.py)
@@ -194,20 +192,11 @@ class NumbaBuffers:
 def build_numba(buf: NumbaBuffers, cm: CommonAttentionMetadata, sp: Split, page_size: int,
                 num_speculative_tokens: int = 0, dcp_size: int = 1, dcp_rank: int = 0, interleave: int = 1,
                 fa2_native_decode: bool = False) -> FlashInferMetadata:
-    """`build` with the three arrays by one kernel (kernels.paged_kv) into `buf`."""
-    return paged_kv_numba(buf, cm, sp, page_size, num_speculative_tokens, dcp_size, dcp_rank, interleave,
-                          fa2_native_decode)()
-
-
-def paged_kv_numba(buf: NumbaBuffers, cm: CommonAttentionMetadata, sp: Split, page_size: int,
-                   num_speculative_tokens: int = 0, dcp_size: int = 1, dcp_rank: int = 0, interleave: int = 1,
-                   fa2_native_decode: bool = False) -> Callable[[], FlashInferMetadata]:
-    """`build_numba`'s arrays, computed now; returns the maker of the metadata around them (views of `buf`: call
-    it before the next step)."""
-    n = cm.num_reqs
+    """`build` with the three arrays by one kernel (kernels.paged_kv) into `buf` (views of it: valid until the
+    next step)."""
     kv = _kv_lens(cm, sp, num_speculative_tokens, dcp_size, dcp_rank, interleave)
-    a = arrays_numba(buf, kv, cm.block_table_tensor, page_size, n)
-    return lambda: metadata_of(cm, sp, page_size, a, dcp_size, fa2_native_decode)
+    a = arrays_numba(buf, kv, cm.block_table_tensor, page_size, cm.num_reqs)
+    return metadata_of(cm, sp, page_size, a, dcp_size, fa2_native_decode)
 
 
 def arrays_numba(buf: NumbaBuffers, kv: np.ndarray, block_table: np.ndarray, page_size: int,

@@ -160,16 +160,14 @@ class HostWorker(Worker):
             self.forward = self.forward_builder.host(self.forward_step())
             return
         st, b, i = self.state, self.batch, self.inputs
-        s = b.step
-        spec = s is None or s.scheduler_output.scheduled_spec_decode_tokens
+        drafts, spec = self._drafts()
         if self.multirank:  # DCP: the first computed rank's, as the step's BatchMappings give them
             c = from_mappings(self.mappings())
             core = (c.slot_mapping, c.positions, c.tables, c.rank)
         else:
-            core = (self.slots, i.positions, self.kernel_tables if self.kernel_split else self.tables.block_tables, 0)
-        self.forward = fp.run((i.query_start_loc, i.num_computed_tokens, i.idx_mapping, i.seq_lens,
-                               b.num_draft_tokens[b.order] if spec else b.num_draft_tokens, bool(spec),
-                               st.prefill_len, st.num_prompt_tokens, corrections(s, b.batch_req_ids)) + core,
+            core = (self.slots, i.positions, self._own_tables(), 0)
+        self.forward = fp.run((i.query_start_loc, i.num_computed_tokens, i.idx_mapping, i.seq_lens, drafts, spec,
+                               st.prefill_len, st.num_prompt_tokens, corrections(b.step, b.batch_req_ids)) + core,
                               self.forward_step)
 
     def forward_step(self) -> ForwardStep:
@@ -177,16 +175,26 @@ class HostWorker(Worker):
         mappings' host copies on a device) and the request-state rows the rules read."""
         st, b = self.state, self.batch
         i = self.inputs if self.mirror is None else self.mappings()
-        spec = b.step is None or b.step.scheduler_output.scheduled_spec_decode_tokens
-        drafts = b.num_draft_tokens[b.order] if spec else b.num_draft_tokens  # no drafts: zeros in any order
+        drafts, spec = self._drafts()
         rows = SamplerRows(i.idx_mapping, i.query_start_loc, i.seq_lens, i.num_computed_tokens, drafts,
-                           st.prefill_len, st.num_prompt_tokens, i.input_ids, bool(spec),
+                           st.prefill_len, st.num_prompt_tokens, i.input_ids, spec,
                            corrections(b.step, b.batch_req_ids))
         core = None  # the numba parts' core arrays: this worker's own (a device's, DCP's, the others': mappings())
         if self.numba_forward and self.mirror is None and not self.multirank:
-            tables = self.kernel_tables if self.kernel_split else self.tables.block_tables
-            core = CoreArrays(self.slots, i.positions, tables, 0)
+            core = CoreArrays(self.slots, i.positions, self._own_tables(), 0)
         return ForwardStep(rows, self.mappings, self.last_sampled_tokens, core=core)
+
+    def _drafts(self) -> tuple[np.ndarray, bool]:
+        """([R] int32 num_draft_tokens in batch order, has_drafts: the step schedules drafts, MRV2's test); a step
+        without drafts gives the zeros in any order."""
+        b = self.batch
+        spec = b.step is None or bool(b.step.scheduler_output.scheduled_spec_decode_tokens)
+        return (b.num_draft_tokens[b.order] if spec else b.num_draft_tokens), spec
+
+    def _own_tables(self) -> list:
+        """[G] x [R, W_g] int32 this worker's gathered tables as the attention builders get them (the kernel
+        tables under a kernel split)."""
+        return self.kernel_tables if self.kernel_split else self.tables.block_tables
 
     def last_sampled_tokens(self) -> np.ndarray:
         """[max_num_seqs] int32, req_state_idx -> the last known token of its row (MRV2's last_sampled_tokens)."""
