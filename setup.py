@@ -2,9 +2,9 @@
 
 `pip install` compiles the numba kernels of the default backend ahead of time (kvmap/aot.py, numba.pycc) into
 extension modules beside their sources (aot.KERNEL_MODULES: the CPU worker's, the KV cache's, the forward
-parts'), so no run imports numba or loads its JIT (docs/performance.md, "Start-up"). It is optional: if it
-fails (no C compiler, numba too old or too new for this Python), the install goes on without it and numba's JIT
-compiles the kernels on first use, as before.
+parts', the KV occupancy's), so no run imports numba or loads its JIT (docs/performance.md, "Start-up"). It is
+optional: if it fails (no C compiler, numba too old or too new for this Python), the install goes on without it
+and numba's JIT compiles the kernels on first use, as before.
 `KVMAP_NO_AOT=1` skips it; `python -m kvmap.aot` rebuilds the modules in place after a kernel is edited (until
 then a stale module is detected and not used).
 

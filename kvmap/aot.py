@@ -295,7 +295,8 @@ def _ext_suffix() -> str:
     return sysconfig.get_config_var("EXT_SUFFIX") or ".so"
 
 
-KERNEL_MODULES = ("kvmap.workers.kernels_cpu", "kvmap.kv.kernels", "kvmap.forward.kernels")
+KERNEL_MODULES = ("kvmap.workers.kernels_cpu", "kvmap.kv.kernels", "kvmap.forward.kernels",
+                  "kvmap.run.occupancy_kernels")
 
 
 def twins_on_disk() -> bool:

@@ -211,6 +211,24 @@ def test_series_rows_spilled_in_blocks_are_the_rows_appended(monkeypatch, wide_a
     assert rows.take().shape == (0, 3) and len(rows) == 0  # taken once: the rows start over
 
 
+@pytest.mark.parametrize("wide_at", [None, 2, 9, 17])
+@pytest.mark.parametrize("parts", [[19], [1, 18], [3, 5, 2, 9], [4, 4, 11], [1] * 19])
+def test_series_rows_appended_as_arrays_are_those_appended_one_by_one(monkeypatch, wide_at, parts):
+    """`extend_many` over any split of the rows leaves the blocks, their dtypes and the rows `extend` leaves."""
+    monkeypatch.setattr(steplog, "BLOCK", 4)
+    want = [[k, -k, 7 * k + (2**31 if k == wide_at else 0)] for k in range(19)]
+    one, many = steplog.Rows(3), steplog.Rows(3)
+    for row in want:
+        one.extend(row)
+    at = 0
+    for n in parts:
+        many.extend_many(np.array(want[at : at + n], dtype=np.int64).reshape(-1, 3))
+        at += n
+    assert (len(many), many.blocks, many.buf.typecode) == (len(one), one.blocks, one.buf.typecode)
+    a, b = one.take(), many.take()
+    assert b.tolist() == want and b.dtype == a.dtype
+
+
 def test_trace_out_alone_keeps_the_step_starts_but_no_series():
     t = Trace(TRACES / "preemption_v1.jsonl")
     r = replay(t, ReplayConfig(nvtx=False, warmup=0, series=False, step_starts=True))

@@ -1,9 +1,10 @@
 """A running summary of a per-step ratio (memory efficiency): mean, 5th percentile and minimum in bounded memory.
 
-Rules: the mean and the minimum are exact; the 5th percentile is numpy's (linear between the two order statistics
-around 5% of n - 1), each order statistic read from a histogram of BINS equal bins of 0..1 (values above 1 go to
-the last bin) as its bin's lower edge, so it is exact to 1 / BINS (0.01%). NaN (nothing held) is skipped. A replay
-of any length keeps 80 KB per summary, never a value per step.
+Rules: the mean and the minimum are exact (the mean sums the values in their order, handed in one by one or
+as arrays alike: it does not depend on how the steps were grouped); the 5th percentile is numpy's (linear
+between the two order statistics around 5% of n - 1), each order statistic read from a histogram of BINS equal
+bins of 0..1 (values above 1 go to the last bin) as its bin's lower edge, so it is exact to 1 / BINS (0.01%).
+NaN (nothing held) is skipped. A replay of any length keeps 80 KB per summary, never a value per step.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Running:
         if not len(v):
             return
         self.n += len(v)
-        self.total += float(v.sum())
+        self.total = float(np.add.accumulate(np.concatenate(([self.total], v)))[-1])  # in order, as `add`
         self.low = min(self.low, float(v.min()))
         self.hist += np.bincount(np.clip((v * BINS).astype(np.int64), 0, BINS), minlength=BINS + 1)
 

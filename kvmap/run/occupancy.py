@@ -15,12 +15,16 @@ Rules:
   allocation: every live request reserving max_model_len (`live` x max_model_len), or its final length (the
   KV it holds when its life ends, finished or preempted: `reserve_final`); both hold `tokens` = the live
   requests' KV lengths.
-- No per-step Python objects, and what a step keeps is bounded: the summary (memory efficiency: mean, p5, min;
-  the most blocks in use) runs as the steps go (kvsummary.py); a measured step keeps its live tokens and every
-  step one entry of `reserve_final`'s difference array (4 bytes each, `array("i")`, 8 once a value needs it), for
-  contiguous_final at the end. Every recorded step's values (the series the pictures and `--json` carry) are
-  kept only when asked (`keep_series`), as the step log keeps its figures (steplog.Rows: int32 blocks, int64 once
-  a value needs it, spilled), and handed over as one array.
+- One form per language: the compiled kernels (occupancy_kernels.py) compute a step's values; the numpy form
+  (`_step_values`) stands in where numba cannot load. Both are held against the brute-force reference of
+  tests/test_kv_occupancy.py.
+- No per-step Python objects, and what a step keeps is bounded: a step's values wait in a preallocated block of
+  PENDING rows, then go on together, in step order, to the series and to the summary (memory efficiency: mean,
+  p5, min; the most blocks in use), which runs as the steps go (kvsummary.py); a measured step keeps its live
+  tokens and every step one entry of `reserve_final`'s difference array (4 bytes each, `array("i")`, 8 once a
+  value needs it), for contiguous_final at the end. Every recorded step's values (the series the pictures and
+  `--json` carry) are kept only when asked (`keep_series`), as the step log keeps its figures (steplog.Rows:
+  int32 blocks, int64 once a value needs it, spilled), and handed over as one array.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from kvmap.run.steplog import Rows
 CONTIGUOUS = ("contiguous_max_len", "contiguous_final")  # the summaries of contiguous allocation
 WINDOWED = ("sliding_window", "chunked_local")  # kinds whose blocks before the window vLLM frees
 CHUNK = 1 << 14  # steps a summary pass holds at once (a long run never makes a float64 copy of a whole series)
+PENDING = 1024  # steps whose values wait in `vals` before they are handed on (to the series and the summaries)
+RECORD, MEASURE = 1, 2  # a pending step's kind: its values go to the series, to the summaries
 
 
 def columns(num_groups: int, ranks: list[int], kv_groups: list[int]) -> list[str]:
@@ -82,7 +88,6 @@ class Occupancy:
         self.next_flush = 2 * CHUNK  # diff's length at which final steps are next looked for (_maybe_flush)
         self.keep = keep_series  # keep every recorded step's values (the series), not only the summary
         self.rows = Rows(len(self.cols))  # [recorded, len(cols)] the recorded steps' values (keep_series)
-        self.recorded = 0
         self.max_len = h.max_model_len
         self.tokens = array("i")  # the measured steps' live KV tokens from step tok_from, for contiguous_final
         self.measured_from: int | None = None  # the first measured step's index among the replayed steps
@@ -90,8 +95,25 @@ class Occupancy:
         self.running = {name: Running() for name in [*(e[0] for e in self.effs), *CONTIGUOUS]}
         self.top = {f"g{g}": [0, 0] for g in range(h.num_groups)}  # most blocks in use, shared (measured)
         self.top_cols = [(top, self.cols.index(f"{g}.in_use")) for g, top in self.top.items()]
-        self.dirty = True  # owners changed since the last count (_count)
-        self.known = [(0, 0)] * h.num_groups  # [G] (shared, extra) as last counted
+        self.dirty = True  # owners changed since the last count
+        self.known = np.zeros((h.num_groups, 2), dtype=np.int64)  # [G, 2] (shared, extra) as last counted
+        self.vals = np.zeros((PENDING, len(self.cols)), dtype=np.int64)  # [PENDING, cols] steps not yet handed on
+        self.kinds = np.zeros(PENDING, dtype=np.uint8)  # [PENDING] pending step -> RECORD | MEASURE
+        self.pending = 0
+        self.kernels = _kernels()
+        self.groups = [self._group(g, lay, cols_at) for g, (lay, cols_at) in
+                       enumerate(zip(self.layouts[0], _group_columns(self.cols, h.num_groups)))]
+        self.counts = np.zeros(0, dtype=np.uint8)  # [pool] the kernels' id counts, all zero between steps
+
+    def _group(self, g: int, lay, col: int) -> tuple:
+        """Group g's arguments to `group_values`: (column, kind, its parameter, virtual block size, per-rank
+        [block_size, cp_size, cp_rank, interleave] rows (none for a group without KV))."""
+        kind = {"sliding_window": 1, "chunked_local": 2}.get(lay.kind, 0)
+        param = lay.sliding_window if kind == 1 else lay.attention_chunk_size if kind == 2 else 0
+        ranks = np.array([[self.layouts[k][g].block_size, self.layouts[k][g].cp_size, self.layouts[k][g].cp_rank,
+                           self.layouts[k][g].interleave] for k in range(len(self.ranks))] if g in self.kv_groups
+                         else np.zeros((0, 4)), dtype=np.int64).reshape(-1, 4)
+        return col, kind, int(param or 0), lay.virtual_block_size, ranks
 
     def add(self, i: int, step, batch, new_rows: list[int], record: bool, measured: bool) -> None:
         """Step `i` (`step`) has run with `batch` (rows, num_scheduled_tokens); `new_rows` started a life in it;
@@ -105,36 +127,66 @@ class Occupancy:
         so = step.scheduler_output
         if new_rows or so.finished_req_ids or so.preempted_req_ids or so.scheduled_cached_reqs.resumed_req_ids:
             self._owners(i, new_rows)
-        rows = batch.rows
-        computed = st.num_computed_tokens[rows]
-        if self.windowed:
+        k = self.kernels
+        if k is not None:
+            k.batch_kv(batch.rows, batch.num_scheduled_tokens, st.num_computed_tokens, self.kv_len, self.computed)
+        else:
+            rows = batch.rows
+            computed = st.num_computed_tokens[rows]
             self.computed[rows] = computed
-        self.kv_len[rows] = computed + batch.num_scheduled_tokens  # KV after this step
-        if not (record or measured):
+            self.kv_len[rows] = computed + batch.num_scheduled_tokens  # KV after this step
+        kind = (RECORD if record and self.keep else 0) | (MEASURE if measured else 0)
+        if not kind:
             return
-        values = self._step_values(self.live)
-        if record and self.keep:
-            self.rows.extend(values)
-            self.recorded += 1
-        if measured:
-            self._measure(i, values)
-
-    def _measure(self, i: int, v: list[int]) -> None:
-        """A measured step's values into the running summaries (memory efficiency, most blocks)."""
-        if self.measured_from is None:
+        if measured and self.measured_from is None:
             self.measured_from = self.tok_from = i
-        _grow(self, "tokens", v[1])
+        n = self.pending
+        self.kinds[n] = kind
+        out = self.vals[n]
+        if k is not None:
+            self._step_kernels(out)
+        else:
+            out[:] = self._step_values(self.live)
+        self.pending = n + 1
+        if self.pending == PENDING:
+            self._hand_on()
+
+    def _step_kernels(self, out: np.ndarray) -> None:
+        """The step's values into `out` by the compiled kernels (occupancy_kernels.py)."""
+        k, st = self.kernels, self.state
+        live, kv_len, computed, known = self.live, self.kv_len, self.computed, self.known
+        recount, self.dirty = self.dirty, False
+        k.live_tokens(out, live, kv_len)
+        if (recount or self.windowed) and not len(self.counts):
+            self.counts = np.zeros(self.pool, dtype=np.uint8)
+        null = -1 if self.null is None else self.null
+        for g, (col, kind, param, vbs, ranks) in enumerate(self.groups):
+            k.group_values(out, col, st.block_tables[g], st.num_blocks[g], live, kv_len, computed, kind, param, vbs,
+                           null, self.counts, known[g], recount, ranks)
+
+    def _hand_on(self) -> None:
+        """The pending steps' values on: the recorded ones to the series, the measured ones into the running
+        summaries (memory efficiency, most blocks), in step order."""
+        n, self.pending = self.pending, 0
+        vals, kinds = self.vals[:n], self.kinds[:n]
+        if self.keep:
+            self.rows.extend_many(vals[(kinds & RECORD) != 0])
+        v = vals[(kinds & MEASURE) != 0]
+        if not len(v):
+            return
+        _grow_many(self, "tokens", v[:, 1])
         for name, in_use, held, bs in self.effs:
-            if v[in_use]:
-                self.running[name].add(sum(v[c] for c in held) / (v[in_use] * bs * len(held)))
-        if v[0]:
-            self.running["contiguous_max_len"].add(v[1] / (v[0] * self.max_len))
+            m = v[v[:, in_use] != 0]
+            self.running[name].add_many(m[:, held].sum(axis=1) / (m[:, in_use] * (bs * len(held))))
+        m = v[v[:, 0] != 0]
+        self.running["contiguous_max_len"].add_many(m[:, 1] / (m[:, 0] * self.max_len))
         for top, k in self.top_cols:  # in_use, then shared
-            top[0], top[1] = max(top[0], v[k]), max(top[1], v[k + 1])
+            top[0], top[1] = max(top[0], int(v[:, k].max())), max(top[1], int(v[:, k + 1].max()))
 
     def _maybe_flush(self, i: int) -> None:
         """Sum the steps whose reserve_final is known into the summary and drop them: a step's is known once every
         life it saw has ended (before the first step of every life still running, and before this one)."""
+        self._hand_on()
         upto = min([i, *(self.first[r] for r in self.alive)])
         if upto - self.base >= CHUNK:
             self._flush(upto)
@@ -232,6 +284,7 @@ class Occupancy:
         """After `steps` replayed steps: (the recorded steps' series [recorded, len(cols)], int32 or int64 as the
         values need, empty without keep_series; the summary {efficiency: {name: {mean, p5, min, steps}}, groups:
         {g: {max_in_use, max_shared}}}). The lives still running end with the trace."""
+        self._hand_on()
         _grow(self, "diff", 0)
         for r in self.alive:
             n = int(self.kv_len[r])
@@ -294,6 +347,31 @@ def _grow(tally, name: str, value: int) -> None:
     except OverflowError:
         setattr(tally, name, array("q", arr))
         getattr(tally, name).append(value)
+
+
+def _grow_many(tally, name: str, values: np.ndarray) -> None:
+    """`_grow` of each value in turn."""
+    arr = getattr(tally, name)
+    if arr.typecode == "i" and (values.max() > 2**31 - 1 or values.min() < -(2**31)):
+        arr = array("q", arr)
+        setattr(tally, name, arr)
+    arr.frombytes(values.astype(np.int32 if arr.typecode == "i" else np.int64).tobytes())
+
+
+def _group_columns(cols: list[str], num_groups: int) -> list[int]:
+    """[G] the column of each group's in_use (its shared and held columns follow it)."""
+    return [cols.index(f"g{g}.in_use") for g in range(num_groups)]
+
+
+def _kernels():
+    """The compiled kernels (occupancy_kernels.py), or None where numba cannot load (the numpy form then)."""
+    from kvmap import aot
+    from kvmap.errors import KvmapError
+
+    try:
+        return aot.load("kvmap.run.occupancy_kernels")
+    except KvmapError:
+        return None
 
 
 def _bump(tally, at: int, delta: int) -> None:

@@ -163,11 +163,30 @@ class Rows:
             self.buf.extend(values)
         self.n += 1
         if len(self.buf) == BLOCK * self.width:
-            if self.spill is None:
-                self.spill = tempfile.TemporaryFile(prefix="kvmap-series-")
-            self.spill.write(self.buf.tobytes())
-            self.blocks.append(self.buf.typecode)
-            self.buf = array("i")
+            self._spill()
+
+    def extend_many(self, values: np.ndarray) -> None:
+        """Rows [n, width] (int64) appended as `extend` appends them one by one: the same blocks, the same
+        widening (a block is int64 once one of its values needs it)."""
+        at = 0
+        while at < len(values):
+            room = BLOCK - len(self.buf) // self.width
+            part = values[at : at + room]
+            if self.buf.typecode == "i" and len(part) and (part.max() > 2**31 - 1 or part.min() < -(2**31)):
+                self.buf = array("q", self.buf)
+            self.buf.frombytes(part.astype(np.int32 if self.buf.typecode == "i" else np.int64).tobytes())
+            self.n += len(part)
+            at += len(part)
+            if len(self.buf) == BLOCK * self.width:
+                self._spill()
+
+    def _spill(self) -> None:
+        """The full open block to the spill file; a new block opens."""
+        if self.spill is None:
+            self.spill = tempfile.TemporaryFile(prefix="kvmap-series-")
+        self.spill.write(self.buf.tobytes())
+        self.blocks.append(self.buf.typecode)
+        self.buf = array("i")
 
     def __len__(self) -> int:
         return self.n
