@@ -1,10 +1,9 @@
 """A running summary of a per-step ratio (memory efficiency): mean, 5th percentile and minimum in bounded memory.
 
-Rules: the mean and the minimum are exact (the mean sums the values in their order, handed in one by one or
-as arrays alike: it does not depend on how the steps were grouped); the 5th percentile is numpy's (linear
-between the two order statistics around 5% of n - 1), each order statistic read from a histogram of BINS equal
-bins of 0..1 (values above 1 go to the last bin) as its bin's lower edge, so it is exact to 1 / BINS (0.01%).
-NaN (nothing held) is skipped. A replay of any length keeps 80 KB per summary, never a value per step.
+Rules: the mean and the minimum are exact (the mean sums the values one by one in their order, however they
+were grouped into arrays); the 5th percentile is numpy's (linear between the two order statistics around 5% of
+n - 1), each order statistic read from a histogram of BINS equal bins of 0..1 (values above 1 go to the last
+bin) as its bin's lower edge, so it is exact to 1 / BINS (0.01%). NaN (nothing held) is skipped. A replay of any length keeps 80 KB per summary, never a value per step.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ BINS = 10_000  # p5 to 1 / BINS
 
 
 class Running:
-    """Values added one by one (`add`) or as an array (`add_many`); `summary()` once at the end."""
+    """Values added as arrays, in order (`add_many`); `summary()` once at the end."""
 
     __slots__ = ("n", "total", "low", "hist")
 
@@ -27,16 +26,8 @@ class Running:
         self.low = math.inf
         self.hist = np.zeros(BINS + 1, dtype=np.int64)  # [BINS + 1] counts; bin b holds [b, b + 1) / BINS
 
-    def add(self, v: float) -> None:
-        if v != v:  # NaN
-            return
-        self.n += 1
-        self.total += v
-        if v < self.low:
-            self.low = v
-        self.hist[min(max(int(v * BINS), 0), BINS)] += 1
-
     def add_many(self, v: np.ndarray) -> None:
+        """The values of `v` after those added before, in order (NaN skipped)."""
         v = v[~np.isnan(v)]
         if not len(v):
             return

@@ -77,7 +77,7 @@ class Occupancy:
         R = h.max_num_seqs
         self.kv_len = np.zeros(R, dtype=np.int64)  # [R] row -> KV tokens written (its last scheduled step)
         self.computed = np.zeros(R, dtype=np.int64)  # [R] row -> num_computed_tokens of its last scheduled step
-        self.windowed = any(lay.kind in WINDOWED for lay in self.layouts[0])  # `computed` is read
+        self.windowed = any(lay.kind in WINDOWED for lay in self.layouts[0])  # counted every step
         self.block_index = np.arange(max(st.max_num_blocks), dtype=np.int64)  # [width] logical block indices
         self.first = [0] * R  # [R] row -> the step its current life started
         self.alive: set[int] = set()  # rows a request owns (preempted under v1 included)
