@@ -3,7 +3,8 @@
 Rules: the mean and the minimum are exact (the mean sums the values one by one in their order, however they
 were grouped into arrays); the 5th percentile is numpy's (linear between the two order statistics around 5% of
 n - 1), each order statistic read from a histogram of BINS equal bins of 0..1 (values above 1 go to the last
-bin) as its bin's lower edge, so it is exact to 1 / BINS (0.01%). NaN (nothing held) is skipped. A replay of any length keeps 80 KB per summary, never a value per step.
+bin) as its bin's lower edge, so it is exact to 1 / BINS (0.01%). NaN (nothing held) is skipped. A replay of
+any length keeps 80 KB per summary, never a value per step.
 """
 
 from __future__ import annotations
