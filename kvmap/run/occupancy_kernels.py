@@ -1,5 +1,6 @@
-"""Compiled kernels (numba) for the KV cache's occupancy after each step (run/occupancy.py): the one form of its
-per-step rules, held against the brute-force reference of tests/test_kv_occupancy.py on every bundled trace.
+"""Compiled kernels (numba) for the KV cache's occupancy after each step (run/occupancy.py): the numba form of its
+per-step rules (occupancy.py keeps the numpy form), held against the brute-force reference of
+tests/test_kv_occupancy.py on eleven bundled traces.
 
 Rules (occupancy.py's docstring says what each value means):
 - `batch_kv`: a scheduled row holds `num_computed_tokens + num_scheduled_tokens` tokens of KV after the step;
@@ -118,8 +119,8 @@ def live_tokens(out, live, kv_len):
     out[2] = 0
 
 
-# The ahead-of-time build (kvmap/aot.py): the state's dtypes (rows, counts, num_computed_tokens, tables and
-# num_blocks int32; the tally's own arrays int64).
+# The ahead-of-time build (kvmap/aot.py): the state's dtypes (rows, num_scheduled_tokens, num_computed_tokens,
+# tables and num_blocks int32; the id-count scratch uint8; the tally's own arrays int64).
 AOT_EXPORTS = {
     "batch_kv": ("batch_kv", "void(i4[::1], i4[::1], i4[::1], i8[::1], i8[::1])"),
     "group_values": ("group_values", "void(i8[::1], i8, i4[:, ::1], i4[::1], i8[::1], i8[::1], i8[::1], i8, i8, "

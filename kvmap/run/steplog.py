@@ -141,10 +141,10 @@ def _fitting(top: int, bottom: int = 0, narrow: bool = False) -> type:
 
 
 class Rows:
-    """Rows of `width` integers, appended a row at a time (a series of the recorded steps: KV occupancy, batch
-    composition), held as StepLog holds its figures: an open block of `BLOCK` rows, 4 bytes a value (8 once one
-    needs it), each full block spilled to an unlinked temporary file; handed over once, as one array made at its
-    final size (a series grown in memory leaves its old copies' room in the heap)."""
+    """Rows of `width` integers, appended a row at a time or as arrays of rows (a series of the recorded steps: KV
+    occupancy, batch composition), held as StepLog holds its figures: an open block of `BLOCK` rows, 4 bytes a
+    value (8 once one needs it), each full block spilled to an unlinked temporary file; handed over once, as one
+    array made at its final size (a series grown in memory leaves its old copies' room in the heap)."""
 
     def __init__(self, width: int) -> None:
         self.width = width
