@@ -33,7 +33,7 @@ class Running:
         if not len(v):
             return
         self.n += len(v)
-        self.total = float(np.add.accumulate(np.concatenate(([self.total], v)))[-1])  # in order, as `add`
+        self.total = float(np.add.accumulate(np.concatenate(([self.total], v)))[-1])  # one by one, in order
         self.low = min(self.low, float(v.min()))
         self.hist += np.bincount(np.clip((v * BINS).astype(np.int64), 0, BINS), minlength=BINS + 1)
 

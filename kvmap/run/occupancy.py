@@ -35,7 +35,7 @@ import numpy as np
 
 from kvmap.ondisk import release
 from kvmap.run.kvsummary import Running
-from kvmap.run.steplog import Rows
+from kvmap.run.steplog import Rows, extend_ints
 
 CONTIGUOUS = ("contiguous_max_len", "contiguous_final")  # the summaries of contiguous allocation
 WINDOWED = ("sliding_window", "chunked_local")  # kinds whose blocks before the window vLLM frees
@@ -77,7 +77,6 @@ class Occupancy:
         R = h.max_num_seqs
         self.kv_len = np.zeros(R, dtype=np.int64)  # [R] row -> KV tokens written (its last scheduled step)
         self.computed = np.zeros(R, dtype=np.int64)  # [R] row -> num_computed_tokens of its last scheduled step
-        self.windowed = any(lay.kind in WINDOWED for lay in self.layouts[0])  # counted every step
         self.block_index = np.arange(max(st.max_num_blocks), dtype=np.int64)  # [width] logical block indices
         self.first = [0] * R  # [R] row -> the step its current life started
         self.alive: set[int] = set()  # rows a request owns (preempted under v1 included)
@@ -101,18 +100,18 @@ class Occupancy:
         self.kinds = np.zeros(PENDING, dtype=np.uint8)  # [PENDING] pending step -> RECORD | MEASURE
         self.pending = 0
         self.kernels = _kernels()
-        self.groups = [self._group(g, lay, cols_at) for g, (lay, cols_at) in
-                       enumerate(zip(self.layouts[0], _group_columns(self.cols, h.num_groups)))]
-        self.counts = np.zeros(0, dtype=np.uint8)  # [pool] the kernels' id counts, all zero between steps
+        self.groups = [self._group(g, col) for g, (_, col) in enumerate(self.top_cols)]  # col: the group's in_use
+        # [pool] the kernels' id counts, all zero between steps (the first computed step counts: owners are new)
+        self.counts = np.zeros(self.pool if self.kernels is not None else 0, dtype=np.uint8)
 
-    def _group(self, g: int, lay, col: int) -> tuple:
+    def _group(self, g: int, col: int) -> tuple:
         """Group g's arguments to `group_values`: (column, kind, its parameter, virtual block size, per-rank
         [block_size, cp_size, cp_rank, interleave] rows (none for a group without KV))."""
+        lay = self.layouts[0][g]
         kind = {"sliding_window": 1, "chunked_local": 2}.get(lay.kind, 0)
         param = lay.sliding_window if kind == 1 else lay.attention_chunk_size if kind == 2 else 0
-        ranks = np.array([[self.layouts[k][g].block_size, self.layouts[k][g].cp_size, self.layouts[k][g].cp_rank,
-                           self.layouts[k][g].interleave] for k in range(len(self.ranks))] if g in self.kv_groups
-                         else np.zeros((0, 4)), dtype=np.int64).reshape(-1, 4)
+        ranks = [(r.block_size, r.cp_size, r.cp_rank, r.interleave) for r in (lays[g] for lays in self.layouts)]
+        ranks = np.array(ranks if g in self.kv_groups else [], dtype=np.int64).reshape(-1, 4)
         return col, kind, int(param or 0), lay.virtual_block_size, ranks
 
     def add(self, i: int, step, batch, new_rows: list[int], record: bool, measured: bool) -> None:
@@ -157,8 +156,6 @@ class Occupancy:
         live, kv_len, computed, known = self.live, self.kv_len, self.computed, self.known
         recount, self.dirty = self.dirty, False
         k.live_tokens(out, live, kv_len)
-        if (recount or self.windowed) and not len(self.counts):
-            self.counts = np.zeros(self.pool, dtype=np.uint8)
         null = -1 if self.null is None else self.null
         for g, (col, kind, param, vbs, ranks) in enumerate(self.groups):
             k.group_values(out, col, st.block_tables[g], st.num_blocks[g], live, kv_len, computed, kind, param, vbs,
@@ -174,7 +171,7 @@ class Occupancy:
         v = vals[(kinds & MEASURE) != 0]
         if not len(v):
             return
-        _grow_many(self, "tokens", v[:, 1])
+        self.tokens = extend_ints(self.tokens, v[:, 1])
         for name, in_use, held, bs in self.effs:
             m = v[v[:, in_use] != 0]
             self.running[name].add_many(m[:, held].sum(axis=1) / (m[:, in_use] * (bs * len(held))))
@@ -347,20 +344,6 @@ def _grow(tally, name: str, value: int) -> None:
     except OverflowError:
         setattr(tally, name, array("q", arr))
         getattr(tally, name).append(value)
-
-
-def _grow_many(tally, name: str, values: np.ndarray) -> None:
-    """`_grow` of each value in turn."""
-    arr = getattr(tally, name)
-    if arr.typecode == "i" and (values.max() > 2**31 - 1 or values.min() < -(2**31)):
-        arr = array("q", arr)
-        setattr(tally, name, arr)
-    arr.frombytes(values.astype(np.int32 if arr.typecode == "i" else np.int64).tobytes())
-
-
-def _group_columns(cols: list[str], num_groups: int) -> list[int]:
-    """[G] the column of each group's in_use (its shared and held columns follow it)."""
-    return [cols.index(f"g{g}.in_use") for g in range(num_groups)]
 
 
 def _kernels():

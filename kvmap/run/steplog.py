@@ -140,6 +140,15 @@ def _fitting(top: int, bottom: int = 0, narrow: bool = False) -> type:
     return np.int32 if -_INT32_MAX <= bottom and top <= _INT32_MAX else np.int64
 
 
+def extend_ints(arr: array, values: np.ndarray) -> array:
+    """`arr` ("i", or "q" once a value needed it) with `values` appended: the same array, or its int64 copy when
+    one of them does not fit int32 (as appending them one by one and widening at the first that does not)."""
+    if arr.typecode == "i" and len(values) and (values.max() > 2**31 - 1 or values.min() < -(2**31)):
+        arr = array("q", arr)
+    arr.frombytes(values.astype(np.int32 if arr.typecode == "i" else np.int64).tobytes())
+    return arr
+
+
 class Rows:
     """Rows of `width` integers, appended a row at a time or as arrays of rows (a series of the recorded steps: KV
     occupancy, batch composition), held as StepLog holds its figures: an open block of `BLOCK` rows, 4 bytes a
@@ -172,9 +181,7 @@ class Rows:
         while at < len(values):
             room = BLOCK - len(self.buf) // self.width
             part = values[at : at + room]
-            if self.buf.typecode == "i" and len(part) and (part.max() > 2**31 - 1 or part.min() < -(2**31)):
-                self.buf = array("q", self.buf)
-            self.buf.frombytes(part.astype(np.int32 if self.buf.typecode == "i" else np.int64).tobytes())
+            self.buf = extend_ints(self.buf, part)
             self.n += len(part)
             at += len(part)
             if len(self.buf) == BLOCK * self.width:
