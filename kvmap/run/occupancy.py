@@ -16,8 +16,8 @@ Rules:
   KV it holds when its life ends, finished or preempted: `reserve_final`); both hold `tokens` = the live
   requests' KV lengths.
 - One form per language: the compiled kernels (occupancy_kernels.py) compute a step's values; the numpy form
-  (`_step_values`) stands in where numba cannot load. Both are held against the brute-force reference of
-  tests/test_kv_occupancy.py.
+  (`_step_values`) stands in where numba cannot load. Both are held against the brute-force references of
+  tests/test_kv_occupancy.py (bundled traces) and tests/test_kv_occupancy_random.py (random runs).
 - No per-step Python objects, and what a step keeps is bounded: a step's values wait in a preallocated block of
   PENDING rows, then go on together, in step order, to the series and to the summary (memory efficiency: mean,
   p5, min; the most blocks in use), which runs as the steps go (kvsummary.py); a measured step keeps its live

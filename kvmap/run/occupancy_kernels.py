@@ -1,6 +1,6 @@
 """Compiled kernels (numba) for the KV cache's occupancy after each step (run/occupancy.py): the numba form of its
-per-step rules (occupancy.py keeps the numpy form), held against the brute-force reference of
-tests/test_kv_occupancy.py on eleven bundled traces.
+per-step rules (occupancy.py keeps the numpy form), held against the brute-force references of
+tests/test_kv_occupancy.py (eleven bundled traces) and tests/test_kv_occupancy_random.py (random runs).
 
 Rules (occupancy.py's docstring says what each value means):
 - `batch_kv`: a scheduled row holds `num_computed_tokens + num_scheduled_tokens` tokens of KV after the step;
