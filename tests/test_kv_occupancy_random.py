@@ -2,13 +2,15 @@
 brute-force reference: plain Python dicts and sets over a synthetic worker state, block by block and position by
 position.
 
-Every step edits several fields at once: requests finish, are preempted (V1's protocol keeps the row, V2's drops
+Most steps edit several fields at once: requests finish, are preempted (V1's protocol keeps the row, V2's drops
 it), resume with new blocks, and arrive in freed rows with prefix-cache hits (another live request's full blocks,
 the null block before a window) in the same step; scheduled rows append fresh blocks, windowed groups free the
 blocks their window left (the row keeps the stale ids, which the pool hands out again). The generator keeps
-vLLM's rules the tally relies on: only full blocks are shared or null, every change of owner is named in the
-step. Each seed runs with and without the series, and with the pending block and the summary's chunk made small;
-a failure names its seed (`pytest -k "seed_17"` replays it).
+vLLM's rules the tally relies on: only full blocks are shared or null; every change of owner is named in the
+step; in a step without one, full-attention groups only append fresh ids; a resumed request computes back to its
+length before it may end; no request passes max_model_len. Each seed runs with and without the series, and with
+the pending block, the series' blocks (spilled to disk) and the summary's chunk made small; a failure names its
+seed (`pytest -k "seed_17-"` replays it).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 import pytest
 
 from kvmap.layout import GroupLayout
-from kvmap.run import occupancy
+from kvmap.run import occupancy, steplog
 from kvmap.run.kvsummary import BINS
 
 SEEDS = range(120)
@@ -31,9 +33,10 @@ KINDS = ["full_attention", "full_attention", "sliding_window", "chunked_local", 
 
 def config(seed: int) -> dict:
     """A random engine: 1-3 groups (the first full attention), DCP (small blocks, so that the reference can walk
-    every position) or huge values (cp = 1, sums past int32), a null block or none."""
+    every position) or huge values (cp = 1, two or three rows, tokens a step in units of 2**22 or 2**24: sums past
+    int32, in a few seeds only reserve_final's), a null block or none."""
     rnd = random.Random(seed)
-    huge = rnd.random() < 0.2
+    huge = rnd.random() < 0.25
     cp = 1 if huge else rnd.choice([1, 1, 2, 4])
     groups = []
     for g in range(rnd.randint(1, 3)):
@@ -47,7 +50,8 @@ def config(seed: int) -> dict:
     ranks = sorted(rnd.sample(range(cp), rnd.randint(1, cp)))
     fits = [i for i in (1, 2, 8) if cp > 1 and all(g.block_size % i == 0 for g in groups)]  # vLLM: I divides bs
     return dict(seed=seed, cp=cp, interleave=rnd.choice(fits or [1]), groups=groups, ranks=ranks,
-                R=rnd.randint(2, 8), max_len=(1 << 31) - 1 if huge else 600, huge=huge, null=rnd.choice([None, 0]),
+                R=rnd.randint(2, 3 if huge else 8), max_len=(1 << 31) - 1 if huge else 600,
+                unit=rnd.choice([1 << 22, 1 << 24]) if huge else 1, null=rnd.choice([None, 0]),
                 protocol=rnd.choice(["v1", "v2"]), steps=rnd.randint(5, 60),
                 record_from=rnd.choice([0, 0, 2, 5]), measure_extra=rnd.choice([0, 0, 1, 3]))
 
@@ -67,6 +71,7 @@ class Engine:
 
     def __init__(self, c: dict) -> None:
         self.c, self.rnd = c, random.Random(c["seed"] * 7 + 1)
+        self.room = 50 * c["unit"]  # a request this close to max_model_len ends
         self.vbs = [g.block_size * (c["cp"] if g.dcp_sharded else 1) for g in c["groups"]]
         width = [math.ceil((c["max_len"] + 64) / v) if g.uses_slot_mapping else 1
                  for v, g in zip(self.vbs, c["groups"])]
@@ -78,8 +83,10 @@ class Engine:
         self.preempted: set[str] = set()
         self.computed: dict[str, int] = {}  # req -> tokens computed before its next scheduled step
         self.kv_len: dict[int, int] = {}  # row -> KV written in its last scheduled step
-        self.first_computed: dict[int, int] = {}  # row -> num_computed_tokens of its last scheduled step
+        self.step_computed: dict[int, int] = {}  # row -> num_computed_tokens of its last scheduled step
+        self.length: dict[str, int] = {}  # req -> the most KV it has held (a resumed request computes back to it)
         self.refs = [0] * POOL  # id -> held entries (all groups share one pool)
+        self.allocated = 0  # ids with a held entry: every group's in_use summed, as the pool sees it
         self.free: list[int] = []
         self.next_id = 1 if c["null"] == 0 else 0
         self.lives: list[list[int]] = []  # [first step, last step, final KV]
@@ -87,34 +94,42 @@ class Engine:
         self.n_new = 0
 
     def fresh(self) -> int:
+        """An id no one holds (a freed one or a new one), now held once."""
         if self.free and self.rnd.random() < 0.5:
             b = self.free.pop(self.rnd.randrange(len(self.free)))
         else:
             b, self.next_id = self.next_id, self.next_id + 1
-        self.refs[b] += 1
-        return b
+        return self.hold(b)
 
     def hold(self, b: int) -> int:
+        """One more held entry of id b (a prefix hit shares a held id)."""
+        self.allocated += not self.refs[b]
         self.refs[b] += 1
         return b
 
     def drop(self, b: int) -> None:
+        """One held entry of id b less; the id goes back to the pool with its last one (the null block is held by
+        no one)."""
         if b == self.c["null"]:
             return
         self.refs[b] -= 1
         if not self.refs[b]:
+            self.allocated -= 1
             self.free.append(b)
 
     def release(self, row: int, g: int, lo: int, hi: int) -> None:
+        """Drop row's entries lo..hi-1 of group g."""
         for b in self.tables[g][row, lo:hi].tolist():
             self.drop(b)
 
     def held_range(self, row: int, g: int) -> tuple[int, int]:
+        """The entries of row's group g its request holds: from the window's first block to its blocks."""
         grp = self.c["groups"][g]
-        lo = first_held(grp, self.first_computed.get(row, 0), self.vbs[g]) if grp.uses_slot_mapping else 0
+        lo = first_held(grp, self.step_computed.get(row, 0), self.vbs[g]) if grp.uses_slot_mapping else 0
         return min(lo, int(self.num_blocks[g, row])), int(self.num_blocks[g, row])
 
     def free_row(self, row: int) -> None:
+        """A request ends or is preempted: every entry it holds is dropped."""
         for g in range(len(self.c["groups"])):
             self.release(row, g, *self.held_range(row, g))
 
@@ -125,8 +140,11 @@ class Engine:
         row, rnd, c = self.owner[q], self.rnd, self.c
         donor = rnd.choice(donors) if donors and rnd.random() < 0.6 else None
         unit = math.lcm(*(v for v, g in zip(self.vbs, c["groups"]) if g.uses_slot_mapping))
-        computed = rnd.randint(0, self.kv_len[donor] // unit) * unit if donor is not None else 0
-        self.first_computed[row] = computed
+        most = 0  # a hit is at most what the donor holds, and what a resumed request had
+        if donor is not None:
+            most = min(self.kv_len[donor], c["max_len"] - self.room, self.length.get(q, c["max_len"]))
+        computed = rnd.randint(0, most // unit) * unit if most > 0 else 0
+        self.step_computed[row] = computed
         for g, grp in enumerate(c["groups"]):
             t = self.tables[g]
             if not grp.uses_slot_mapping:
@@ -159,7 +177,7 @@ class Engine:
         fin, pre, res, new = [], [], [], []
         for q in list(self.owner):
             x = rnd.random()
-            if x < 0.12 or self.computed[q] > c["max_len"] - 50 * ((1 << 24) if c["huge"] else 1):
+            if self.computed[q] > c["max_len"] - self.room or x < 0.12 and self.computed[q] >= self.length[q]:
                 fin.append(q)
             elif x < 0.2 and q not in self.preempted:
                 pre.append(q)
@@ -191,16 +209,17 @@ class Engine:
     def schedule(self, new_or_resumed: set[str]) -> tuple[list[str], list[int]]:
         """The live requests scheduled this step (a running one may wait a step) and their token counts; their
         blocks grow to cover the step, a window's passed blocks are freed (their ids stay in the row)."""
-        rnd, unit = self.rnd, (1 << 24) if self.c["huge"] else 1
+        rnd, unit, max_len = self.rnd, self.c["unit"], self.c["max_len"]
         sched = [q for q in self.owner if q not in self.preempted and (q in new_or_resumed or rnd.random() < 0.9)]
         rnd.shuffle(sched)
-        counts = [rnd.choice([1, 1, 3, 16, 40]) * unit for _ in sched]
+        counts = [min(rnd.choice([1, 1, 3, 16, 40]) * unit, max_len - self.computed[q]) for q in sched]
         for q, n in zip(sched, counts):
             row, comp = self.owner[q], self.computed[q]
             old = {g: self.held_range(row, g) for g in range(len(self.c["groups"]))}
             self.num_computed[row] = comp
-            self.first_computed[row] = comp
+            self.step_computed[row] = comp
             self.kv_len[row] = comp + n
+            self.length[q] = max(self.length.get(q, 0), comp + n)
             for g, grp in enumerate(self.c["groups"]):
                 if not grp.uses_slot_mapping:
                     continue
@@ -262,6 +281,7 @@ class Engine:
                         dict(self.owner), set(self.preempted), NS(scheduler_output=so), batch,
                         [self.owner[q] for q in new]))
             ref.append(self.reference_row(c))
+            assert sum(ref[-1][f"g{g}.in_use"] for g in range(len(c["groups"]))) == self.allocated, c["seed"]
         for i, row in enumerate(ref):
             row["reserve_final"] = sum(x[2] for x in self.lives if x[0] <= i <= x[1])
         return out, ref
@@ -275,6 +295,7 @@ def tally(c: dict, steps: list, form: str, keep: bool, monkeypatch, small: bool)
         if small:
             m.setattr(occupancy, "CHUNK", 2)
             m.setattr(occupancy, "PENDING", 3)
+            m.setattr(steplog, "BLOCK", 2)
         G, R = len(c["groups"]), c["R"]
         st = NS(num_computed_tokens=np.zeros(R, np.int32), block_tables=[np.zeros_like(t) for t in steps[0][1]],
                 num_blocks=np.zeros((G, R), np.int32), req_id_to_index={}, preempted=set(),
@@ -318,6 +339,8 @@ def expected_summary(c: dict, ref: list[dict]) -> dict:
 
 
 def check_summary(got: dict, want: dict, seed: int) -> None:
+    """Groups' maxima, steps, mean (summed one by one in step order) and minimum exact; p5 read from the
+    histogram's lower bin edges: at most 1 / BINS under numpy's (values above 1 share the last bin)."""
     assert got["groups"] == want["groups"], f"seed {seed}"
     assert set(got["efficiency"]) == set(want["ratios"]), f"seed {seed}"
     for name, values in want["ratios"].items():
@@ -331,7 +354,7 @@ def check_summary(got: dict, want: dict, seed: int) -> None:
             total += v
         assert (s["mean"], s["min"]) == (total / len(values), min(values)), f"seed {seed} {name}"
         p5 = float(np.percentile(values, 5))
-        assert p5 - 1 / BINS - 1e-12 <= s["p5"] <= p5 + 1 / BINS + 1e-12, f"seed {seed} {name}"
+        assert min(p5, 1.0) - 1 / BINS - 1e-12 <= s["p5"] <= p5 + 1e-12, f"seed {seed} {name}"
 
 
 @pytest.mark.parametrize("form", ["kernels", "numpy"])

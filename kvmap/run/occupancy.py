@@ -13,8 +13,9 @@ Rules:
   = num_gpu_blocks - the null block - every group's in_use (vLLM's groups share one pool).
 - Memory efficiency = held / (in_use x block_size) (per rank; summed over ranks for the group). Contiguous
   allocation: every live request reserving max_model_len (`live` x max_model_len), or its final length (the
-  KV it holds when its life ends, finished or preempted: `reserve_final`); both hold `tokens` = the live
-  requests' KV lengths.
+  KV it holds when its life ends: `reserve_final`; a life is a request's time in a row, so it ends when the
+  request finishes or is preempted under the v2 protocol, while a v1 preemption keeps the row and the life); both
+  hold `tokens` = the live requests' KV lengths.
 - One form per language: the compiled kernels (occupancy_kernels.py) compute a step's values; the numpy form
   (`_step_values`) stands in where numba cannot load. Both are held against the brute-force references of
   tests/test_kv_occupancy.py (bundled traces) and tests/test_kv_occupancy_random.py (random runs).
