@@ -208,7 +208,8 @@ class Engine:
 
     def schedule(self, new_or_resumed: set[str]) -> tuple[list[str], list[int]]:
         """The live requests scheduled this step (a running one may wait a step) and their token counts; their
-        blocks grow to cover the step, a window's passed blocks are freed (their ids stay in the row)."""
+        blocks grow to cover the step (now and then one more, held empty: vLLM's lookahead slots), a window's
+        passed blocks are freed (their ids stay in the row)."""
         rnd, unit, max_len = self.rnd, self.c["unit"], self.c["max_len"]
         sched = [q for q in self.owner if q not in self.preempted and (q in new_or_resumed or rnd.random() < 0.9)]
         rnd.shuffle(sched)
@@ -223,7 +224,7 @@ class Engine:
             for g, grp in enumerate(self.c["groups"]):
                 if not grp.uses_slot_mapping:
                     continue
-                need = math.ceil((comp + n) / self.vbs[g])
+                need = math.ceil((comp + n) / self.vbs[g]) + (rnd.random() < 0.1)  # lookahead: a block held empty
                 while self.num_blocks[g, row] < need:
                     self.tables[g][row, self.num_blocks[g, row]] = self.fresh()
                     self.num_blocks[g, row] += 1
