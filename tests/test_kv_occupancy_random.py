@@ -78,12 +78,11 @@ class Engine:
         G, R = len(c["groups"]), c["R"]
         self.tables = [np.zeros((R, w), np.int32) for w in width]
         self.num_blocks = np.zeros((G, R), np.int32)
-        self.num_computed = np.zeros(R, np.int32)
+        self.num_computed = np.zeros(R, np.int32)  # row -> num_computed_tokens of its last scheduled step
         self.owner: dict[str, int] = {}  # req -> row
         self.preempted: set[str] = set()
         self.computed: dict[str, int] = {}  # req -> tokens computed before its next scheduled step
         self.kv_len: dict[int, int] = {}  # row -> KV written in its last scheduled step
-        self.step_computed: dict[int, int] = {}  # row -> num_computed_tokens of its last scheduled step
         self.length: dict[str, int] = {}  # req -> the most KV it has held (a resumed request computes back to it)
         self.refs = [0] * POOL  # id -> held entries (all groups share one pool)
         self.allocated = 0  # ids with a held entry: every group's in_use summed, as the pool sees it
@@ -125,7 +124,7 @@ class Engine:
     def held_range(self, row: int, g: int) -> tuple[int, int]:
         """The entries of row's group g its request holds: from the window's first block to its blocks."""
         grp = self.c["groups"][g]
-        lo = first_held(grp, self.step_computed.get(row, 0), self.vbs[g]) if grp.uses_slot_mapping else 0
+        lo = first_held(grp, int(self.num_computed[row]), self.vbs[g]) if grp.uses_slot_mapping else 0
         return min(lo, int(self.num_blocks[g, row])), int(self.num_blocks[g, row])
 
     def free_row(self, row: int) -> None:
@@ -144,7 +143,7 @@ class Engine:
         if donor is not None:
             most = min(self.kv_len[donor], c["max_len"] - self.room, self.length.get(q, c["max_len"]))
         computed = rnd.randint(0, most // unit) * unit if most > 0 else 0
-        self.step_computed[row] = computed
+        self.num_computed[row] = computed  # it is scheduled this step, from the hit
         for g, grp in enumerate(c["groups"]):
             t = self.tables[g]
             if not grp.uses_slot_mapping:
@@ -218,7 +217,6 @@ class Engine:
             row, comp = self.owner[q], self.computed[q]
             old = {g: self.held_range(row, g) for g in range(len(self.c["groups"]))}
             self.num_computed[row] = comp
-            self.step_computed[row] = comp
             self.kv_len[row] = comp + n
             self.length[q] = max(self.length.get(q, 0), comp + n)
             for g, grp in enumerate(self.c["groups"]):
