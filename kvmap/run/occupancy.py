@@ -36,7 +36,7 @@ import numpy as np
 
 from kvmap.ondisk import release
 from kvmap.run.kvsummary import Running
-from kvmap.run.steplog import Rows, extend_ints
+from kvmap.run.steplog import Rows, extend_ints, needs_int64
 
 CONTIGUOUS = ("contiguous_max_len", "contiguous_final")  # the summaries of contiguous allocation
 WINDOWED = ("sliding_window", "chunked_local")  # kinds whose blocks before the window vLLM frees
@@ -310,7 +310,7 @@ def _fill_reserve(diff: np.ndarray, carry: int, out: np.ndarray) -> np.ndarray:
         part = np.cumsum(diff[skip + lo : skip + lo + CHUNK], dtype=np.int64)
         part += carry
         carry = int(part[-1])
-        if out.dtype == np.int32 and (part.max() > 2**31 - 1 or part.min() < -(2**31)):
+        if out.dtype == np.int32 and needs_int64(part):
             out = out.astype(np.int64)
         out[lo : lo + CHUNK, 2] = part
         release(out)

@@ -140,10 +140,15 @@ def _fitting(top: int, bottom: int = 0, narrow: bool = False) -> type:
     return np.int32 if -_INT32_MAX <= bottom and top <= _INT32_MAX else np.int64
 
 
+def needs_int64(values: np.ndarray) -> bool:
+    """Some value of `values` does not fit int32."""
+    return bool(len(values)) and (values.max() > 2**31 - 1 or values.min() < -(2**31))
+
+
 def extend_ints(arr: array, values: np.ndarray) -> array:
     """`arr` ("i", or "q" once a value needed it) with `values` appended: the same array, or its int64 copy when
     one of them does not fit int32 (as appending them one by one and widening at the first that does not)."""
-    if arr.typecode == "i" and len(values) and (values.max() > 2**31 - 1 or values.min() < -(2**31)):
+    if arr.typecode == "i" and needs_int64(values):
         arr = array("q", arr)
     arr.frombytes(values.astype(np.int32 if arr.typecode == "i" else np.int64).tobytes())
     return arr
