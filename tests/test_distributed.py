@@ -111,6 +111,14 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _size(path) -> int:
+    """A file's size, 0 once it is gone (a staging file renamed or removed between listing and stat)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def _start_slow_run(tmp_path, *extra):
     trace = tmp_path / "dcp2.jsonl"
     shutil.copy(TRACES / "dcp2.jsonl", trace)
@@ -124,7 +132,7 @@ def _start_slow_run(tmp_path, *extra):
     deadline = time.monotonic() + 60
     staged = []
     while time.monotonic() < deadline and proc.poll() is None:  # until rank 0 writes the staged dump
-        staged = [p for p in tmp_path.iterdir() if p.name.startswith((".kvmap-", out.name)) and p.stat().st_size]
+        staged = [p for p in tmp_path.iterdir() if p.name.startswith((".kvmap-", out.name)) and _size(p)]
         if staged and len(_ours(str(trace))) >= 3:  # torchrun and two ranks
             break
         time.sleep(0.1)
