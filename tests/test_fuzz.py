@@ -86,6 +86,38 @@ def test_byte_mutations_of_real_traces(tmp_path):
     print(f"byte mutations: {tried} inputs, {counts['error']} clean errors, {counts['ok']} still valid, 0 crashes")
 
 
+def _first_new_request(lines: list[dict]) -> int | None:
+    return next((i for i, x in enumerate(lines[1:], 1) if x["scheduler_output"]["scheduled_new_reqs"]), None)
+
+
+@pytest.mark.parametrize("name", [p.name for p in sorted(TRACES.glob("*.jsonl"))])
+@pytest.mark.parametrize("past", [False, True], ids=["last_id", "one_past"])
+def test_block_ids_at_the_pools_edge(tmp_path, name, past):
+    """A trace's first new request given the pool's last ids (num_gpu_blocks - 1, - 2, ...: replayed with the KV
+    written and read back whenever validate finds the trace valid) or one past the pool in every entry (refused
+    at the boundary, by validate and by replay; a missing check would reach the KV write's guard, an
+    IndexError, instead)."""
+    lines = [json.loads(x) for x in (TRACES / name).read_text().splitlines()]
+    at = _first_new_request(lines)
+    assert at is not None
+    pool = lines[0]["num_gpu_blocks"]
+    req = lines[at]["scheduler_output"]["scheduled_new_reqs"][0]
+    top = iter(range(pool - 1, 0, -1))  # distinct ids across the request's groups (one pool)
+    req["block_ids"] = [[pool if past else next(top) for _ in row] for row in req["block_ids"]]
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines[:at + 3]))
+    report = validate(Trace(path), max_problems=5)
+    try:
+        replay(Trace(path), ReplayConfig(nvtx=False, warmup=0, verify_kv=True, forward=True))
+        refused = None
+    except KvmapError as e:
+        refused = e.kind
+    if past:
+        assert "block_range" in {q.kind for q in report.problems} and refused == "block_range", (report, refused)
+    elif report.valid:  # (the ids may also be held by another request: validate names that)
+        assert refused is None, refused
+
+
 JSONISH = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 2**40) | st.floats(allow_nan=False) | st.text(max_size=5),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4), children, max_size=3),

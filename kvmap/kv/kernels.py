@@ -3,8 +3,10 @@ batch's readable context back through its block-table rows.
 
 Rules: the canary is `kv.canary.canary_value` (its constants, tested bit for bit); `PAD_SLOT_ID` slots are
 skipped. `slot_of` is the slot rule's one numba form (cp = 1 and DCP), used here by the read-back and by the
-slot mapping kernels (workers/kernels_cpu.py); tests/test_layout.py holds it to `GroupLayout.slot`. Importing
-this module imports numba: import it lazily.
+slot mapping kernels (workers/kernels_cpu.py); tests/test_layout.py holds it to `GroupLayout.slot`. Compiled
+without numba's bounds checks, guarded as workers/kernels_cpu.py's kernels are: each kernel checks its indices'
+ranges per call, row and slot and raises IndexError (`slot_of` reads `row[p // (block_size * cp)]`: its callers
+check that). Importing this module imports numba: import it lazily.
 """
 
 from __future__ import annotations
@@ -49,10 +51,15 @@ def kv_write(input_ids, positions, slots, bits, mask, written):
     """bits: [2, num_slots, H*D] unsigned view of the cache; lane l of K is l, of V is H*D + l.
     written: [num_slots] bool, set for every slot written."""
     half = bits.shape[2]
+    if min(input_ids.shape[0], positions.shape[0]) < slots.shape[0] or bits.shape[0] < 2:
+        raise IndexError("kv_write: fewer tokens than slots, or a cache without both K and V")
+    num_slots = min(bits.shape[1], written.shape[0])
     for t in range(slots.shape[0]):
         s = slots[t]
         if s < 0:  # PAD_SLOT_ID
             continue
+        if s >= num_slots:
+            raise IndexError("kv_write: a slot past the cache")
         written[s] = True
         tok = input_ids[t]
         p = positions[t]
@@ -68,15 +75,24 @@ def kv_verify_dcp(idx_mapping, lo, seq_lens, token_ids, table, block_size, cp_si
     when cp = 1), at `slot_of` through its block-table row. Writes up to len(bad) mismatches as (batch_idx,
     position, slot) rows; returns (checked, mismatches)."""
     half = bits.shape[2]
+    if min(lo.shape[0], seq_lens.shape[0]) < idx_mapping.shape[0] or bad.shape[1] < 3 or bits.shape[0] < 2 \
+            or block_size < 1 or cp_size < 1 or interleave < 1:
+        raise IndexError("kv_verify_dcp: bounds shorter than the batch, a cache without both K and V, or a bad layout")
+    span = np.int64(table.shape[1]) * block_size * cp_size  # positions a table row holds
     checked = 0
     mismatches = 0
     for b in range(idx_mapping.shape[0]):
         row = idx_mapping[b]
+        if row < 0 or row >= min(table.shape[0], token_ids.shape[0]) or lo[b] < 0 \
+                or seq_lens[b] > min(token_ids.shape[1], span):
+            raise IndexError("kv_verify_dcp: a row outside the state, or positions past its table row")
         trow = table[row]
         for p in range(lo[b], seq_lens[b]):
             s = slot_of(trow, p, block_size, cp_size, cp_rank, interleave)
             if s < 0:  # another rank holds this token
                 continue
+            if s >= bits.shape[1]:
+                raise IndexError("kv_verify_dcp: a slot past the cache")
             tok = token_ids[row, p]
             checked += 1
             for l in range(2 * half):
