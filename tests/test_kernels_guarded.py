@@ -9,8 +9,10 @@ size set to 0 or 1), beside its own source compiled with `boundscheck=True` (the
   write of other memory in a user's run);
 - whenever the guarded kernel returns, the checked form returned the same value and wrote the same arrays;
 - the guarded kernel never writes outside its arrays, even when it raises (each array is a view into a larger
-  one whose margins hold a sentinel; they reach as far as any index the arguments can make, so that a missing
-  guard's access stays inside this process's memory and fails the test instead of crashing it).
+  one whose margins hold a sentinel and reach as far as any index the arguments can make).
+The cases the checked form refuses run in a child process, twice: in margins of -77 (a write shows) and of 1 (a
+read past an array then passes for a valid row or count, so the kernel runs on instead of tripping a later
+guard). A missing guard whose access lands past the margins takes the child down, and the case is named.
 The guarded kernel may refuse what the checked one accepts (a negative index, which numba wraps). Every case
 is one seed; a failure names the kernel, the trace and the seed.
 """
@@ -32,10 +34,10 @@ from .conftest import bundled_traces
 nb = pytest.importorskip("numba")
 
 MODULES = ("kvmap.workers.kernels_cpu", "kvmap.kv.kernels")
-CALLS_KEPT = 2  # captured calls per kernel and trace (the largest first-seen shapes)
+CALLS_KEPT = 2  # captured calls per kernel, trace and runner (the first ones)
 CASES_PER_KERNEL = 1000  # edits spread over a kernel's captured calls (a rarely called kernel gets more a call)
 SENTINELS = (-77, 1)  # the margins' values: -77 shows a write; 1, read as a row or count, lets a kernel run on
-MAX_REACH = 1 << 22  # elements of margin at most (a missing guard reaching past it may crash the process)
+MAX_REACH = 1 << 22  # elements of margin at most (a missing guard reaching past it may crash the child)
 
 
 def _loaded():
