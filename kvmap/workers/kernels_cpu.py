@@ -267,17 +267,17 @@ def append_tokens(token_ids, total_len, rows, counts, flat, max_model_len):
     Checks every row first and writes nothing if one would pass max_model_len: returns its index, else -1."""
     if counts.shape[0] < rows.shape[0] or max_model_len > token_ids.shape[1]:
         raise IndexError("append_tokens: counts shorter than the rows, or max_model_len past token_ids")
+    n_rows = min(total_len.shape[0], token_ids.shape[0])
     total = 0
     for i in range(rows.shape[0]):
         row = rows[i]
-        if row < 0 or row >= min(total_len.shape[0], token_ids.shape[0]) or counts[i] < 0 or total_len[row] < 0:
+        if row < 0 or row >= n_rows or counts[i] < 0 or total_len[row] < 0:
             raise IndexError("append_tokens: a row outside the state, or a negative count")
+        if total_len[row] + counts[i] > max_model_len:
+            return i
         total += counts[i]
     if total > flat.shape[0]:
         raise IndexError("append_tokens: counts past the flat tokens")
-    for i in range(rows.shape[0]):
-        if total_len[rows[i]] + counts[i] > max_model_len:
-            return i
     t = 0
     for i in range(rows.shape[0]):
         row = rows[i]
