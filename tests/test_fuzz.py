@@ -21,7 +21,7 @@ from kvmap.run.replay import replay
 from kvmap.trace import Trace
 from kvmap.validate import validate
 
-from .conftest import TRACES
+from .conftest import TRACES, read_lines, write_lines
 
 SOURCES = ["worked_example.jsonl", "prefix_caching.jsonl", "spec_decode.jsonl", "preemption_v1.jsonl",
            "hybrid_sliding_window.jsonl"]
@@ -86,10 +86,6 @@ def test_byte_mutations_of_real_traces(tmp_path):
     print(f"byte mutations: {tried} inputs, {counts['error']} clean errors, {counts['ok']} still valid, 0 crashes")
 
 
-def _first_new_request(lines: list[dict]) -> int | None:
-    return next((i for i, x in enumerate(lines[1:], 1) if x["scheduler_output"]["scheduled_new_reqs"]), None)
-
-
 @pytest.mark.parametrize("name", [p.name for p in sorted(TRACES.glob("*.jsonl"))])
 @pytest.mark.parametrize("past", [False, True], ids=["last_id", "one_past"])
 def test_block_ids_at_the_pools_edge(tmp_path, name, past):
@@ -97,15 +93,13 @@ def test_block_ids_at_the_pools_edge(tmp_path, name, past):
     written and read back whenever validate finds the trace valid) or one past the pool in every entry (refused
     at the boundary, by validate and by replay; a missing check would reach the KV write's guard, an
     IndexError, instead)."""
-    lines = [json.loads(x) for x in (TRACES / name).read_text().splitlines()]
-    at = _first_new_request(lines)
-    assert at is not None
+    lines = read_lines(TRACES / name)
+    at = next(i for i, x in enumerate(lines[1:], 1) if x["scheduler_output"]["scheduled_new_reqs"])
     pool = lines[0]["num_gpu_blocks"]
     req = lines[at]["scheduler_output"]["scheduled_new_reqs"][0]
     top = iter(range(pool - 1, 0, -1))  # distinct ids across the request's groups (one pool)
     req["block_ids"] = [[pool if past else next(top) for _ in row] for row in req["block_ids"]]
-    path = tmp_path / name
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines[:at + 3]))
+    path = write_lines(tmp_path / name, lines[:at + 3])
     report = validate(Trace(path), max_problems=5)
     try:
         replay(Trace(path), ReplayConfig(nvtx=False, warmup=0, verify_kv=True, forward=True))
