@@ -9,7 +9,8 @@ size set to 0 or 1), beside its own source compiled with `boundscheck=True` (the
   write of other memory in a user's run);
 - whenever the guarded kernel returns, the checked form returned the same value and wrote the same arrays;
 - the guarded kernel never writes outside its arrays, even when it raises (each array is a view into a larger
-  one whose margins hold a sentinel and reach as far as any index the arguments can make).
+  one whose margins hold a sentinel and reach as far as any index the arguments can make along a 1-D array
+  or within a row).
 The cases the checked form refuses run in a child process, twice: in margins of -77 (a write shows) and of 1 (a
 read past an array then passes for a valid row or count, so the kernel runs on instead of tripping a later
 guard). A missing guard whose access lands past the margins takes the child down, and the case is named.
@@ -152,8 +153,10 @@ def _reach(args: tuple) -> int:
 
 def _in_margins(a: np.ndarray, reach: int, sentinel: int) -> tuple[np.ndarray, np.ndarray, int]:
     """(parent, view, pad): `a` copied into the middle of a larger C-ordered array, `pad` entries of axis 0 of
-    `sentinel` on either side: enough for an index `reach` past the end of axis 0 or 1 (an index past the end of
-    axis 1 moves `shape[2:]`'s product of elements); the view is C-contiguous, as the kernels' buffers are."""
+    `sentinel` on either side: enough for an index `reach` past the end of a 1-D array, or of axis 1 (which moves
+    `shape[2:]`'s product of elements); a row index of a 2-D or 3-D array that far past would need `reach` rows,
+    too many for the token table, so such an access can land past the margins (in the child run, which then
+    names the case). The view is C-contiguous, as the kernels' buffers are."""
     pad = (-(-reach // max(1, a.shape[1])) if a.ndim > 1 else reach) + 1
     parent = np.empty((a.shape[0] + 2 * pad, *a.shape[1:]), dtype=a.dtype)
     parent[...] = np.array(sentinel).astype(a.dtype)
