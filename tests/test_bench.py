@@ -3,6 +3,7 @@ it times anything; this runs those checks (tiny sizes, no timing asserted) so th
 
 from __future__ import annotations
 
+import gzip
 import sys
 
 import pytest
@@ -60,3 +61,19 @@ def test_process_baseline_maps_what_kvmap_maps(tmp_path, name):
                    else sum(r["slot_mapping"]) for r in records)
     assert out.strip() == f"baseline: {len(records)} steps, {tokens} tokens, slot checksum {checksum}", json.dumps(
         records[0])[:200]
+
+
+def test_decode_only_reference_decodes_every_line(tmp_path):
+    """bench_process's `(decode only)` bound reads and decodes every line of the trace, the header included,
+    gzip or plain."""
+    import subprocess
+
+    script = tmp_path / "decode_only.py"
+    script.write_text(bench_process.DECODE_ONLY)
+    for name in ("worked_example.jsonl", "long_mixed.jsonl.gz"):
+        opener = gzip.open if name.endswith(".gz") else open
+        with opener(TRACES / name, "rb") as f:
+            lines = sum(1 for _ in f)
+        out = subprocess.run([sys.executable, str(script), str(TRACES / name)], capture_output=True, text=True,
+                             check=True).stdout
+        assert out.strip() == f"{lines} lines decoded"
