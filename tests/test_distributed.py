@@ -41,7 +41,7 @@ def test_gloo_processes_equal_the_emulation(tmp_path, name, nproc, stop):
     path = TRACES / f"{name}.jsonl"
     dump = tmp_path / "dist.jsonl"
     t0 = time.perf_counter()
-    r = launch(path, nproc, backend="numpy", verify_kv=True, dump_mappings=dump, stop=stop, timeout=240)
+    r = launch(path, nproc, backend="numpy", verify_kv=True, dump_mappings=dump, stop=stop, warmup=0, timeout=240)
     elapsed = time.perf_counter() - t0
     assert dump.read_bytes() == _emulated(path, stop=stop)
     assert r.world_size == nproc and r.ranks == list(range(nproc))
@@ -51,6 +51,12 @@ def test_gloo_processes_equal_the_emulation(tmp_path, name, nproc, stop):
     assert r.phase_ns[:, r.phases.index("broadcast")].min() > 0
     assert len(r.rank_broadcast_p50_ns) == nproc and min(r.rank_broadcast_p50_ns) > 0
     print(f"{nproc} gloo processes, {name}: {elapsed:.1f} s")
+    # the summary's figures are the one-process run's: every rank's KV memory and bytes, counts over the window
+    one = replay(Trace(path), ReplayConfig(backend="numpy", verify_kv=True, nvtx=False, stop=stop, warmup=0))
+    for key in ("kv_memory", "kv_bytes", "rank_kv_bytes", "rank_tokens", "rank_max_local_seq_len",
+                "rank_kv_checked", "kv_checked", "kv_columns"):
+        assert getattr(r, key) == getattr(one, key), key
+    assert (r.kv_series == one.kv_series).all()
 
 
 def test_broken_invariant_is_named(tmp_path):

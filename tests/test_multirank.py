@@ -94,6 +94,14 @@ def test_every_rank_reads_back_clean(name, backend):
         assert sum(r.rank_tokens) == r.tokens_scheduled  # every token written on exactly one rank
 
 
+def test_rank_figures_cover_the_measured_steps():
+    """A window after step 0: the per-rank local tokens add up to the tokens of the measured steps only (as every
+    count of the summary), not to those of the warm-up steps before them."""
+    r = replay(Trace(TRACES / "dcp2.jsonl"), ReplayConfig(backend="numpy", start=10, stop=20, nvtx=False))
+    measured = r.num_tokens[r.warmup:]
+    assert len(measured) == 20 - 10 and sum(r.rank_tokens) == int(measured.sum()) < r.tokens_scheduled
+
+
 def test_dump_layout_for_ranks():
     """docs/trace-format.md: slot_mapping [cp][groups][tokens], dcp_local_seq_lens [cp][reqs], kernel rows."""
     recs = [json.loads(x) for x in _ref(TRACES / "vllm51031.jsonl")]

@@ -36,6 +36,9 @@ class ReplayConfig:
     batch_order: str = "mrv2"  # the runner, "mrv2" or "v1": its batch order (workers/order.py) and forward rules
     reorder_batch_threshold: int | None = None  # v1: the attention backend's reorder_batch_threshold
     ranks: Sequence[int] | None = None  # the DCP ranks to compute (None: every rank, in this process)
+    # the DCP ranks the KV memory figures cover (None: the ranks computed); a torch.distributed rank computes
+    # one rank's mappings but reports its whole DCP group's memory, as the one-process replay does
+    occupancy_ranks: Sequence[int] | None = None
     # the forward pass's other inputs (kvmap/forward), computed as the `prepare_forward` phase when True; the
     # overrides of the header's forward keys (None: the header's; forward/config.py `resolve`)
     forward: bool = False

@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> None:
         geometry = KVGeometry(args.kv_heads, args.head_size, args.kv_dtype)
         config = ReplayConfig(backend=args.backend, device=str(device) if cuda else "cpu", start=args.start,
                               stop=args.stop, warmup=args.warmup, verify_kv=args.verify_kv, write_kv=not args.no_kv,
-                              kv_geometry=geometry, nvtx=False, ranks=[dcp_rank], batch_order=args.batch_order,
+                              kv_geometry=geometry, nvtx=False, ranks=[dcp_rank], occupancy_ranks=range(cp),
+                              batch_order=args.batch_order,
                               reorder_batch_threshold=args.reorder_threshold)
         result = replay(_Trace(header, name) if trace is None else trace, config, on_mappings=on_mappings,
                         source=source, cross_rank=check)
@@ -205,6 +206,7 @@ def _merge(result, every: list[dict], cp: int) -> None:
         for key in ("rank_tokens", "rank_kv_checked", "rank_kv_mismatches", "rank_max_local_seq_len",
                     "rank_kv_bytes"):
             setattr(result, key, [v for x in first for v in x[key]])
+        result.kv_bytes = sum(result.rank_kv_bytes)  # the one-process KV cache holds every rank's shard
     result.rank_broadcast_p50_ns = [x["broadcast_p50_ns"] for x in first]
     result.kv_checked = sum(x["kv_checked"] for x in every)
     result.kv_mismatches = sum(x["kv_mismatches"] for x in every)

@@ -34,6 +34,7 @@ from array import array
 
 import numpy as np
 
+from kvmap.layout import rank_layouts
 from kvmap.ondisk import release
 from kvmap.run.kvsummary import Running
 from kvmap.run.steplog import Rows, extend_ints, needs_int64
@@ -65,14 +66,15 @@ def _rank_tokens(x: np.ndarray, cp: int, rank: int, interleave: int) -> np.ndarr
 class Occupancy:
     """The tally: `add(...)` after every replayed step, `finish(steps)` once at the end."""
 
-    def __init__(self, worker, keep_series: bool = True) -> None:
+    def __init__(self, worker, keep_series: bool = True, ranks=None) -> None:
+        """`ranks`: the DCP ranks to account (None: the worker's); every rank shares the worker's block tables."""
         st = worker.state
         h = worker.header
         self.state = st
         self.null = h.null_block_id
         self.pool = h.num_gpu_blocks
-        self.ranks = list(worker.ranks)
-        self.layouts = worker.rank_layouts  # [ranks][G]
+        self.ranks = list(worker.ranks if ranks is None else ranks)
+        self.layouts = worker.rank_layouts if ranks is None else rank_layouts(h, self.ranks)  # [ranks][G]
         self.kv_groups = list(st.kv_groups)
         self.cols = columns(h.num_groups, self.ranks, self.kv_groups)
         R = h.max_num_seqs

@@ -86,7 +86,7 @@ def replay(
                          warmup=c.warmup, step_window=[c.start, c.stop], kv_verified=c.verify_kv)
     check = KVCheckResult(max_examples=defaults.MAX_KV_EXAMPLES)
     run = _Run(worker, _stages(worker, kv, check, cross_rank, phases), Markers(phases, enabled=c.nvtx), result,
-               c.series, c.series if c.step_starts is None else c.step_starts)
+               c.series, c.series if c.step_starts is None else c.step_starts, c.occupancy_ranks)
     run.ranks_tally = _RankTally(header, worker, kv) if header.decode_context_parallel_size > 1 else None
     steps = trace.steps(0, c.stop)
     try:
@@ -99,7 +99,7 @@ def replay(
     result.kv_checked, result.kv_mismatches = check.checked, check.mismatches
     result.kv_examples = [asdict(e) for e in check.examples]
     if len(result.steps) == result.warmup:
-        raise empty_window_error(c.start, c.stop, c.warmup, i)
+        raise empty_window_error(c.start, c.stop, c.warmup, i).located(path=trace.name)
     return result
 
 
@@ -147,7 +147,7 @@ class _Run:
     to the device before the measured steps, per-rank figures."""
 
     def __init__(self, worker: Worker, stages, markers: Markers, result: ReplayResult, series: bool = True,
-                 starts: bool = True) -> None:
+                 starts: bool = True, occupancy_ranks=None) -> None:
         self.worker, self.stages, self.markers, self.result = worker, stages, markers, result
         self.events = None  # device time per phase from CUDA events (device workers on a GPU)
         if worker.device.startswith("cuda"):
@@ -162,7 +162,7 @@ class _Run:
         self.rec = StepLog(len(result.phases), keep_start=starts)
         self.ranks_tally: _RankTally | None = None
         # the KV cache's occupancy per step (occupancy.py); workers without host state (user workers) have none
-        self.occupancy = (Occupancy(worker, keep_series=series) if hasattr(worker, "state")
+        self.occupancy = (Occupancy(worker, keep_series=series, ranks=occupancy_ranks) if hasattr(worker, "state")
                           and hasattr(worker, "rank_layouts") else None)
         self.mix = Composition() if series else None
         self.wall0 = 0.0
@@ -212,7 +212,7 @@ class _Run:
                 index = worker.state.req_id_to_index
                 occupancy.add(i, step, worker.batch, [index[r] for r in step.new_req_ids], step.step >= record_from,
                               step.step >= measure_from)
-            if ranks_tally is not None:
+            if ranks_tally is not None and step.step >= measure_from:
                 ranks_tally.add(worker.mappings())
             if on_mappings is not None:
                 on_mappings(worker.mappings_dict())
@@ -326,7 +326,8 @@ def engine_dict(h) -> dict:
 
 
 class _RankTally:
-    """Per-DCP-rank figures over the replayed steps: local tokens, the largest local length."""
+    """Per-DCP-rank figures over the measured steps (as every count of the summary): local tokens, the largest
+    local length."""
 
     def __init__(self, header, worker: Worker, kv) -> None:
         self.ranks = list(worker.ranks)

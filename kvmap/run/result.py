@@ -63,8 +63,10 @@ def warmup_window(start: int, stop: int | None, warmup: int, prewarm: bool = Tru
 
 def empty_window_error(start: int, stop: int | None, warmup: int, steps_read: int) -> KvmapError:
     """The window held no measured step: say which option and what the trace holds."""
+    if not steps_read:  # whatever the window: say so without blaming an option the user may not have given
+        return KvmapError("the trace has no steps (a header and nothing after it): nothing to replay")
     window = f"{start}:{'' if stop is None else stop}"
-    held = f"the trace has {steps_read} steps (0..{steps_read - 1})" if steps_read else "the trace has no steps"
+    held = f"the trace has {steps_read} steps (0..{steps_read - 1})"
     if steps_read > start:  # the window starts inside the trace: the warm-up ate it
         return KvmapError(f"{warmup} warm-up steps leave nothing to measure: {held}; lower --warmup",
                           field="--warmup")
