@@ -88,6 +88,15 @@ CASES = {
     "kernel block size": (lambda L: L[0]["kv_cache_groups"][0].update(kernel_block_size=5), "must divide"),
     "interleave": (lambda L: L[0].update(decode_context_parallel_size=2, cp_kv_cache_interleave_size=5),
                    "must divide the block_size"),
+    "integer past 64 bits": (lambda L: so(L, 1)["scheduled_cached_reqs"].update(num_computed_tokens=[2 ** 70, 16]),
+                             "request 'B', field scheduled_cached_reqs.num_computed_tokens: expected an integer, got "
+                             "a number past 64-bit integers (1.181e+21)"),
+    "token id past 64 bits": (lambda L: so(L, 0)["scheduled_new_reqs"][1]["prompt_token_ids"].__setitem__(3, 10 ** 23),
+                              "field prompt_token_ids: entry 3 is a number past 64-bit integers (1e+23)"),
+    "kv_cache_spec heads": (lambda L: L[0].update(kv_cache_spec={"num_kv_heads": 0, "head_size": 8}),
+                            "field kv_cache_spec.num_kv_heads: must be >= 1, got 0"),
+    "kv_cache_spec dtype": (lambda L: L[0].update(kv_cache_spec={"dtype": 16}),
+                            "field kv_cache_spec.dtype: expected a string, got int"),
 }
 
 

@@ -67,6 +67,8 @@ def test_header_keys_are_read(tmp_path):
     ({"cudagraph_mode": "FULLISH"}, "cudagraph_mode"),
     ({"cudagraph_capture_sizes": 8}, "cudagraph_capture_sizes"),
     ({"cudagraph_capture_sizes": [1, 0]}, "cudagraph_capture_sizes"),
+    ({"cudagraph_mode": "FULL"}, "cudagraph_capture_sizes"),  # graphs on, no sizes (docs/trace-format.md)
+    ({"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": []}, "cudagraph_capture_sizes"),
     ({"group_attention_backend": "flash attn"}, "kv_cache_groups[0].attention_backend"),
 ])
 def test_bad_header_keys_are_located(tmp_path, keys, field):

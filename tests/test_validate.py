@@ -281,6 +281,31 @@ def test_deep_compares_every_backend_and_the_kv_cache():
     assert r.deep["backends"]["numpy"]["kv_mismatches"] == 0 and r.deep["backends"]["numpy"]["kv_checked"] > 0
 
 
+@pytest.mark.parametrize("numbers, problem", [
+    ([0, 5, 2, 3], (3, 1, "expected step 1, got 5")),  # one mistyped number: the next line is back in step
+    ([0, 1, 1, 2], (4, 2, "expected step 2, got 1")),  # a repeated step: the count follows the file
+    ([0, 2, 3, 4], (3, 1, "expected step 1, got 2")),  # a missing step: likewise
+])
+def test_a_wrong_step_number_is_one_problem_at_the_step_expected(tmp_path, numbers, problem):
+    """One problem per slip, located at the line and at the step replay names (its position), never at the
+    line after a one-line typo."""
+    lines = [json.loads(x) for x in (TRACES / "worked_example.jsonl").read_text().splitlines()]
+    for line, n in zip(lines[1:], numbers):
+        line["step"] = n
+    r = validate(Trace(write_lines(tmp_path / "t.jsonl", lines)))
+    order = [p for p in r.problems if p.kind == "step_order"]
+    assert [(p.line, p.step, p.message.split(": ")[-1]) for p in order] == [problem]
+
+
+def test_deep_on_a_trace_with_problems_says_it_did_not_run(tmp_path):
+    """--deep compares replays of a valid trace: with problems it is not run, and the report says so."""
+    lines = [json.loads(x) for x in (TRACES / "worked_example.jsonl").read_text().splitlines()]
+    lines[2]["scheduler_output"]["scheduled_cached_reqs"]["new_block_ids"] = [None, [[12]]]  # B's block to A
+    r = validate(Trace(write_lines(tmp_path / "double.jsonl", lines)), deep=True)
+    assert not r.valid and r.deep is None
+    assert any(x.startswith("--deep not run") for x in r.info)
+
+
 def test_a_bad_lines_well_formed_parts_are_read_and_nothing_else():
     """salvage.py reads only what is well-formed; the validator applies it (Validator.salvage)."""
     from kvmap.validate.salvage import read_bad_line

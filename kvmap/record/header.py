@@ -96,8 +96,10 @@ def forward_keys(vllm_config: Any, kv_cache_config: Any) -> dict:
     try:
         cc = vllm_config.compilation_config
         mode = cc.cudagraph_mode
-        out["cudagraph_mode"] = getattr(mode, "name", None) or "NONE"
-        out["cudagraph_capture_sizes"] = sorted(int(n) for n in (cc.cudagraph_capture_sizes or []))
+        sizes = sorted(int(n) for n in (cc.cudagraph_capture_sizes or []))
+        # no capture size: no graph is ever captured and both runners' dispatchers run every step eager (NONE)
+        out["cudagraph_mode"] = (getattr(mode, "name", None) or "NONE") if sizes else "NONE"
+        out["cudagraph_capture_sizes"] = sizes
     except Exception:  # noqa: BLE001 - a config without them: not written
         pass
     try:

@@ -72,10 +72,20 @@ def type_name(value: object) -> str:
     return "null" if value is None else type(value).__name__
 
 
+def shown(value: object, width: int = 40) -> str:
+    """A wrong value as an error shows it: its JSON type and text. A whole number past 64-bit integers is said to
+    be one: the JSON library hands such an integer literal over as a float."""
+    if value is None:
+        return "null"
+    if type(value) is float and value.is_integer() and abs(value) >= 2.0 ** 63:
+        return f"a number past 64-bit integers ({value:.4g})"
+    return f"{type_name(value)} {value!r:.{width}}"
+
+
 def int_field(value: object, where: Where, name: str, *, minimum: int | None = None, maximum: int | None = None,
          req_id: str | None = None) -> int:
     if type(value) is not int:
-        raise where.error(f"expected an integer, got {type_name(value)} {value!r:.40}", field=name,
+        raise where.error(f"expected an integer, got {shown(value)}", field=name,
                           req_id=req_id)
     if minimum is not None and value < minimum:
         raise where.error(f"must be >= {minimum}, got {value}", field=name, req_id=req_id)
@@ -124,7 +134,7 @@ def int_lists(items: list[tuple[str | None, str, int | None, object]], where: Wh
                               field=name, group=group)
         for i, v in enumerate(value):
             if type(v) is not int:
-                raise where.error(f"entry {i} is {type_name(v)} {v!r:.30}, expected an integer",
+                raise where.error(f"entry {i} is {shown(v, 30)}, expected an integer",
                                   req_id=req_id, field=name, group=group)
             if v < minimum or (maximum is not None and v >= maximum):
                 bound = f"[{minimum}, {maximum})" if maximum is not None else f">= {minimum}"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from kvmap.errors import TraceError
-from kvmap.trace.checks import Where, dict_field, int_field
+from kvmap.trace.checks import Where, dict_field, int_field, type_name
 from kvmap.trace.records import FORMAT, GROUP_KINDS, PROTOCOLS, KVCacheGroup, KVCacheSpec, TraceHeader
 
 # field -> (largest accepted value, what a real vLLM has)
@@ -83,9 +83,7 @@ def parse_header(obj: object, where: Where) -> TraceHeader:
             chunk = int_field(chunk, where, f"{name}.attention_chunk_size", minimum=1)
         groups.append(KVCacheGroup(gid, kind, bs, window, chunk))
     groups, multirank = _multirank_fields(obj, where, groups)
-    spec_raw = obj.get("kv_cache_spec") or {}
-    spec_raw = dict_field(spec_raw, where, "kv_cache_spec")
-    spec = KVCacheSpec(**{k: spec_raw.get(k) for k in ("num_layers", "num_kv_heads", "head_size", "dtype")})
+    spec = _kv_cache_spec(obj, where)
     known = {"kind", "format", "model_runner_protocol", "block_size", "num_gpu_blocks", "kv_cache_groups",
              "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_speculative_tokens",
              "null_block_id", "max_num_scheduled_tokens", "vllm_version", "enable_prefix_caching",
@@ -290,6 +288,18 @@ RUNNERS = ("mrv2", "v1")
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
 
+def _kv_cache_spec(obj: dict, where: Where) -> KVCacheSpec:
+    """The engine's KV geometry, informational (docs/trace-format.md): each number, when present, at least 1;
+    `dtype` a string."""
+    raw = dict_field(obj.get("kv_cache_spec") or {}, where, "kv_cache_spec")
+    spec = KVCacheSpec(**{k: None if raw.get(k) is None else int_field(
+        raw[k], where, f"kv_cache_spec.{k}", minimum=1, maximum=1 << 20)
+        for k in ("num_layers", "num_kv_heads", "head_size")}, dtype=raw.get("dtype"))
+    if spec.dtype is not None and type(spec.dtype) is not str:
+        raise where.error(f"expected a string, got {type_name(spec.dtype)}", field="kv_cache_spec.dtype")
+    return spec
+
+
 def _forward_keys(obj: dict, where: Where) -> dict:
     """docs/trace-format.md, "Forward-pass keys": the runner, the resolved cudagraph mode and capture sizes. Each
     is optional (older traces: runner unknown, eager)."""
@@ -308,6 +318,9 @@ def _forward_keys(obj: dict, where: Where) -> dict:
         if not isinstance(sizes, list):
             raise where.error("expected a list of token counts", field="cudagraph_capture_sizes")
         sizes = tuple(sorted({int_field(n, where, "cudagraph_capture_sizes", minimum=1, maximum=2**24) for n in sizes}))
+    if mode not in (None, "NONE") and not sizes:  # vLLM resolves them whenever graphs are on
+        raise where.error(f"required when cudagraph_mode is {mode}: the engine's resolved capture sizes",
+                          field="cudagraph_capture_sizes")
     out["cudagraph_capture_sizes"] = sizes
     return out
 

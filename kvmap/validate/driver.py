@@ -65,6 +65,7 @@ class _Pass:
     def __init__(self, trace: Trace, v: Validator) -> None:
         self.trace, self.v = trace, v
         self.i = 0  # the step the next line should be
+        self.pos = 0  # the step lines before this one: a claim equal to it ends a one-line slip
         self.unknown_keys: Counter[str] = Counter()
 
     def line(self, line: int, raw: bytes) -> None:
@@ -82,6 +83,7 @@ class _Pass:
             if obj is None:  # nothing of the line is known: no cascade from what it hid
                 v.lost_line()
                 self.i += 1
+                self.pos += 1
                 return
         step_idx = self._number(obj, line)
         where = Where(self.trace.name, line, step_idx)
@@ -102,11 +104,16 @@ class _Pass:
             v.salvage(obj, _raw_req_ids(obj), line, step_idx)
 
     def _number(self, obj: object, line: int) -> int:
-        """This line's step index; a wrong number is one problem and the count follows the file from there."""
+        """This line's step index. A wrong number is one problem, located at the step expected (as `replay`
+        names it), and the count follows the file from there (a missing or repeated step), unless the next line
+        returns to the count by position (one mistyped number: the line after it is not a problem)."""
         claimed = _step_number(obj, self.i)
-        if claimed != self.i:
+        self.pos += 1
+        if claimed == self.pos - 1 and claimed != self.i:  # back in step after a one-line slip
+            self.i = claimed
+        elif claimed != self.i:
             self.v.add("step_order", f"steps must be consecutive from 0: expected step {self.i}, got {claimed}",
-                       line=line, step_idx=claimed, field="step")
+                       line=line, step_idx=self.i, field="step")
             self.i = claimed
         self.i += 1
         return self.i - 1
@@ -151,7 +158,10 @@ def validate(trace: Trace, max_problems: int | None = None, deep: bool = False,
                                                                       run.unknown_keys.items()))
     if trace.header.extra:
         report.info.append("informational header keys: " + ", ".join(sorted(trace.header.extra)))
-    if deep and report.valid:
+    if deep and not report.valid:
+        report.info.append("--deep not run: it replays a valid trace through every worker, and this trace has "
+                           "the problems above")
+    elif deep:
         from kvmap.validate.deep import deep_check
 
         report.deep = deep_check(trace, backends, progress)
