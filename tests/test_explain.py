@@ -73,6 +73,7 @@ def test_hybrid_shows_null_and_out_of_window_blocks():
     (["--step", 1, "--req", "B", "--token", 1], "token 1 does not exist: request 'B' has 1 token in step 1 (0..0)"),
     (["--step", 1, "--token", 9], "step 1 has flat tokens 0..8"),
     (["--step", 1, "--group", 2], "group 2 does not exist: the trace has groups 0..0"),
+    (["--step", 3, "--req", "A"], "request 'A' does not exist at step 3; scheduled: none"),
 ])
 def test_unknown_things_list_what_exists(args, fragment):
     code, out, err = explain(TRACES / "worked_example.jsonl", *args)
@@ -100,3 +101,27 @@ def test_req_without_step_explains_its_first_scheduled_step():
     assert code == 2  # not scheduled the step before: that was its first
     code, out, err = explain(trace, "--req", "nobody")
     assert code == 2 and "request 'nobody' is never scheduled" in err
+
+
+def test_request_ranges_are_half_open_alike():
+    """`--json`: a request's flat tokens and positions are both [start, end), like query_start_loc; the text
+    shows both inclusive (A at step 1: 8 tokens from flat index 1, positions 16..23)."""
+    code, out, _ = explain(TRACES / "worked_example.jsonl", "--step", 1, "--req", "A", "--json")
+    req = json.loads(out)["request"]
+    assert req["tokens"] == [1, 1 + 8] and req["positions"] == [16, 16 + 8]
+    code, text, _ = explain(TRACES / "worked_example.jsonl", "--step", 1, "--req", "A")
+    assert "flat tokens 1..8, positions 16..23" in text
+
+
+def test_short_traces_default_to_a_step_they_have(tmp_path):
+    """Without --step: step 1, or step 0 in a one-step trace; a header alone is one line that says so (no
+    option blamed, no `0..-1`)."""
+    lines = (TRACES / "worked_example.jsonl").read_text().splitlines(keepends=True)
+    one, header = tmp_path / "one.jsonl", tmp_path / "header.jsonl"
+    one.write_text("".join(lines[:2]))
+    header.write_text(lines[0])
+    code, out, _ = explain(one, "--json")
+    assert code == 0 and json.loads(out)["step"] == 0
+    code, out, err = explain(header)
+    assert code == 2 and err.strip() == f"kvmap: error: {header}: the trace has no steps (a header and nothing " \
+                                         "after it): nothing to explain"

@@ -73,6 +73,22 @@ def test_missing_nsys_says_how_to_get_it(tmp_path, monkeypatch):
     assert "scripts/get_nsys.sh" in res.stderr and "--builtin" in res.stderr
 
 
+@pytest.mark.parametrize("nsys, message", [
+    ("/nonexistent/nsys", "option --nsys: /nonexistent/nsys does not exist. Get it with scripts/get_nsys.sh"),
+    ("/bin/true", "option --nsys: /bin/true profile failed: it exited 0 but wrote no report: is /bin/true Nsight "
+                  "Systems?"),
+    ("/bin/false", "option --nsys: /bin/false profile failed: it exited 1 without a word"),
+])
+def test_a_wrong_nsys_is_named(tmp_path, nsys, message):
+    """--nsys naming nothing, or a program that is not Nsight Systems: one line naming the path and what went
+    wrong (was `field nsys: nsys not found` and `nsys profile failed: ` with nothing after it); nothing written."""
+    if not Path(nsys).exists() and nsys.startswith("/bin/"):
+        pytest.skip(f"{nsys} is not on this machine")
+    res = runner.invoke(app, ["profile", "worked_example", "-o", str(tmp_path / "p"), "--nsys", nsys])
+    assert res.exit_code == 2 and res.stderr.startswith(f"kvmap: error: {message}"), res.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("via_env", [False, True])
 def test_an_nsys_that_is_not_an_executable_file_is_one_line(tmp_path, monkeypatch, via_env):
     """--nsys or $KVMAP_NSYS naming a folder (the unpacked .tools/nsys, not its bin/nsys) or a plain file is one

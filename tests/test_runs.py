@@ -167,6 +167,15 @@ def test_percentiles_choose_the_columns_and_the_json_keys(tmp_path):
     assert "p75" in invoke("report", j, "--percentiles", "75").stdout
 
 
+def test_close_percentiles_keep_their_own_names(tmp_path):
+    """Every digit is kept: 99.99999 is not rounded to p100 beside p100 (one JSON key would be lost)."""
+    j = tmp_path / "run.json"
+    res = invoke("replay", WORKED, "--no-progress", "-q", "--json", j, "--percentiles", "99.99999,100,0.5")
+    assert res.exit_code == 0, res.output
+    keys = list(json.loads(j.read_text())["summary"]["phases"]["step"])
+    assert keys[1:4] == ["p99.99999_us", "p100_us", "p0.5_us"]
+
+
 def test_default_percentiles_are_todays(tmp_path):
     d = _saved(tmp_path, "run.json")
     assert list(d["summary"]["phases"]["step"])[1:4] == ["p50_us", "p90_us", "p99_us"]

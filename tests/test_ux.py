@@ -383,3 +383,43 @@ def test_an_unwritable_output_is_one_line_not_a_traceback():
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, timeout=120,
                           preexec_fn=lambda: os.close(1))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_quiet_kv_failure_says_why_it_exits_1(tmp_path):
+    """`-q --verify-kv` on a trace whose KV reads back wrong (step 1 gives A block 12, which B holds): exit 1 with
+    one stderr line naming the count and the first mismatch; without -q the summary lists them."""
+    lines = read_lines(TRACES / "worked_example.jsonl")
+    lines[2]["scheduler_output"]["scheduled_cached_reqs"]["new_block_ids"] = [None, [[12]]]
+    path = write_lines(tmp_path / "double.jsonl", lines)
+    res = runner.invoke(app, ["replay", str(path), "-q", "--verify-kv", "--no-progress"])
+    assert res.exit_code == 1 and res.stdout == ""
+    assert res.stderr.startswith("kvmap: the KV read-back found ") and res.stderr.count("\n") == 1
+    assert "first: step 1, request 'B', group 0" in res.stderr
+    loud = runner.invoke(app, ["replay", str(path), "--verify-kv", "--no-progress"], env={"COLUMNS": "200"})
+    assert loud.exit_code == 1 and "KV mismatch step 1, request 'B'" in loud.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "9:12"], "{path}, option --steps: the window 9:12 is outside the trace: the trace has 4 steps (0..3)"),
+    (["--warmup", "9"], "option --warmup: 9 warm-up steps, but the trace has only 4; lower --warmup"),
+    (["--header-only"], "{path}: the trace has no steps (a header and nothing after it): nothing to replay"),
+])
+def test_an_empty_window_names_the_option_given(tmp_path, args, message):
+    """A window with nothing to measure: one line naming the option that emptied it, and none when the trace
+    itself has no steps (a header alone: no --steps was given, so none is blamed)."""
+    path = TRACES / "worked_example.jsonl"
+    if args == ["--header-only"]:
+        path, args = tmp_path / "header.jsonl", []
+        path.write_text((TRACES / "worked_example.jsonl").read_text().splitlines(keepends=True)[0])
+    res = runner.invoke(app, ["replay", str(path), "-q", "--no-progress", *args])
+    assert res.exit_code == 2 and res.stderr == f"kvmap: error: {message.format(path=path)}\n"
+
+
+def test_a_kv_cache_too_big_from_the_options_blames_the_options():
+    """The bundled header is fine; 100000 heads x 100000 from the options make the pool too big: the one line
+    names the options and the geometry, not the header's num_gpu_blocks."""
+    res = runner.invoke(app, ["replay", "worked_example", "-q", "--no-progress", "--kv-heads", "100000",
+                              "--head-size", "100000"])
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("kvmap: error: option --kv-heads/--head-size: replaying this header needs ")
+    assert "with 100000 KV heads x 100000 x bfloat16 per slot from --kv-heads, --head-size and --kv-dtype" in res.stderr

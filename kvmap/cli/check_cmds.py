@@ -132,7 +132,8 @@ def explain(
                               [trace_path])
     t = Trace(trace_path)
     if step is None:
-        step = first_scheduled_step(t, req) if req is not None else 1
+        # without --req step 1, the first with cached requests; step 0 in a one-step trace
+        step = first_scheduled_step(t, req) if req is not None else int(next(iter(t.steps(1, 2)), None) is not None)
     d = run_explain(t, step, req, token, group, KVGeometry(kv_heads, head_size, kv_dtype), runner,
                     (attention_backend, cudagraph_mode, cudagraph_capture_sizes))
     if html_out or svg_out:

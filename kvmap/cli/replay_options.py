@@ -111,7 +111,8 @@ KvDtypeOpt = Annotated[
 
 DumpOpt = Annotated[
     Optional[Path],
-    typer.Option(help="Write every step's mappings as JSON Lines (docs/trace-format.md).", rich_help_panel="Outputs"),
+    typer.Option(help="Write the mappings of every step in the window (--steps; the whole trace by default; "
+                "not the warm-up steps before it) as JSON Lines (docs/trace-format.md).", rich_help_panel="Outputs"),
 ]
 
 JsonOpt = Annotated[

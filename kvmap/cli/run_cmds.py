@@ -211,7 +211,7 @@ def _finish(result, console, json_out, csv_out, trace_out, percentiles: list[flo
     """Record what produced the run and the percentiles asked for; render the summary (unless `console` is None),
     write the outputs asked for; exit 1 on KV mismatches."""
     from kvmap.files import write_json, write_text
-    from kvmap.render.report import render_summary, summary_dict, to_chrome_trace, to_csv
+    from kvmap.render.report import kv_failure_line, render_summary, summary_dict, to_chrome_trace, to_csv
     from kvmap.run.provenance import provenance
 
     result.provenance = provenance()
@@ -229,6 +229,8 @@ def _finish(result, console, json_out, csv_out, trace_out, percentiles: list[flo
     if html_out:
         _write_html(html_out, result)
     if result.kv_mismatches:
+        if console is None:  # quiet: no summary lists them, so one line says why the exit is 1
+            typer.echo(f"kvmap: {kv_failure_line(result)}", err=True)
         raise typer.Exit(1)
 
 
@@ -304,8 +306,7 @@ def profile(
         return
     exe = P.find_nsys(nsys)
     if exe is None:
-        raise KvmapError(f"nsys not found. Get it with {P.GET_NSYS}, or pass --nsys PATH; or run "
-                         "`kvmap profile --builtin` for a Perfetto trace without nsys", field="nsys")
+        raise P.nsys_missing(nsys)
     with tempfile.TemporaryDirectory() as tmp, P.staged(rep) as staged:  # renamed to rep when all went well
         res_path = Path(tmp) / "result.json"
         with Spinner(True, f"profiling under {exe}"):

@@ -103,6 +103,9 @@ def _replay_to(trace: Trace, step: int, config: ForwardConfig) -> tuple[NumpyWor
             break
         worker.append_sampled()
     if target is None:
+        if last < 0:
+            raise KvmapError("the trace has no steps (a header and nothing after it): nothing to explain",
+                             path=trace.name)
         raise KvmapError(f"step {step} does not exist: the trace has steps 0..{last}", path=trace.name,
                          field="--step")
     return worker, target, held
@@ -197,7 +200,7 @@ def _request_dict(worker: NumpyWorker, target, m, req_id: str, origin, groups: l
     batch_of = {r: b for b, r in enumerate(m.req_ids)}
     if req_id not in batch_of:
         where = "is not scheduled in" if req_id in st.req_id_to_index else "does not exist at"
-        raise KvmapError(f"request {req_id!r} {where} step {step}; scheduled: {_list(list(m.req_ids))}",
+        raise KvmapError(f"request {req_id!r} {where} step {step}; scheduled: {_list(list(m.req_ids)) or 'none'}",
                          field="--req")
     b = batch_of[req_id]
     row = int(m.idx_mapping[b])
@@ -206,7 +209,7 @@ def _request_dict(worker: NumpyWorker, target, m, req_id: str, origin, groups: l
     drafts = len(so.scheduled_spec_decode_tokens.get(req_id, []))
     req: dict = {"req_id": req_id, "batch_idx": b, "row": row, "origin": origin(req_id),
                  "num_computed_tokens": nc, "num_scheduled_tokens": n, "num_draft_tokens": drafts,
-                 "tokens": [qsl[b], qsl[b + 1]], "positions": [nc, nc + n - 1],
+                 "tokens": [qsl[b], qsl[b + 1]], "positions": [nc, nc + n],  # both [start, end)
                  "input_ids": m.input_ids[qsl[b]:qsl[b + 1]].tolist(), "seq_len": nc + n, "block_tables": []}
     for g in groups:
         grp = h.kv_cache_groups[g]

@@ -110,7 +110,13 @@ class PagedKVCache:
                   for bs, grp in zip(self.block_sizes, header.kv_cache_groups)]
         self.on_torch = device != "cpu" or torch_storage
         if device == "cpu":  # a pool too big for this machine: one located error, not a MemoryError
-            check_fits(header, kv_memory(header, geometry.bytes_per_token + 1))
+            try:
+                check_fits(header, kv_memory(header, geometry.bytes_per_token + 1))
+            except KvmapError as e:  # the header's pool times the options' geometry: say both
+                if geometry == KVGeometry():
+                    raise
+                raise KvmapError(f"{e.message}, with {H} KV heads x {D} x {geometry.dtype} per slot from --kv-heads, "
+                                 "--head-size and --kv-dtype: lower them", field="--kv-heads/--head-size") from None
         if self.on_torch:
             from kvmap._torch import torch
 

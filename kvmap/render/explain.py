@@ -101,7 +101,7 @@ def render_explain(d: dict, console: Console) -> None:
         console.print()
         say(console, f"request {req['req_id']!r} ({req['origin']}): row {req['row']}, batch {req['batch_idx']}, "
                      f"flat tokens {req['tokens'][0]}..{req['tokens'][1] - 1}, positions "
-                     f"{req['positions'][0]}..{req['positions'][1]}"
+                     f"{req['positions'][0]}..{req['positions'][1] - 1}"
                      + (f" ({req['num_draft_tokens']} drafts)" if req["num_draft_tokens"] else ""), style="bold")
         for bt in req["block_tables"]:
             row = Text(f"  group {bt['group']} ({bt['kind']}, block {bt['block_size']}): ")

@@ -85,8 +85,9 @@ def summary_dict(r: ReplayResult) -> dict:
 
 
 def percentile_name(q: float) -> str:
-    """`p50`, `p99.9`: a percentile's column and key."""
-    return f"p{q:g}"
+    """`p50`, `p99.9`, `p99.99999`: a percentile's column and key, every digit kept (the shortest repr), so that
+    two different percentiles never share a name."""
+    return f"p{int(q)}" if float(q).is_integer() else f"p{float(q)!r}"
 
 
 def _phases_dict(r: ReplayResult) -> dict:
@@ -211,6 +212,19 @@ def memory_text(mem: dict) -> str:
             f"{fig(eff['contiguous_final'])} (tokens held / memory reserved, measured steps)")
 
 
+def mismatch_text(e: dict, cp_size: int) -> str:
+    """One KV mismatch located: step, request, rank (DCP), group, position, slot, expected and found."""
+    return (f"step {e['step']}, request {e['req_id']!r}, " + (f"rank {e.get('rank', 0)}, " if cp_size > 1 else "")
+            + f"group {e['group']}, position {e['position']}, slot {e['slot']}: expected token "
+            f"{e['expected_token']}, found {e['found']}")
+
+
+def kv_failure_line(r: ReplayResult) -> str:
+    """The one line a quiet run (no summary) prints when the KV read-back failed: how many, and the first."""
+    first = f"; first: {mismatch_text(r.kv_examples[0], r.cp_size)}" if r.kv_examples else ""
+    return safe(f"the KV read-back found {r.kv_mismatches:,} mismatch(es) in {r.kv_checked:,} positions{first}")
+
+
 def _summary_notes(r: ReplayResult, s: dict) -> list[list[tuple[str, str | None]]]:
     """The summary's lines below its tables: the staged copy, located KV mismatches, warnings."""
     notes: list[list[tuple[str, str | None]]] = []
@@ -218,10 +232,7 @@ def _summary_notes(r: ReplayResult, s: dict) -> list[list[tuple[str, str | None]
         notes.append([(f"host-to-device: {s['h2d_bytes_per_step']:,.0f} bytes per measured step in one staged "
                        "copy", None)])
     for e in r.kv_examples[:5]:
-        notes.append([("KV mismatch", "red"), (safe(
-            f" step {e['step']}, request {e['req_id']!r}, " + (f"rank {e.get('rank', 0)}, " if r.cp_size > 1 else "")
-            + f"group {e['group']}, position {e['position']}, slot "
-            f"{e['slot']}: expected token {e['expected_token']}, found {e['found']}"), None)])
+        notes.append([("KV mismatch", "red"), (safe(" " + mismatch_text(e, r.cp_size)), None)])
     for w in s["warnings"]:
         notes.append([("warning:", "yellow"), (" " + safe(w), None)])
     return notes

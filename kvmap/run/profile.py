@@ -54,6 +54,13 @@ def find_nsys(explicit: str | None = None) -> str | None:
     return str(local) if local.exists() else None
 
 
+def nsys_missing(explicit: str | None) -> KvmapError:
+    """No nsys to run: the path given that does not exist, or none found; how to get one."""
+    return KvmapError(f"{f'{explicit} does not exist' if explicit else 'nsys not found'}. Get it with {GET_NSYS}, "
+                      "or pass --nsys PATH; or run `kvmap profile --builtin` for a Perfetto trace without nsys",
+                      field="--nsys" if explicit else None)
+
+
 @contextmanager
 def staged(rep: Path) -> Iterator[Path]:
     """The `-o` name for nsys in a private folder beside report `rep` (the same file system: renamed, never
@@ -133,7 +140,9 @@ def run_nsys(nsys: str, out: Path, replay_args: list[str],
             raise KvmapError(f"nsys captured nothing: the nvtx package here ({nvtx_version()}) records no ranges "
                              f"under this nsys; {WORKS_WITH}", field="nsys")
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise KvmapError("nsys profile failed: " + " | ".join(tail), field="nsys")
+        why = " | ".join(tail) if tail else (f"it exited {proc.returncode} without a word" if proc.returncode else
+                                             f"it exited 0 but wrote no report: is {nsys} Nsight Systems?")
+        raise KvmapError(f"{nsys} profile failed: {why}", field="--nsys")
     return proc
 
 
