@@ -73,6 +73,21 @@ def test_numba_forms_without_a_backend_equal_the_specs(runner):
     assert {"FULL", "PIECEWISE"} <= modes  # padded steps of both kinds
 
 
+@pytest.mark.parametrize("runner", ["mrv2", "v1"])
+def test_every_attention_backends_rules_equal_the_spec(runner):
+    """Every backend of kvmap's table (its reorder_batch_threshold and uniform rule) on two traces with a step
+    that schedules nothing (worked_example's step 3) and with drafts: the numba and numpy dumps equal the
+    reference's. FLASHMLA (128, uniform) and TRITON_MLA with drafts made the numba split read query_start_loc[1]
+    of a step with no rows."""
+    from kvmap.forward.attention import BACKENDS
+
+    for name in ("worked_example.jsonl", "spec_decode.jsonl"):
+        for attention in BACKENDS:
+            ref = dumps(name, runner, "eager", attention=attention)
+            for backend in ("numpy", "numba"):
+                assert dumps(name, runner, "eager", backend, attention=attention) == ref, (name, attention, backend)
+
+
 def test_long_trace_slice_equals_the_spec():
     got: dict = {}
     for b in ("reference", "numpy", "numba"):

@@ -90,7 +90,7 @@ def common_split(query_start_loc, seq_lens_cpu_upper_bound, num_computed_tokens,
         return
     T = num_actual_tokens
     first = n  # the first prefill row (n: none)
-    if not (max_q <= threshold and (not require_uniform or threshold <= 1)):
+    if n and not (max_q <= threshold and (not require_uniform or threshold <= 1)):  # n = 0: no split to find
         q0 = query_start_loc[1] - query_start_loc[0]
         if q0 > threshold:
             first = 0
