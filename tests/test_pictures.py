@@ -284,3 +284,16 @@ def test_a_run_saved_before_the_occupancy_series_still_draws(made, tmp_path):
 def test_explain_writes_one_output_to_stdout():
     res = runner.invoke(app, ["explain", str(TRACES / "worked_example.jsonl"), "--json", "--html", "-"])
     assert res.exit_code == 2 and "--html" in res.output
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in TRACES.glob("*.jsonl")))
+def test_explain_svg_draws_a_busy_step_of_every_bundled_trace(tmp_path, name):
+    """Every group kind's layout reaches the picture: chunked_local's chunk size was missing from explain's data,
+    so its grid failed an assertion on every step with requests (the text and --json were fine)."""
+    lines = (TRACES / name).read_text().splitlines()[1:]
+    busiest = max(range(len(lines)), key=lambda k: json.loads(lines[k])["scheduler_output"]
+                  ["total_num_scheduled_tokens"])
+    res = runner.invoke(app, ["explain", str(TRACES / name), "--step", str(busiest), "--svg", str(tmp_path / "e.svg")])
+    assert res.exit_code == 0, res.output
+    svg = (tmp_path / "e.svg").read_text()
+    assert ET.fromstring(svg.split("\n", 1)[1]).tag.endswith("svg")

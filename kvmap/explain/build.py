@@ -169,8 +169,8 @@ def _step_dict(trace: Trace, target, m, origin, geometry: KVGeometry, held: dict
         "step": target.step,
         "line": target.line,
         "protocol": h.model_runner_protocol,
-        "groups": [{"group": g, "kind": h.kv_cache_groups[g].kind, "block_size": h.kv_cache_groups[g].block_size,
-                    "sliding_window": h.kv_cache_groups[g].sliding_window} for g in range(h.num_groups)],
+        "groups": [{"group": g, "kind": grp.kind, "block_size": grp.block_size, "sliding_window": grp.sliding_window,
+                    "attention_chunk_size": grp.attention_chunk_size} for g, grp in enumerate(h.kv_cache_groups)],
         "scheduler_order": [{"req_id": r, "num_scheduled_tokens": n, "origin": origin(r)}
                             for r, n in so.num_scheduled_tokens.items()],
         "batch": [{"batch_idx": b, "req_id": r, "row": int(m.idx_mapping[b]),

@@ -24,7 +24,8 @@ def layout_of(d: dict, g: int, rank: int) -> GroupLayout:
     grp, lay = d["groups"][g], d["layout"]
     cp = lay["group_cp"][g]
     return GroupLayout(grp["block_size"], kind=grp["kind"], sliding_window=grp.get("sliding_window"),
-                       cp_size=cp, cp_rank=rank if cp > 1 else 0, interleave=lay["interleave"] if cp > 1 else 1,
+                       attention_chunk_size=grp.get("attention_chunk_size"), cp_size=cp,
+                       cp_rank=rank if cp > 1 else 0, interleave=lay["interleave"] if cp > 1 else 1,
                        uses_slot_mapping=lay["has_slots"][g])
 
 
