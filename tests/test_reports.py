@@ -134,3 +134,22 @@ def test_each_steps_phases_lie_inside_its_span():
     assert r.phase_ns.shape == (len(r.steps), len(r.phases)) and (r.phase_ns > 0).all()
     starts = r.step_start_ns
     assert (starts[1:] - starts[:-1] >= r.phase_ns[:-1].sum(axis=1)).all() and starts[0] >= 0
+
+
+def test_report_and_compare_refuse_an_edited_run_in_one_line(tmp_path):
+    """A saved run edited by hand: a --runs median that is not a number, or a window that ends before it starts,
+    is one line naming the field (report and compare), not a TypeError traceback or a nonsense window."""
+    good = tmp_path / "good.json"
+    assert runner.invoke(app, ["replay", str(TRACE), "--no-progress", "-q", "--runs", "2", "--json",
+                               str(good)]).exit_code == 0
+    d = json.loads(good.read_text())
+    for field, value, message in (("runs_p50_us", [{"read_step": "1"}], "run 0 has a median that is not a finite"),
+                                  ("runs_p50_us", [{"step": None}], "run 0 has a median that is not a finite"),
+                                  ("step_window", [5, 2], "[5, 2] is not [start, stop > start or null]")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({**d, "result": {**d["result"], field: value}}))
+        for args in (["report", str(bad)], ["compare", str(good), str(bad)]):
+            res = runner.invoke(app, args)
+            assert res.exit_code == 2 and res.stderr == f"kvmap: error: {bad}, field {field}: {message}" + \
+                res.stderr.split(message, 1)[1], res.output
+            assert res.stderr.count("\n") == 1

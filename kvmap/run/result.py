@@ -17,6 +17,7 @@ re-render a saved run. Times are integer nanoseconds (`*_ns`); statistics are de
 
 from __future__ import annotations
 
+import math
 import platform
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
@@ -201,8 +202,11 @@ class ReplayResult:
                 if not keys <= set(item):
                     raise KvmapError(f"item {i} lacks {sorted(keys - set(item))}", field=k)
         window = kw.get("step_window", [0, None])
-        if len(window) != 2 or window[0] is None or window[0] < 0:
-            raise KvmapError(f"{window} is not [start, stop or null]", field="step_window")
+        if len(window) != 2 or window[0] is None or window[0] < 0 or window[1] is not None and window[1] <= window[0]:
+            raise KvmapError(f"{window} is not [start, stop > start or null]", field="step_window")
+        for i, run in enumerate(kw.get("runs_p50_us", [])):  # --runs: per run, phase -> a finite median in us
+            if not all(type(v) in (int, float) and math.isfinite(v) for v in run.values()):
+                raise KvmapError(f"run {i} has a median that is not a finite number", field="runs_p50_us")
         for k in _ARRAYS:
             try:
                 kw[k] = np.asarray(kw.get(k, []), dtype=np.int64)
