@@ -1,8 +1,14 @@
 """Offline recording: drive vLLM's real v1 scheduler (no model, no GPU) through the synchronous engine loop.
 
 Rules:
-- The "model" is a `config.json` for a tiny Llama in a temporary folder; no weights, no hub access.
-- The KV cache config is built by hand, one group per workload group, all drawing from one block pool.
+- The "model" is a `config.json` for a tiny Llama in a temporary folder, removed once the scheduler is built
+  (success or failure); no weights, no hub access. Its hidden size is a multiple of its head count (one head
+  per TP rank).
+- Whatever vLLM refuses (its config checks' ValueError) or fails at while building the scheduler for a workload
+  kvmap accepted is one `KvmapError` naming the workload file and quoting vLLM, never a traceback; so is a run
+  that passes `max_steps`.
+- The KV cache config is built by hand, one group per workload group, all drawing from one block pool; the
+  cache's block size is then set as EngineCore sets it (max_model_len for a model of mamba groups only).
 - What the model samples and the drafts it proposes are the fake model's (fake_model.py: deterministic,
   seeded, with early stops at `stop_rate`). A partial prefill chunk samples nothing.
 - The loop is `EngineCore.step`'s: add arrived requests, `schedule()`, model output, `update_from_output()`,
@@ -18,7 +24,9 @@ Rules:
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,27 +72,48 @@ def require_vllm() -> None:
 
 
 def build_scheduler(w: Workload):
-    """A vLLM scheduler configured as the workload says. Imports vLLM (and sets its environment) here."""
+    """A vLLM scheduler configured as the workload says. Imports vLLM (and sets its environment) here. Whatever
+    vLLM refuses or fails at while building it is one `KvmapError` naming the workload file."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if w.protocol == "v2" else "0"
     try:  # vLLM imports torch: a missing one is named here too
-        from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, \
-            resolve_kv_cache_block_sizes
-        from vllm.v1.kv_cache_interface import KVCacheConfig
-        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     except ImportError as e:
         raise KvmapError(f"{INSTALL_HINT} ({e})") from None
+    with tempfile.TemporaryDirectory(prefix="kvmap-model-") as model_dir:  # read by ModelConfig only
+        try:
+            vc, cc, sc = _configs(w, model_dir)
+            kvc, scheduler, hbs = _scheduler(w, vc, cc, sc)
+        except ImportError as e:
+            raise KvmapError(f"{INSTALL_HINT} ({e})") from None
+        except KvmapError:
+            raise
+        except ValueError as e:  # vLLM's config checks (pydantic's ValidationError is a ValueError)
+            raise _refused(w, e) from None
+        except Exception as e:  # noqa: BLE001 - vLLM failing on a workload kvmap accepted: one line, not a traceback
+            raise _failed(w, e) from None
+    hasher = None
+    if w.enable_prefix_caching:
+        from vllm.utils.hashing import get_hash_fn_by_name
 
-    model_dir = tempfile.mkdtemp(prefix="kvmap-model-")
-    layers = sum(g.num_layers for g in w.kv_cache_groups)
+        hash_fn = get_hash_fn_by_name(cc.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(hbs, hash_fn)
+    return vc, kvc, scheduler, hasher
+
+
+def _configs(w: Workload, model_dir: str):
+    """vLLM's (VllmConfig, CacheConfig, SchedulerConfig) for the workload, the fake model's config.json in
+    `model_dir`. Its hidden size is a multiple of its head count (one head per TP rank, at least 2)."""
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
+
+    heads = max(2, w.tensor_parallel_size)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-                   "intermediate_size": 128,
-                   "num_attention_heads": max(2, w.tensor_parallel_size), "num_key_value_heads": 1,
-                   "num_hidden_layers": layers, "vocab_size": w.vocab_size,
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": math.lcm(64, heads),
+                   "intermediate_size": 128, "num_attention_heads": heads, "num_key_value_heads": 1,
+                   "num_hidden_layers": sum(g.num_layers for g in w.kv_cache_groups), "vocab_size": w.vocab_size,
                    "max_position_embeddings": w.max_model_len, "torch_dtype": "float16", "rms_norm_eps": 1e-5}, f)
     mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=w.max_model_len)
     sc = SchedulerConfig(max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens,
@@ -102,30 +131,61 @@ def build_scheduler(w: Workload):
         kw["parallel_config"] = ParallelConfig(tensor_parallel_size=w.tensor_parallel_size,
                                                decode_context_parallel_size=w.decode_context_parallel_size,
                                                cp_kv_cache_interleave_size=w.cp_kv_cache_interleave_size)
-    try:
-        vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
-                        device_config=DeviceConfig(device="cpu"), **kw)
-    except ValueError as e:  # e.g. async scheduling with the V1 runner and ngram drafts
-        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-        why = next((x.split("Value error, ", 1)[1] for x in lines if "Value error, " in x), lines[0] if lines else e)
-        why = str(why).split(" [type=")[0]
-        raise KvmapError(f"vLLM refuses this configuration: {why}",
-                         field="async_scheduling" if w.async_scheduling else None) from None
+    vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, device_config=DeviceConfig(device="cpu"),
+                    **kw)
+    return vc, cc, sc
+
+
+def _scheduler(w: Workload, vc, cc, sc):
+    """(KVCacheConfig, the scheduler, its hash block size). The cache's block size is the smallest block size of
+    the groups that take part in prefix caching (of all groups if none does), as EngineCore sets it once the KV
+    cache is known: the workload's block_size, or max_model_len for a model of mamba groups only."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.structured_output import StructuredOutputManager
+
     groups = kv_cache_group_specs(w)
     kvc = KVCacheConfig(num_blocks=w.num_gpu_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     cc.num_gpu_blocks = w.num_gpu_blocks
+    cacheable = [g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable]
+    cc.block_size = min(cacheable or [g.kv_cache_spec.block_size for g in groups])
     bs, hbs = resolve_kv_cache_block_sizes(kvc, vc)
     scheduler = sc.get_scheduler_cls()(vllm_config=vc, kv_cache_config=kvc,
                                        structured_output_manager=StructuredOutputManager(vc),
                                        block_size=bs, hash_block_size=hbs)
-    hasher = None
-    if w.enable_prefix_caching:
-        from vllm.utils.hashing import get_hash_fn_by_name
+    return kvc, scheduler, hbs
 
-        hash_fn = get_hash_fn_by_name(cc.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        hasher = get_request_block_hasher(hbs, hash_fn)
-    return vc, kvc, scheduler, hasher
+
+# the workload keys vLLM's configuration checks can name, and the words its messages use for some of them
+_VLLM_KEYS = {"max_num_batched_tokens": "", "max_num_seqs": "", "max_model_len": "", "block_size": "",
+              "num_gpu_blocks": "", "enable_chunked_prefill": "chunked prefill",
+              "enable_prefix_caching": "prefix caching", "async_scheduling": "async scheduling",
+              "num_speculative_tokens": "speculative", "decode_context_parallel_size": "decode context parallel",
+              "tensor_parallel_size": "tensor parallel", "cp_kv_cache_interleave_size": "interleave"}
+
+
+def _refused(w: Workload, e: ValueError) -> KvmapError:
+    """vLLM's own reason (pydantic's `Value error, ...` line when there is one), blaming the workload key it names
+    first (async_scheduling for "Async scheduling ...")."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    why = next((x.split("Value error, ", 1)[1] for x in lines if "Value error, " in x), lines[0] if lines else repr(e))
+    why = why.split(" [type=")[0]
+    hits = [(m.start(), key) for key, words in _VLLM_KEYS.items()
+            for m in [re.search(rf"\b({key}{'|' + words if words else ''})\b", why, re.IGNORECASE)] if m]
+    return KvmapError(f"vLLM refuses this configuration: {why}", path=w.source, field=min(hits)[1] if hits else None)
+
+
+def _failed(w: Workload, e: Exception) -> KvmapError:
+    """An error vLLM raised building the scheduler for a workload that passed kvmap's checks: its type, message
+    and the vLLM line that raised it."""
+    import traceback
+
+    frames = reversed(traceback.extract_tb(e.__traceback__))
+    where = next((f"{os.path.basename(fr.filename)}:{fr.lineno}" for fr in frames
+                  if f"{os.sep}vllm{os.sep}" in fr.filename), None)
+    msg = " ".join(str(e).split())
+    what = f"{type(e).__name__}{': ' + msg if msg else ''}{f' (at {where})' if where else ''}"
+    return KvmapError(f"vLLM cannot build a scheduler for this workload: {what}", path=w.source)
 
 
 def kv_cache_group_specs(w: Workload) -> list:
@@ -197,6 +257,12 @@ def _add(w: Workload, rec, a: Arrival, hasher) -> None:
                             **kw))
 
 
+def _too_long(w: Workload) -> KvmapError:
+    return KvmapError(f"still running after max_steps={w.max_steps} steps: a longer workload needs a larger "
+                      f"max_steps; a request the scheduler never finishes needs fewer tokens or more blocks",
+                      path=w.source, field="max_steps")
+
+
 def drive(w: Workload, rec, hasher, on_step: Callable[[int], None] | None = None) -> tuple[int, int]:
     """The synchronous engine loop over `rec` (a scheduler, normally wrapped by RecordingScheduler).
     Returns (tokens scheduled, prefix-hit tokens)."""
@@ -212,7 +278,7 @@ def drive(w: Workload, rec, hasher, on_step: Callable[[int], None] | None = None
         if not rec.has_requests():
             continue
         if steps >= w.max_steps:
-            raise KvmapError(f"still running after max_steps={w.max_steps} steps", field="max_steps")
+            raise _too_long(w)
         out = rec.schedule()
         steps += 1
         tokens += out.total_num_scheduled_tokens
@@ -262,7 +328,7 @@ def drive_async(w: Workload, rec, hasher, depth: int,
         nonlocal tokens, hits, steps
         if rec.has_requests():
             if steps >= w.max_steps:
-                raise KvmapError(f"still running after max_steps={w.max_steps} steps", field="max_steps")
+                raise _too_long(w)
             out = rec.schedule()
             step = steps
             steps += 1

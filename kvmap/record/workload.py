@@ -1,15 +1,19 @@
 """Workload files (YAML) for `kvmap record`: the scheduler's settings and the requests to feed it.
 
-Rules: unknown keys and bad values are rejected with the file, the key path and what was expected. Requests
-are explicit (`requests:`) or generated (`generate:`) from a seeded RNG, so a workload always yields the same
-requests. Token ids are derived from the seed; shared prefixes give prefix-cache hits. A request with `chunks`
-is a streaming-input session; `arrivals` lists every `add_request` the engine loop makes, in step order.
+Rules: a file that cannot be read, unknown or missing keys and bad values are rejected with the file, the key
+path and what was expected (one `KvmapError`); `null` for a key whose default is none means "not given". Every
+value the generator and vLLM's scheduler need in range is checked here, before vLLM is imported: a request
+that could never be scheduled (its tokens need more KV blocks at once than the pool gives one request) is
+refused up front rather than found by running into `max_steps`. Requests are explicit (`requests:`) or
+generated (`generate:`) from a seeded RNG, so a workload always yields the same requests. Token ids are
+derived from the seed; shared prefixes give prefix-cache hits. A request with `chunks` is a streaming-input
+session; `arrivals` lists every `add_request` the engine loop makes, in step order.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
@@ -111,6 +115,8 @@ class Workload:
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # token counts
     requests: tuple[RequestSpec, ...] = ()
     generate: GenerateSpec | None = None
+    # the file it was loaded from (not a workload key): errors found while recording name it
+    source: str | None = field(default=None, compare=False, metadata={"key": False})
 
     def request_list(self) -> list[RequestSpec]:
         reqs = list(self.requests)
@@ -165,28 +171,28 @@ def prompt_tokens(w: Workload, r: RequestSpec) -> list[int]:
 
 
 def _fail(path: str, key: str, msg: str) -> KvmapError:
-    return KvmapError(msg, path=path, field=key)
+    return KvmapError(msg, path=path, field=key or None)
 
 
 def _build(cls, raw: object, path: str, key: str):
     if not isinstance(raw, dict):
-        raise _fail(path, key, f"expected a mapping, got {type(raw).__name__}")
-    names = {f.name: f for f in fields(cls)}
+        what = "an empty file" if raw is None and not key else type(raw).__name__
+        raise _fail(path, key, f"expected a mapping, got {what}")
+    names = {f.name: f for f in fields(cls) if f.metadata.get("key", True)}
     unknown = [k for k in raw if k not in names]
     if unknown:
-        raise _fail(path, f"{key}.{unknown[0]}" if key else unknown[0],
+        raise _fail(path, f"{key}.{unknown[0]}" if key else str(unknown[0]),
                     f"unknown key; expected one of: {', '.join(names)}")
-    kw = {}
-    for k, v in raw.items():
-        kw[k] = _value(names[k], v, path, f"{key}.{k}" if key else k)
-    try:
-        return cls(**kw)
-    except TypeError as e:
-        raise _fail(path, key or "(top level)", str(e)) from None
+    missing = [n for n, f in names.items() if n not in raw and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise _fail(path, key, f"missing key {missing[0]}")
+    return cls(**{k: _value(names[k], v, path, f"{key}.{k}" if key else k) for k, v in raw.items()})
 
 
 def _value(f, v, path: str, key: str):
     t = f.type
+    if v is None and "None" in str(t):
+        return None  # null: not given (the key's default is none)
     if f.name == "kv_cache_groups":
         if not isinstance(v, list) or not v:
             raise _fail(path, key, "expected a non-empty list of groups")
@@ -202,7 +208,7 @@ def _value(f, v, path: str, key: str):
     if f.name == "generate":
         return _build(GenerateSpec, v, path, key)
     if f.name == "eos_token_id":
-        if v is not None and (type(v) is not int or v < 0):
+        if type(v) is not int or v < 0:
             raise _fail(path, key, f"expected a token id (int >= 0) or null, got {v!r}")
         return v
     if f.name == "cudagraph_capture_sizes":
@@ -225,23 +231,38 @@ def _value(f, v, path: str, key: str):
             if not isinstance(v, typ):
                 raise _fail(path, key, f"expected {name}, got {type(v).__name__} {v!r}")
             return v
-    if "None" in str(t):
-        if v is None or isinstance(v, (int, str)):
-            return v
     raise _fail(path, key, f"unexpected value {v!r}")
 
 
-def _check(w: Workload, path: str) -> Workload:
+def least_blocks(w: Workload, r: RequestSpec) -> tuple[int, int]:
+    """(tokens, blocks): the fewest tokens request `r` has computed at its last step, and the fewest blocks it then
+    holds at once. Every turn runs to its max_tokens unless a stop token can end it early; a turn's last sampled
+    token is never computed. A full-attention group keeps the whole sequence (one block per block_size * DCP
+    tokens); any other group (a window, a local chunk, a state) holds at least one block."""
+    turns = [(r.prompt_len, r.max_tokens), *((c.prompt_len, c.max_tokens) for c in r.chunks)]
+    stops = w.eos_token_id is not None or bool(w.stop_token_ids)
+    tokens = sum(p if stops else p + m - 1 for p, m in turns)
+    per = w.block_size * w.decode_context_parallel_size
+    return tokens, sum(-(-tokens // per) if g.kind == "full_attention" else 1 for g in w.kv_cache_groups)
+
+
+def _needs(path: str):
     def need(cond: bool, key: str, msg: str) -> None:
         if not cond:
             raise _fail(path, key, msg)
+    return need
 
+
+def _check_engine(w: Workload, need) -> None:
     need(w.protocol in ("v1", "v2"), "protocol", f"must be v1 or v2, got {w.protocol!r}")
-    for key in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+    for key in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                "max_steps"):
         need(getattr(w, key) > 0, key, "must be > 0")
     need(w.block_size % 16 == 0 or w.block_size in (1, 2, 4, 8), "block_size", "must be 1-8 or a multiple of 16")
     need(0 <= w.num_speculative_tokens <= 8, "num_speculative_tokens", "must be 0..8")
     need(0.0 <= w.draft_error_rate <= 1.0, "draft_error_rate", "must be within [0, 1]")
+    need(w.vocab_size >= 2, "vocab_size",
+         f"must be >= 2 (token id 0 is reserved; prompts and outputs draw ids 1 .. vocab_size - 1), got {w.vocab_size}")
     cp, inter, tp = w.decode_context_parallel_size, w.cp_kv_cache_interleave_size, w.tensor_parallel_size
     need(cp >= 1, "decode_context_parallel_size", "must be >= 1")
     need(tp >= 1 and tp % cp == 0, "tensor_parallel_size",
@@ -253,71 +274,109 @@ def _check(w: Workload, path: str) -> Workload:
          f"must be one of {', '.join(CUDAGRAPH_MODES)}, got {w.cudagraph_mode!r}")
     need(w.cudagraph_mode in (None, "NONE") or bool(w.cudagraph_capture_sizes), "cudagraph_capture_sizes",
          f"cudagraph_mode {w.cudagraph_mode} needs the capture sizes")
-    for i, g in enumerate(w.kv_cache_groups):
-        b = g.attention_backend
-        need(b is None or (b.isupper() and b.replace("_", "").isalnum()), f"kv_cache_groups[{i}].attention_backend",
-             f"expected vLLM's attention backend enum name (FLASH_ATTN, FLASHINFER, TRITON_ATTN), got {b!r}")
     need(0.0 <= w.stop_rate <= 1.0, "stop_rate", "must be within [0, 1]")
     need(w.stop_rate == 0 or w.eos_token_id is not None or bool(w.stop_token_ids), "stop_rate",
          "needs eos_token_id or stop_token_ids")
     for key, ids in (("eos_token_id", [w.eos_token_id] if w.eos_token_id is not None else []),
                      ("stop_token_ids", list(w.stop_token_ids))):
         need(all(t < w.vocab_size for t in ids), key, f"must be below vocab_size {w.vocab_size}")
+
+
+def _check_groups(w: Workload, need) -> None:
+    cp = w.decode_context_parallel_size
     for i, g in enumerate(w.kv_cache_groups):
-        need(g.kind in ("full_attention", "sliding_window", "chunked_local", "mamba"), f"kv_cache_groups[{i}].kind",
+        key = f"kv_cache_groups[{i}]"
+        need(g.kind in ("full_attention", "sliding_window", "chunked_local", "mamba"), f"{key}.kind",
              "must be full_attention, sliding_window, chunked_local or mamba")
+        need(g.num_layers >= 1, f"{key}.num_layers", f"must be >= 1, got {g.num_layers}")
+        b = g.attention_backend
+        need(b is None or (b.isupper() and b.replace("_", "").isalnum()), f"{key}.attention_backend",
+             f"expected vLLM's attention backend enum name (FLASH_ATTN, FLASHINFER, TRITON_ATTN), got {b!r}")
         c = g.attention_chunk_size
-        need(g.kind != "chunked_local" or (c or 0) > 0 and c % w.block_size == 0,
-             f"kv_cache_groups[{i}].attention_chunk_size",
+        need(g.kind != "chunked_local" or (c or 0) > 0 and c % w.block_size == 0, f"{key}.attention_chunk_size",
              f"a chunked_local group needs a chunk of a positive multiple of block_size {w.block_size} tokens")
-        need(g.kind != "chunked_local" or cp == 1, f"kv_cache_groups[{i}].kind",
+        need(g.kind != "chunked_local" or cp == 1, f"{key}.kind",
              "chunked_local groups are recorded without decode context parallelism")
-        need(g.kind != "sliding_window" or (g.sliding_window or 0) > 0, f"kv_cache_groups[{i}].sliding_window",
+        need(g.kind != "sliding_window" or (g.sliding_window or 0) > 0, f"{key}.sliding_window",
              "a sliding_window group needs a window > 0 tokens")
-        need(g.kind != "sliding_window" or cp == 1, f"kv_cache_groups[{i}].kind",
+        need(g.kind != "sliding_window" or cp == 1, f"{key}.kind",
              "vLLM 0.33 does not support sliding window groups with decode_context_parallel_size > 1")
         k = g.kernel_block_size
-        need(k is None or (k > 0 and w.block_size % k == 0), f"kv_cache_groups[{i}].kernel_block_size",
+        need(k is None or (k > 0 and w.block_size % k == 0), f"{key}.kernel_block_size",
              f"must be > 0 and divide block_size {w.block_size}")
-        need(k is None or g.kind != "mamba", f"kv_cache_groups[{i}].kernel_block_size",
-             "a mamba group has no kernel blocks")
+        need(k is None or g.kind != "mamba", f"{key}.kernel_block_size", "a mamba group has no kernel blocks")
     if any(g.kind == "mamba" for g in w.kv_cache_groups):
         need(not w.enable_prefix_caching, "enable_prefix_caching",
              "mamba groups are recorded without prefix caching (mamba_cache_mode none)")
         need(w.num_speculative_tokens == 0, "num_speculative_tokens",
              "mamba groups are recorded without speculative decoding (no speculative state blocks)")
-    reqs = w.request_list()
-    need(bool(reqs), "requests", "no requests: give `requests:` or `generate:`")
-    seen = set()
+
+
+def _check_generate(g: GenerateSpec, need) -> None:
+    need(g.num_requests >= 0, "generate.num_requests", f"must be >= 0, got {g.num_requests}")
+    need(g.arrival_rate >= 0, "generate.arrival_rate",
+         f"must be >= 0 (0: every request at step 0), got {g.arrival_rate}")
+    need(g.shared_prefix_len >= 0, "generate.shared_prefix_len", f"must be >= 0, got {g.shared_prefix_len}")
+    need(g.num_prefixes >= 1, "generate.num_prefixes", f"must be >= 1, got {g.num_prefixes}")
+    need(0.0 <= g.prefix_fraction <= 1.0, "generate.prefix_fraction", f"must be within [0, 1], got {g.prefix_fraction}")
+
+
+def _check_requests(w: Workload, reqs: list[RequestSpec], need) -> None:
+    seen, pool = set(), w.num_gpu_blocks - 1  # vLLM's block pool keeps block 0 as its null block
     for i, r in enumerate(reqs):
-        need(r.req_id not in seen, f"requests[{i}].req_id", f"duplicate request id {r.req_id!r}")
+        key = f"requests[{i}]"
+        need(r.req_id not in seen, f"{key}.req_id", f"duplicate request id {r.req_id!r}")
         seen.add(r.req_id)
-        need(r.prompt_len > 0 and r.max_tokens > 0, f"requests[{i}]", "prompt_len and max_tokens must be > 0")
+        need(r.prompt_len > 0 and r.max_tokens > 0, key, "prompt_len and max_tokens must be > 0")
+        need(r.arrival_step >= 0, f"{key}.arrival_step", f"must be >= 0, got {r.arrival_step}")
         total = r.prompt_len + r.max_tokens + sum(c.prompt_len + c.max_tokens for c in r.chunks)
-        need(total <= w.max_model_len, f"requests[{i}]",
+        need(total <= w.max_model_len, key,
              f"prompt_len + max_tokens (every chunk's) exceeds max_model_len {w.max_model_len}")
         at = r.arrival_step
         for j, c in enumerate(r.chunks):
-            need(c.prompt_len > 0 and c.max_tokens > 0, f"requests[{i}].chunks[{j}]",
-                 "prompt_len and max_tokens must be > 0")
-            need(c.arrival_step is None or c.arrival_step >= at, f"requests[{i}].chunks[{j}].arrival_step",
+            need(c.prompt_len > 0 and c.max_tokens > 0, f"{key}.chunks[{j}]", "prompt_len and max_tokens must be > 0")
+            need(c.arrival_step is None or c.arrival_step >= at, f"{key}.chunks[{j}].arrival_step",
                  f"must not come before the chunk before it (step {at})")
             at = c.arrival_step if c.arrival_step is not None else at
-        need(r.prefix_len < r.prompt_len, f"requests[{i}].prefix_len", "must be shorter than the prompt")
+        need(r.prefix_len >= 0, f"{key}.prefix_len", f"must be >= 0, got {r.prefix_len}")
+        need(r.prefix is not None or r.prefix_len == 0, f"{key}.prefix_len",
+             "needs `prefix` (the name the requests sharing these tokens give)")
+        need(r.prefix_len < r.prompt_len, f"{key}.prefix_len", "must be shorter than the prompt")
+        tokens, blocks = least_blocks(w, r)
+        need(blocks <= pool, key,
+             f"can never be scheduled: its {tokens} tokens need at least {blocks} KV cache "
+             f"block{'s' if blocks != 1 else ''} at once, and "
+             f"num_gpu_blocks {w.num_gpu_blocks} gives one request at most {pool} (block 0 is vLLM's null block)")
+
+
+def _check(w: Workload, path: str) -> Workload:
+    need = _needs(path)
+    _check_engine(w, need)
+    _check_groups(w, need)
+    if w.generate:
+        _check_generate(w.generate, need)
+    reqs = w.request_list()
+    need(bool(reqs), "requests", "no requests: give `requests:` or `generate:`")
+    _check_requests(w, reqs, need)
     return w
 
 
 def load_workload(path: str | Path) -> Workload:
     p = str(path)
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise KvmapError("no such file", path=p) from None
+    except IsADirectoryError:
+        raise KvmapError("is a folder, not a workload file", path=p) from None
+    except OSError as e:
+        raise KvmapError(f"cannot read: {e.strerror or e}", path=p) from None
+    except UnicodeDecodeError as e:
+        raise KvmapError(f"not a text file (UTF-8): byte {e.object[e.start]:#04x} at offset {e.start}",
+                         path=p) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         raise KvmapError(f"not valid YAML: {getattr(e, 'problem', e)}", path=p,
                          line=mark.line + 1 if mark else None) from None
     w = _build(Workload, raw, p, "")
-    if w.name == "workload":
-        w = Workload(**{**{f.name: getattr(w, f.name) for f in fields(w)}, "name": Path(path).stem.split(".")[0]})
-    return _check(w, p)
+    return _check(replace(w, name=Path(path).stem.split(".")[0] if w.name == "workload" else w.name, source=p), p)
