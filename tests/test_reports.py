@@ -150,6 +150,6 @@ def test_report_and_compare_refuse_an_edited_run_in_one_line(tmp_path):
         bad.write_text(json.dumps({**d, "result": {**d["result"], field: value}}))
         for args in (["report", str(bad)], ["compare", str(good), str(bad)]):
             res = runner.invoke(app, args)
-            assert res.exit_code == 2 and res.stderr == f"kvmap: error: {bad}, field {field}: {message}" + \
-                res.stderr.split(message, 1)[1], res.output
+            assert res.exit_code == 2 and res.stderr.startswith(f"kvmap: error: {bad}, field {field}: {message}"), \
+                res.output
             assert res.stderr.count("\n") == 1

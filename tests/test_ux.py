@@ -399,17 +399,18 @@ def test_quiet_kv_failure_says_why_it_exits_1(tmp_path):
     assert loud.exit_code == 1 and "KV mismatch step 1, request 'B'" in loud.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--steps", "9:12"], "{path}, option --steps: the window 9:12 is outside the trace: the trace has 4 steps (0..3)"),
-    (["--warmup", "9"], "option --warmup: 9 warm-up steps, but the trace has only 4; lower --warmup"),
-    (["--header-only"], "{path}: the trace has no steps (a header and nothing after it): nothing to replay"),
+@pytest.mark.parametrize("header_only, args, message", [
+    (False, ["--steps", "9:12"],
+     "{path}, option --steps: the window 9:12 is outside the trace: the trace has 4 steps (0..3)"),
+    (False, ["--warmup", "9"], "option --warmup: 9 warm-up steps, but the trace has only 4; lower --warmup"),
+    (True, [], "{path}: the trace has no steps (a header and nothing after it): nothing to replay"),
 ])
-def test_an_empty_window_names_the_option_given(tmp_path, args, message):
+def test_an_empty_window_names_the_option_given(tmp_path, header_only, args, message):
     """A window with nothing to measure: one line naming the option that emptied it, and none when the trace
     itself has no steps (a header alone: no --steps was given, so none is blamed)."""
     path = TRACES / "worked_example.jsonl"
-    if args == ["--header-only"]:
-        path, args = tmp_path / "header.jsonl", []
+    if header_only:
+        path = tmp_path / "header.jsonl"
         path.write_text((TRACES / "worked_example.jsonl").read_text().splitlines(keepends=True)[0])
     res = runner.invoke(app, ["replay", str(path), "-q", "--no-progress", *args])
     assert res.exit_code == 2 and res.stderr == f"kvmap: error: {message.format(path=path)}\n"

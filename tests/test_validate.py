@@ -14,7 +14,7 @@ from kvmap.cli.app import app
 from kvmap.trace import Trace
 from kvmap.validate import validate
 
-from .conftest import TRACES, bundled_traces, write_lines
+from .conftest import TRACES, bundled_traces, read_lines, write_lines
 
 runner = CliRunner()
 
@@ -289,7 +289,7 @@ def test_deep_compares_every_backend_and_the_kv_cache():
 def test_a_wrong_step_number_is_one_problem_at_the_step_expected(tmp_path, numbers, problem):
     """One problem per slip, located at the line and at the step replay names (its position), never at the
     line after a one-line typo."""
-    lines = [json.loads(x) for x in (TRACES / "worked_example.jsonl").read_text().splitlines()]
+    lines = read_lines(TRACES / "worked_example.jsonl")
     for line, n in zip(lines[1:], numbers):
         line["step"] = n
     r = validate(Trace(write_lines(tmp_path / "t.jsonl", lines)))
@@ -299,7 +299,7 @@ def test_a_wrong_step_number_is_one_problem_at_the_step_expected(tmp_path, numbe
 
 def test_deep_on_a_trace_with_problems_says_it_did_not_run(tmp_path):
     """--deep compares replays of a valid trace: with problems it is not run, and the report says so."""
-    lines = [json.loads(x) for x in (TRACES / "worked_example.jsonl").read_text().splitlines()]
+    lines = read_lines(TRACES / "worked_example.jsonl")
     lines[2]["scheduler_output"]["scheduled_cached_reqs"]["new_block_ids"] = [None, [[12]]]  # B's block to A
     r = validate(Trace(write_lines(tmp_path / "double.jsonl", lines)), deep=True)
     assert not r.valid and r.deep is None

@@ -133,7 +133,8 @@ def explain(
     t = Trace(trace_path)
     if step is None:
         # without --req step 1, the first with cached requests; step 0 in a one-step trace
-        step = first_scheduled_step(t, req) if req is not None else int(next(iter(t.steps(1, 2)), None) is not None)
+        has_step_1 = next(iter(t.steps(1, 2)), None) is not None
+        step = first_scheduled_step(t, req) if req is not None else (1 if has_step_1 else 0)
     d = run_explain(t, step, req, token, group, KVGeometry(kv_heads, head_size, kv_dtype), runner,
                     (attention_backend, cudagraph_mode, cudagraph_capture_sizes))
     if html_out or svg_out:

@@ -156,12 +156,12 @@ def _scheduler(w: Workload, vc, cc, sc):
     return kvc, scheduler, hbs
 
 
-# the workload keys vLLM's configuration checks can name, and the words its messages use for some of them
-_VLLM_KEYS = {"max_num_batched_tokens": "", "max_num_seqs": "", "max_model_len": "", "block_size": "",
-              "num_gpu_blocks": "", "enable_chunked_prefill": "chunked prefill",
-              "enable_prefix_caching": "prefix caching", "async_scheduling": "async scheduling",
-              "num_speculative_tokens": "speculative", "decode_context_parallel_size": "decode context parallel",
-              "tensor_parallel_size": "tensor parallel", "cp_kv_cache_interleave_size": "interleave"}
+# the workload keys vLLM's configuration checks can name, each with the other words its messages use for it
+_VLLM_KEYS = {"max_num_batched_tokens": (), "max_num_seqs": (), "max_model_len": (), "block_size": (),
+              "num_gpu_blocks": (), "enable_chunked_prefill": ("chunked prefill",),
+              "enable_prefix_caching": ("prefix caching",), "async_scheduling": ("async scheduling",),
+              "num_speculative_tokens": ("speculative",), "decode_context_parallel_size": ("decode context parallel",),
+              "tensor_parallel_size": ("tensor parallel",), "cp_kv_cache_interleave_size": ("interleave",)}
 
 
 def _refused(w: Workload, e: ValueError) -> KvmapError:
@@ -170,9 +170,12 @@ def _refused(w: Workload, e: ValueError) -> KvmapError:
     lines = [x.strip() for x in str(e).splitlines() if x.strip()]
     why = next((x.split("Value error, ", 1)[1] for x in lines if "Value error, " in x), lines[0] if lines else repr(e))
     why = why.split(" [type=")[0]
-    hits = [(m.start(), key) for key, words in _VLLM_KEYS.items()
-            for m in [re.search(rf"\b({key}{'|' + words if words else ''})\b", why, re.IGNORECASE)] if m]
-    return KvmapError(f"vLLM refuses this configuration: {why}", path=w.source, field=min(hits)[1] if hits else None)
+    named = []  # (where in the message, key)
+    for key, words in _VLLM_KEYS.items():
+        m = re.search(rf"\b({'|'.join((key, *words))})\b", why, re.IGNORECASE)
+        if m:
+            named.append((m.start(), key))
+    return KvmapError(f"vLLM refuses this configuration: {why}", path=w.source, field=min(named)[1] if named else None)
 
 
 def _failed(w: Workload, e: Exception) -> KvmapError:

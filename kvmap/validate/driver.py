@@ -109,11 +109,10 @@ class _Pass:
         returns to the count by position (one mistyped number: the line after it is not a problem)."""
         claimed = _step_number(obj, self.i)
         self.pos += 1
-        if claimed == self.pos - 1 and claimed != self.i:  # back in step after a one-line slip
-            self.i = claimed
-        elif claimed != self.i:
-            self.v.add("step_order", f"steps must be consecutive from 0: expected step {self.i}, got {claimed}",
-                       line=line, step_idx=self.i, field="step")
+        if claimed != self.i:
+            if claimed != self.pos - 1:  # not back in step by position after a one-line slip
+                self.v.add("step_order", f"steps must be consecutive from 0: expected step {self.i}, got {claimed}",
+                           line=line, step_idx=self.i, field="step")
             self.i = claimed
         self.i += 1
         return self.i - 1
